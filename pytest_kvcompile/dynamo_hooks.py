@@ -1,0 +1,233 @@
+"""The one adapter between pytest-kvcompile and torch's private compile internals.
+
+Rule: when a torch upgrade moves anything used here, fail loudly with `DynamoHooksBroken`
+naming what moved; never report zero compiles because a hook went quiet. Everything
+version-specific (private names, config fields, log text formats) lives in this module.
+
+Private torch APIs used, and why (checked against torch 2.13):
+
+- logger ``torch.__trace`` (``torch._logging._internal.trace_log``, torch's structured
+  trace behind TORCH_TRACE/tlparse). While any handler is attached, torch emits, for every
+  dynamo frame compilation whatever the backend, a ``compilation_metrics`` record (compile
+  id, frame, recompile reason, failure), preceded by ``recompile_reasons`` (the failed guard
+  of every cache entry) and ``dynamo_graph_break_reason`` artifacts. A handler there sees
+  every compile as it happens: unbounded, and unaffected by ``torch._dynamo.reset()``.
+- ``torch._dynamo.utils.get_compilation_metrics()``: the same records in a bounded deque
+  (64), holding only the *first* guard failure. Used to cross-check the tap (torch recorded
+  more frame compilations than the tap saw: the tap is broken) and to name a frame whose
+  limit-hit record carries no name.
+- ``torch._dynamo.config.recompile_limit`` / ``accumulated_recompile_limit`` (old aliases
+  ``cache_size_limit`` / ``accumulated_cache_size_limit``): the limits, for messages.
+- ``torch._dynamo.reset()``: forget compiled code and per-frame cache entries.
+
+Not used: the ``torch._dynamo.guards.__recompiles`` logger only fires when TORCH_LOGS
+enables it (torch checks its own log state, not the logger's level), so a handler alone
+there silently sees nothing; ``config.error_on_recompile`` raises at the first recompile
+instead of recording it; ``fail_on_recompile_limit_hit`` is not needed: a limit hit is
+recorded (``limit_hit``) and the recorder fails on it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+from typing import Any
+
+import torch
+
+TRACE_LOGGER = "torch.__trace"
+FRAME_COMPILE = "compilation_metrics"  # trace record per frame compile (bwd/runtime ones are named apart)
+RECOMPILE_REASONS = "recompile_reasons"
+GRAPH_BREAK = "dynamo_graph_break_reason"
+
+#: Every private name this module resolves; `check_private_apis()` tries them all.
+PRIVATE_APIS = (
+    "torch._logging._internal.trace_log",
+    "torch._dynamo.utils.get_compilation_metrics",
+    "torch._dynamo.config.recompile_limit",
+    "torch._dynamo.config.accumulated_recompile_limit",
+    "torch._dynamo.reset",
+)
+_METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type", "fail_reason")
+
+
+class DynamoHooksBroken(RuntimeError):
+    """torch no longer provides an internal this plugin reads: recompile counts can't be trusted."""
+
+
+def _broken(what: str) -> DynamoHooksBroken:
+    return DynamoHooksBroken(
+        f"{what} (torch {torch.__version__}): pytest_kvcompile/dynamo_hooks.py must be updated for "
+        "this torch before recompiles can be counted"
+    )
+
+
+def resolve(path: str) -> Any:
+    """The object at a dotted torch path (module attribute); `DynamoHooksBroken` if it is gone."""
+    module, _, name = path.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise _broken(f"{path} is missing") from exc
+
+
+def check_private_apis() -> None:
+    """Resolve every private name this module uses, so a torch upgrade fails here first."""
+    for path in PRIVATE_APIS:
+        resolve(path)
+    if resolve("torch._logging._internal.trace_log") is not logging.getLogger(TRACE_LOGGER):
+        raise _broken(f"torch's structured trace no longer logs to {TRACE_LOGGER!r}")
+
+
+def limits() -> str:
+    """dynamo's current recompile limits, as ``recompile_limit=8 or accumulated_recompile_limit=256``."""
+    return " or ".join(f"{name}={resolve('torch._dynamo.config.' + name)}"
+                     for name in ("recompile_limit", "accumulated_recompile_limit"))
+
+
+def reset() -> None:
+    """Forget every compiled frame, its cache entries and its recompile count."""
+    resolve("torch._dynamo.reset")()
+
+
+def _frame_metrics() -> list[Any]:
+    """torch's own (bounded) list of frame compilations, oldest first."""
+    metrics = resolve("torch._dynamo.utils.get_compilation_metrics")()
+    return [m for m in metrics if getattr(m, "is_forward", None) is not False and not getattr(m, "is_runtime", False)]
+
+
+class CompileTap(logging.Handler):
+    """Collects every dynamo frame compilation while attached (`start()` ... `stop()`).
+
+    Records are kept raw and parsed on read, so a format change raises in the caller
+    instead of inside logging (which would swallow it). `stop()` cross-checks against
+    `get_compilation_metrics()` and raises `DynamoHooksBroken` if the tap missed compiles.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._raw: list[tuple[str, Any]] = []
+        self._baseline: Any = None
+
+    def start(self) -> None:
+        check_private_apis()
+        seen = _frame_metrics()
+        self._baseline = seen[-1] if seen else None
+        logging.getLogger(TRACE_LOGGER).addHandler(self)
+
+    def stop(self) -> None:
+        logging.getLogger(TRACE_LOGGER).removeHandler(self)
+        metrics = _frame_metrics()
+        ids = [id(m) for m in metrics]
+        new = metrics[ids.index(id(self._baseline)) + 1:] if id(self._baseline) in ids else metrics
+        if len(new) > self.count():
+            raise _broken(
+                f"torch recorded {len(new)} frame compilation(s) (torch._dynamo.utils.get_compilation_metrics) "
+                f"but the {TRACE_LOGGER!r} tap saw {self.count()}: the structured trace format changed"
+            )
+
+    def emit(self, record: logging.LogRecord) -> None:
+        metadata = getattr(record, "metadata", None) or {}
+        if FRAME_COMPILE in metadata:  # limits read now: a config.patch around the call may end before parsing
+            self._raw.append((FRAME_COMPILE, (metadata[FRAME_COMPILE], limits())))
+        elif (metadata.get("artifact") or {}).get("name") in (RECOMPILE_REASONS, GRAPH_BREAK):
+            self._raw.append((metadata["artifact"]["name"], getattr(record, "payload", None)))
+
+    def count(self) -> int:
+        """Frame compilations seen so far."""
+        return sum(kind == FRAME_COMPILE for kind, _ in self._raw)
+
+    def compiles(self) -> list[dict[str, Any]]:
+        """One dict per frame compilation, in order, with the `CompileEvent` fields.
+
+        A compile's guard failures and graph breaks are the artifacts torch logged since the
+        previous compile record (torch logs them just before the record of the compile they
+        belong to; frames compile one at a time).
+        """
+        out: list[dict[str, Any]] = []
+        reasons: list[str] = []
+        breaks: list[str] = []
+        for kind, data in self._raw:
+            if kind == RECOMPILE_REASONS:
+                reasons = _reasons(data)
+            elif kind == GRAPH_BREAK:
+                breaks.append(_graph_break(data))
+            else:
+                out.append(_frame_compile(*data, reasons, breaks, out))
+                reasons, breaks = [], []
+        return out
+
+
+def _reasons(payload: Any) -> list[str]:
+    """The ``recompile_reasons`` payload: one reason, or a JSON list of them (one per cache entry)."""
+    if not isinstance(payload, str):
+        raise _broken(f"{RECOMPILE_REASONS} payload is a {type(payload).__name__}, not text")
+    return json.loads(payload) if payload.startswith("[") else [payload]
+
+
+_COMPILE_ID_PREFIX = re.compile(r"^\S*\d+/\d+: ")
+_USER_STACK = "\nUser stack trace:\n"
+
+
+def _split_reason(reason: str) -> tuple[str, str]:
+    """``"0/0: <guard>\\nUser stack trace:\\n<stack>"`` -> (guard text, stack)."""
+    guard, _, stack = reason.partition(_USER_STACK)
+    return _COMPILE_ID_PREFIX.sub("", guard, count=1).rstrip(), stack.rstrip()
+
+
+def _graph_break(payload: Any) -> str:
+    """``"<where>: <reason and hints>"`` from a graph-break artifact, tracebacks dropped."""
+    if not isinstance(payload, str):
+        raise _broken(f"{GRAPH_BREAK} payload is a {type(payload).__name__}, not text")
+    text = payload.split("\n\nUser code traceback:", 1)[0].split("\nTraceback (most recent call last):", 1)[0]
+    where, sep, reason = text.partition("\nGraph Break Reason: ")
+    if not sep:
+        return text.strip()
+    reason = re.sub(r"^Encountered graph break when attempting to trace [^\n]*\n+", "", reason)
+    reason = reason.split("\n\n  Developer debug context:", 1)[0]
+    return f"{where.removeprefix('Graph break in user code at ')}: {reason.strip()}"
+
+
+def _limit_hit(metrics: dict[str, Any], limits_then: str) -> str | None:
+    """Which recompile limit a failed compile hit (all of them if torch doesn't say), or None."""
+    fail = metrics["fail_reason"] or ""
+    if metrics["fail_type"] != "FailOnRecompileLimitHit" and "recompile limit exceeded" not in fail:
+        return None
+    found = re.search(r"exceeding the (\w+) cache size limit \(currently set to (\d+)\)", fail)
+    return f"{found[1]}={found[2]}" if found else limits_then
+
+
+def _frame_name(compile_id: str, earlier: list[dict[str, Any]]) -> str:
+    """``name (file:line)`` of a compile whose record has no frame (a limit hit)."""
+    frame_id = compile_id.split("/")[0] + "/"
+    for item in reversed(earlier):
+        if item["compile_id"].startswith(frame_id):
+            return item["frame"]
+    for m in reversed(_frame_metrics()):
+        if str(m.compile_id).startswith(frame_id) and m.co_name:
+            return f"{m.co_name} ({m.co_filename}:{m.co_firstlineno})"
+    return f"frame {compile_id} (torch did not report its name)"
+
+
+def _frame_compile(
+    metrics: Any, limits_then: str, reasons: list[str], breaks: list[str], earlier: list[dict[str, Any]],
+) -> dict[str, Any]:
+    if not isinstance(metrics, dict) or not all(key in metrics for key in _METRICS_FIELDS):
+        raise _broken(f"{FRAME_COMPILE} trace record lacks some of {', '.join(_METRICS_FIELDS)}")
+    compile_id = str(metrics["compile_id"])
+    if not reasons and metrics["recompile_reason"]:
+        reasons = [metrics["recompile_reason"]]  # no artifact: torch's first reason only
+    split = [_split_reason(r) for r in reasons]
+    name = metrics["co_name"]
+    frame = f"{name} ({metrics['co_filename']}:{metrics['co_firstlineno']})" if name else _frame_name(compile_id, earlier)
+    return {
+        "frame": frame,
+        "compile_id": compile_id,
+        "is_recompile": metrics["recompile_reason"] is not None,
+        "guard_failures": tuple(guard for guard, _ in split),
+        "graph_breaks": tuple(breaks),
+        "user_stack": next((stack for _, stack in split if stack), ""),
+        "limit_hit": _limit_hit(metrics, limits_then),
+    }

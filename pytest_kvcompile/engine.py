@@ -1,0 +1,178 @@
+"""The engine contract: what pytest-kvcompile calls, and what an engine may declare.
+
+An *engine factory* is any callable (usually a class) taking one `ModelSpec` and
+returning an object with `generate(prompts, max_new_tokens) -> list[list[int]]`:
+greedy continuations, exactly `max_new_tokens` ids per prompt (stop tokens are not
+special). Everything else is optional and *declared* on the factory as
+`kv_declaration = Declaration(...)`; the suite never guesses. A check needing a
+capability the engine does not declare is skipped with a reason naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Protocol, runtime_checkable
+
+import torch
+
+#: Capability names, as they appear in skip reasons and in ``--kv-list-engines``.
+BATCHING = "batching"
+SCORING = "scoring"
+KV_CACHE_BYTES = "kv_cache_bytes"
+COMPILED = "compiled"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """One checkpoint an engine is asked to serve.
+
+    `path` is a local Hugging Face checkpoint directory (config.json + safetensors);
+    no tokenizer is needed: prompts are token ids.
+    """
+
+    name: str
+    path: Path
+    config: Any  # transformers.PretrainedConfig
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.config.vocab_size)
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """The cache semantics an engine claims; it decides which oracle it is held to.
+
+    ``Strategy()`` (kind ``"exact"``) means the model's own attention as its config says
+    (full attention, plus the config's sliding windows): the oracle is transformers
+    eager generation with a full dynamic cache. Other kinds (eviction policies, ...)
+    carry their parameters and are checked against their own oracle.
+    """
+
+    kind: str = "exact"
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @classmethod
+    def of(cls, kind: str, **params: Any) -> "Strategy":
+        return cls(kind, tuple(sorted(params.items())))
+
+    def __str__(self) -> str:
+        if not self.params:
+            return self.kind
+        return f"{self.kind}({', '.join(f'{k}={v}' for k, v in self.params)})"
+
+
+EXACT = Strategy()
+
+
+@dataclass(frozen=True)
+class Declaration:
+    """What an engine factory declares about itself (all optional).
+
+    - `strategy`: which oracle applies (default: the model's exact attention).
+    - `batching`: `generate` accepts several prompts of different lengths at once.
+      Without it the suite calls `generate` with one prompt at a time.
+    - `scoring`: the engine has `score(prompt, continuation) -> Tensor[len(continuation), vocab]`,
+      teacher-forced logits where row i predicts `continuation[i]`.
+    - `kv_cache_bytes`: the engine has `kv_cache_bytes() -> int`, the bytes its KV cache holds
+      after the last `generate` call.
+    - `devices`, `dtypes`: what it runs on (``"cpu"``, ``"cuda"``; ``"float32"``, ``"bfloat16"``, ...).
+    - `compiled`: it runs code under ``torch.compile`` (recompile checks apply).
+    - `description`: one line shown by ``--kv-list-engines``.
+    - `known_findings`: ``(test-id glob, reason)`` pairs: what the suite is known to find on this
+      engine. Matching tests become strict xfails (a fixed engine shows as XPASS(strict)).
+    """
+
+    strategy: Strategy = EXACT
+    batching: bool = False
+    scoring: bool = False
+    kv_cache_bytes: bool = False
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    compiled: bool = False
+    description: str = ""
+    known_findings: tuple[tuple[str, str], ...] = ()
+
+    def capabilities(self) -> tuple[str, ...]:
+        names = (BATCHING, SCORING, KV_CACHE_BYTES)
+        return tuple(n for n in names if getattr(self, n))
+
+    def summary(self) -> str:
+        caps = ",".join(self.capabilities()) or "-"
+        return (
+            f"strategy={self.strategy} capabilities={caps} compiled={'yes' if self.compiled else 'no'} "
+            f"devices={','.join(self.devices)} dtypes={','.join(self.dtypes)}"
+        )
+
+
+class ModelNotSupported(Exception):
+    """Raise from the factory when the engine does not implement this model (its architecture or
+    options): the model's checks are skipped with str(exc) as the reason, not failed."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """The one required method. See the module docstring for the rules."""
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]: ...
+
+
+@runtime_checkable
+class ScoringEngine(Engine, Protocol):
+    """An engine declaring ``scoring=True``."""
+
+    def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class KVBytesEngine(Engine, Protocol):
+    """An engine declaring ``kv_cache_bytes=True``."""
+
+    def kv_cache_bytes(self) -> int: ...
+
+
+EngineFactory = Callable[[ModelSpec], Engine]
+
+
+def declaration_of(factory: Any) -> Declaration:
+    """The factory's declaration; ``Declaration()`` when it declares none."""
+    decl = getattr(factory, "kv_declaration", None)
+    if decl is None:
+        return Declaration()
+    if not isinstance(decl, Declaration):
+        raise TypeError(
+            f"kv_declaration must be a pytest_kvcompile.Declaration, got {type(decl).__name__}: "
+            "write `kv_declaration = Declaration(batching=True, ...)` on the engine class"
+        )
+    return decl
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def missing_capability(decl: Declaration, spec: ModelSpec) -> str | None:
+    """Why `decl` cannot serve `spec` (device or dtype not declared), or None."""
+    device_type = torch.device(spec.device).type
+    if device_type not in decl.devices:
+        return f"device '{device_type}' (declares devices={list(decl.devices)})"
+    if dtype_name(spec.dtype) not in decl.dtypes:
+        return f"dtype '{dtype_name(spec.dtype)}' (declares dtypes={list(decl.dtypes)})"
+    return None
+
+
+def with_declaration(factory: EngineFactory, **changes: Any) -> EngineFactory:
+    """Attach (or amend) a declaration on a factory function; returns the factory."""
+    factory.kv_declaration = dataclasses.replace(declaration_of(factory), **changes)  # type: ignore[attr-defined]
+    return factory
+
+
+__all__ = [
+    "BATCHING", "SCORING", "KV_CACHE_BYTES", "COMPILED", "ModelSpec", "Strategy", "EXACT", "Declaration",
+    "Engine", "ScoringEngine", "KVBytesEngine", "EngineFactory", "ModelNotSupported", "declaration_of",
+    "missing_capability",
+]

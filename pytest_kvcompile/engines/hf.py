@@ -1,0 +1,196 @@
+"""Built-in engines wrapping transformers' own `generate()`.
+
+- ``hf-eager``: eager greedy generation with a full DynamicCache (what the oracle does).
+- ``hf-static-compile``: a StaticCache of fixed length, decode step compiled by `generate()`.
+- ``hf-dynamic-compile``: a DynamicCache with the model's forward under `torch.compile`.
+
+They are measured, not tuned: whatever the suite finds is what transformers does.
+Every call builds a fresh cache; greedy decoding runs with a clean GenerationConfig
+(no stop token, no logits processor), so each prompt gets exactly `max_new_tokens` ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, LogitsProcessor
+
+from ..engine import Declaration, ModelSpec
+from ..recompiles import CompileRecorder
+
+_PAD_ID = 0  # left padding value; padded positions are masked, so any id works
+
+
+class HFEager:
+    """transformers eager greedy `generate()` with a full DynamicCache."""
+
+    kv_declaration = Declaration(
+        batching=True,
+        scoring=True,
+        kv_cache_bytes=True,
+        description="transformers generate(), eager, full DynamicCache",
+    )
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+        # generate() fills every unset field from model.generation_config (e.g. a checkpoint's
+        # eos_token_id or repetition_penalty): a clean one keeps those out.
+        self.model.generation_config = GenerationConfig()
+        self._kv_bytes = 0
+
+    def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        return GenerationConfig(do_sample=False, num_beams=1, max_new_tokens=max_new_tokens,
+                                return_dict_in_generate=True)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return self._generate(prompts, max_new_tokens)
+
+    def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """Logits [len(continuation), vocab] from generate()'s own prefill + decode path, fed `continuation`."""
+        if not continuation:
+            return torch.empty(0, self.spec.vocab_size)
+        forced = _ForceTokens(continuation)
+        if self._generate([prompt], len(continuation), forced)[0] != list(continuation):
+            raise RuntimeError("generate() did not follow the forced continuation: a logits processor interfered")
+        return torch.stack(forced.rows)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the storages behind the cache's key/value tensors at the end of the last generate()
+        (a StaticCache: its whole preallocated buffers)."""
+        return self._kv_bytes
+
+    @torch.inference_mode()
+    def _generate(self, prompts: list[list[int]], max_new_tokens: int,
+                  processor: LogitsProcessor | None = None) -> list[list[int]]:
+        if not prompts or max_new_tokens == 0:
+            return [[] for _ in prompts]
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.tensor([[_PAD_ID] * (longest - len(p)) + list(p) for p in prompts], device=self.spec.device)
+        attention_mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts],
+                                      device=self.spec.device)
+        out = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            generation_config=self._generation_config(max_new_tokens),
+            logits_processor=[processor] if processor else None,
+        )
+        self._kv_bytes = _cache_bytes(out.past_key_values)
+        return out.sequences[:, longest:].tolist()
+
+
+class _CompiledMixin:
+    """Raises unless dynamo compiled a frame during this engine's calls: a silent eager run is not 'compiled'.
+
+    Checked on every call until a compile is seen. Compiles that hit dynamo's recompile limit
+    do not count (dynamo runs that frame eagerly from then on).
+    """
+
+    _compiled_frames = 0
+
+    def _generate(self, prompts, max_new_tokens, processor=None):
+        with CompileRecorder() as recorder:
+            tokens = super()._generate(prompts, max_new_tokens, processor)
+        self._compiled_frames += sum(not event.limit_hit for event in recorder.events)
+        if prompts and max_new_tokens > 1 and self._compiled_frames == 0:
+            raise RuntimeError(
+                f"{type(self).__name__}: generate() ran but dynamo compiled no frame, so nothing shows this "
+                "engine ran compiled code. Either transformers skipped compilation (its warning 'unable to "
+                "meet the criteria for compilation'), or dynamo reused code compiled earlier in this process "
+                "for an identical model, or its recompile limit was already hit on transformers' shared "
+                "forward wrapper; call pytest_kvcompile.recompiles.isolate() before the engine's first generate()"
+            )
+        return tokens
+
+
+class HFStaticCompile(_CompiledMixin, HFEager):
+    """`generate()` with a StaticCache of `max_cache_len` positions and its compiled decode step.
+
+    transformers compiles only the decode step (prefill runs eagerly) and, off CUDA, only with
+    the private `CompileConfig._compile_all_devices` flag. The cache length is fixed per engine
+    (prompt + new tokens must fit, else ValueError): sizing it per call would recompile the decode
+    step for every new length.
+    """
+
+    kv_declaration = Declaration(
+        batching=True,
+        scoring=True,
+        kv_cache_bytes=True,
+        compiled=True,
+        description="transformers generate(), StaticCache (fixed max_cache_len), compiled decode step",
+        known_findings=tuple(
+            (f"test_no_recompiles_after_warmup*-{model}]",
+             "transformers 5.23: the sliding-window cache layer guards on its Python int cumulative_length_int "
+             "(cache_utils.py:550/554), so a 1-token prompt recompiles the decode step (docs/findings.md)")
+            for model in ("mistral-sw", "gemma3-hybrid", "gemma4-kvshared")
+        ),
+    )
+
+    def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = 256):
+        super().__init__(spec)
+        self.max_cache_len = max_cache_len
+        self.compile_config = CompileConfig(backend=compile_backend)
+        self.compile_config._compile_all_devices = True
+
+    def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        config = super()._generation_config(max_new_tokens)
+        config.cache_implementation = "static"
+        config.max_cache_len = self.max_cache_len
+        config.compile_config = self.compile_config
+        return config
+
+    def _generate(self, prompts, max_new_tokens, processor=None):
+        needed = max((len(p) for p in prompts), default=0) + max_new_tokens
+        if needed > self.max_cache_len:
+            raise ValueError(
+                f"{type(self).__name__}: prompt + max_new_tokens = {needed} exceeds max_cache_len="
+                f"{self.max_cache_len}; build the engine with a larger max_cache_len"
+            )
+        return super()._generate(prompts, max_new_tokens, processor)
+
+
+class HFDynamicCompile(_CompiledMixin, HFEager):
+    """`generate()` with a DynamicCache and the model's forward under `torch.compile` (prefill and decode)."""
+
+    kv_declaration = Declaration(
+        batching=True,
+        scoring=True,
+        kv_cache_bytes=True,
+        compiled=True,
+        description="transformers generate(), DynamicCache, torch.compile'd forward",
+        known_findings=((
+            "test_no_recompiles_after_warmup*",
+            "transformers 5.23: the compiled forward guards on cache state (is_initialized, keys None vs tensor, "
+            "len(kwargs), sizes 0/1), recompiles on new lengths and batch sizes and hits dynamo's recompile "
+            "limit (8), falling back to eager (docs/findings.md)",
+        ),),
+    )
+
+    def __init__(self, spec: ModelSpec, compile_backend: str = "inductor"):
+        super().__init__(spec)
+        self.model.forward = torch.compile(self.model.forward, backend=compile_backend, dynamic=None)
+
+
+class _ForceTokens(LogitsProcessor):
+    """Records each step's raw logits, then forces the next token of `tokens` (teacher forcing in generate())."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = list(tokens)
+        self.rows: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        step = len(self.rows)
+        self.rows.append(scores[0].float().cpu().clone())
+        forced = torch.full_like(scores, float("-inf"))
+        forced[:, self.tokens[step]] = 0.0
+        return forced
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes of the distinct key/value storages held by a transformers Cache."""
+    storages = {}
+    for layer in getattr(cache, "layers", ()):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                storage = tensor.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())

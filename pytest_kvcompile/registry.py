@@ -1,0 +1,139 @@
+"""Resolve an engine NAME to its factory.
+
+A NAME is, in this order: (1) a built-in engine, (2) an entry point in the group
+``pytest_kvcompile.engines`` of any installed package, or (3) an import path
+``package.module:attr``. Anything else is a usage error that lists what exists.
+"""
+
+from __future__ import annotations
+
+import importlib
+import traceback
+from dataclasses import dataclass, field
+from importlib.metadata import entry_points
+from typing import Any
+
+from .engine import Declaration, EngineFactory, ModelSpec, declaration_of
+from .errors import EngineResolutionError
+
+ENTRY_POINT_GROUP = "pytest_kvcompile.engines"
+
+#: Built-in engines: NAME -> import path. Imported only when used.
+BUILTIN_ENGINES: dict[str, str] = {
+    "hf-eager": "pytest_kvcompile.engines.hf:HFEager",
+    "hf-static-compile": "pytest_kvcompile.engines.hf:HFStaticCompile",
+    "hf-dynamic-compile": "pytest_kvcompile.engines.hf:HFDynamicCompile",
+    "ref-compiled-dynamic": "reference_impls.compiled_dynamic:CompiledDynamicCache",
+}
+
+
+@dataclass(frozen=True)
+class EngineRef:
+    """A resolved engine: its NAME, where it came from, its factory and declaration."""
+
+    name: str
+    target: str
+    source: str  # "built-in", "entry point of <dist>", "import path"
+    factory: EngineFactory = field(compare=False, repr=False)
+    declaration: Declaration = field(compare=False)
+
+    def build(self, spec: ModelSpec, compile_backend: str) -> Any:
+        """Call the factory; built-in compiled engines also get the chosen backend."""
+        if self.source == "built-in" and self.declaration.compiled:
+            return self.factory(spec, compile_backend=compile_backend)
+        return self.factory(spec)
+
+
+def _entry_points() -> dict[str, tuple[str, str]]:
+    return {
+        ep.name: (ep.value, f"entry point of {ep.dist.name if ep.dist else 'an installed package'}")
+        for ep in entry_points(group=ENTRY_POINT_GROUP)
+    }
+
+
+def available() -> dict[str, tuple[str, str]]:
+    """Every NAME resolvable without an import path: NAME -> (target, source)."""
+    found = {name: (target, "built-in") for name, target in BUILTIN_ENGINES.items()}
+    for name, value in _entry_points().items():
+        found.setdefault(name, value)
+    return found
+
+
+def _import_target(name: str, target: str) -> Any:
+    module_name, _, attr = target.partition(":")
+    if not module_name or not attr:
+        raise EngineResolutionError(
+            f"engine '{name}': import path '{target}' must look like 'package.module:attr'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # the engine's own import error, shown with its traceback
+        tb = _engine_frames(exc)
+        raise EngineResolutionError(
+            f"engine '{name}': importing module '{module_name}' failed "
+            f"({type(exc).__name__}: {exc}).\nThe engine's traceback:\n{tb}"
+            + _install_hint(exc)
+        ) from None
+    try:
+        obj = module
+        for part in attr.split("."):
+            obj = getattr(obj, part)
+    except AttributeError:
+        raise EngineResolutionError(
+            f"engine '{name}': module '{module_name}' has no attribute '{attr}'"
+        ) from None
+    if not callable(obj):
+        raise EngineResolutionError(
+            f"engine '{name}': '{target}' is a {type(obj).__name__}, not a factory; it must be a class "
+            "or function taking a ModelSpec and returning an object with generate()"
+        )
+    return obj
+
+
+def _engine_frames(exc: Exception) -> str:
+    """The traceback from the first frame outside this module and importlib."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    while frames and (frames[0].filename == __file__ or "importlib" in frames[0].filename):
+        frames.pop(0)
+    return "".join(traceback.format_list(frames) + traceback.format_exception_only(type(exc), exc))
+
+
+def _install_hint(exc: Exception) -> str:
+    if isinstance(exc, ModuleNotFoundError) and exc.name:
+        return f"\nHint: the package '{exc.name.split('.')[0]}' is not installed in this environment."
+    return ""
+
+
+def resolve(name: str) -> EngineRef:
+    """Resolve one NAME; raises EngineResolutionError (a pytest.UsageError) on failure."""
+    known = available()
+    if name in known:
+        target, source = known[name]
+    elif ":" in name:
+        target, source = name, "import path"
+    else:
+        listing = ", ".join(sorted(known)) or "(none)"
+        raise EngineResolutionError(
+            f"unknown engine '{name}'. Available engines: {listing}. "
+            "Give a built-in name, an entry point of the group "
+            f"'{ENTRY_POINT_GROUP}', or an import path 'package.module:attr' "
+            "(pytest --kv-list-engines lists them)."
+        )
+    factory = _import_target(name, target)
+    try:
+        declaration = declaration_of(factory)
+    except TypeError as exc:
+        raise EngineResolutionError(f"engine '{name}': {exc}") from None
+    return EngineRef(name, target, source, factory, declaration)
+
+
+def listing() -> list[str]:
+    """One line per resolvable engine, for --kv-list-engines (import failures shown inline)."""
+    lines = []
+    for name, (target, source) in sorted(available().items()):
+        try:
+            summary = resolve(name).declaration.summary()
+        except EngineResolutionError as exc:
+            summary = "UNAVAILABLE: " + str(exc).splitlines()[0]
+        lines.append(f"{name:<24} {summary}  [{source}: {target}]")
+    return lines

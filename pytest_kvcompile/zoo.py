@@ -1,0 +1,232 @@
+"""The tiny model zoo: random-weight checkpoints that exercise each KV-cache layout.
+
+Every zoo model is a text-only causal LM small enough to run on CPU in fp32
+(vocab 256, hidden 64, 4 heads over 2 KV heads, head_dim 16, untied output head).
+Weights do not come from transformers' init code: after building, every parameter
+except norm scales is redrawn, in sorted-name order, from a single
+``torch.Generator().manual_seed(SEED)`` as ``N(0, (gain / sqrt(fan_in))**2)`` with
+``fan_in = shape[-1]``, gain ``HEAD_GAIN`` for ``lm_head`` and ``WEIGHT_GAIN`` for the
+rest; norm scales keep their constant init. The gains are tuned (tests/test_zoo.py):
+a large head gain gives clear top-1/top-2 logit gaps and varied greedy tokens, a
+moderate body gain keeps attention spread over many keys (a much larger one makes
+Llama-style attention one-hot, which would hide cache bugs in unattended keys).
+
+Configs ask for ``attn_implementation="eager"``; transformers does not save that in
+config.json, so whoever loads a checkpoint picks the attention implementation.
+
+KV sharing needs a cache in older transformers: Gemma3n on 5.2 and Gemma4 on 5.5 give
+different logits with ``use_cache=False``, because their shared layers then compute
+their own K/V (5.23 agrees either way). Run "gemma4-kvshared" with a cache.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+SEED = 20240601
+WEIGHT_GAIN = 1.5
+HEAD_GAIN = 4.0
+WINDOW = 8  # sliding window of every windowed zoo model
+
+_TINY: dict[str, Any] = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    bos_token_id=None,
+    eos_token_id=None,
+    pad_token_id=None,
+    tie_word_embeddings=False,
+    attn_implementation="eager",
+)
+
+
+class ModelUnavailable(Exception):
+    """This transformers version cannot build this zoo model; str(exc) is the reason (used as a pytest skip reason)."""
+
+
+@dataclass(frozen=True)
+class ZooModel:
+    """One zoo entry; `build_config` makes a fresh config (or raises ModelUnavailable)."""
+
+    name: str
+    description: str
+    _build: Callable[[], Any] = field(repr=False, compare=False)
+
+    def build_config(self) -> "transformers.PretrainedConfig":  # noqa: F821
+        return self._build()
+
+
+def _config_class(class_name: str, missing: str):
+    """`transformers.<class_name>`, or ModelUnavailable saying the version has no `missing`."""
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        raise ModelUnavailable(f"transformers {transformers.__version__} has no {missing}")
+    return cls
+
+
+def _llama():
+    return _config_class("LlamaConfig", "Llama (needs >= 4.28)")(**_TINY, num_hidden_layers=2)
+
+
+def _mistral():
+    mistral = _config_class("MistralConfig", "Mistral (needs >= 4.34)")
+    return mistral(**_TINY, num_hidden_layers=2, sliding_window=WINDOW)
+
+
+def _gemma3():
+    return _config_class("Gemma3TextConfig", "Gemma3 (needs >= 4.50)")(
+        **_TINY,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=WINDOW,
+        query_pre_attn_scalar=16,
+    )
+
+
+def _gemma4_or_gemma3n():
+    """Gemma4 text with the last 2 of 4 layers reusing KV; Gemma3n text where Gemma4 is missing."""
+    import transformers
+
+    shared = dict(
+        **_TINY,
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=WINDOW,
+        num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8,
+        vocab_size_per_layer_input=256,
+    )
+    if getattr(transformers, "Gemma4TextConfig", None) is not None:
+        return transformers.Gemma4TextConfig(**shared, global_head_dim=16)
+    gemma3n = _config_class("Gemma3nTextConfig", "Gemma4 (needs >= 5.5.0) nor Gemma3n (needs >= 4.53)")
+    return gemma3n(**shared, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4)
+
+
+ZOO: dict[str, ZooModel] = {
+    m.name: m
+    for m in (
+        ZooModel("llama", "Llama, 2 layers, full attention, GQA 4/2", _llama),
+        ZooModel("mistral-sw", f"Mistral, 2 layers, every layer sliding (window {WINDOW})", _mistral),
+        ZooModel(
+            "gemma3-hybrid", f"Gemma3 text, 4 layers alternating sliding (window {WINDOW}) and global", _gemma3
+        ),
+        ZooModel(
+            "gemma4-kvshared",
+            "Gemma4 text (Gemma3n text on transformers without Gemma4), 4 layers, last 2 reuse earlier KV",
+            _gemma4_or_gemma3n,
+        ),
+    )
+}
+
+
+def _cache_key(name: str, config) -> str:
+    import transformers
+
+    blob = json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
+    digest = hashlib.sha256(blob).hexdigest()[:12]
+    return f"{name}-cfg{digest}-seed{SEED}-gain{WEIGHT_GAIN}-{HEAD_GAIN}-tf{transformers.__version__}"
+
+
+def _build_model(config) -> torch.nn.Module:
+    """The model for `config` with the zoo's deterministic weights (see module docstring)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(config)
+    gen = torch.Generator().manual_seed(SEED)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            if "norm" not in name:
+                gain = HEAD_GAIN if name.startswith("lm_head.") else WEIGHT_GAIN
+                param.copy_(torch.randn(param.shape, generator=gen) * (gain / param.shape[-1] ** 0.5))
+    return model.eval()
+
+
+def checkpoint(name: str, cache_root: Path) -> Path:
+    """The local checkpoint dir (config.json + model.safetensors) of zoo model `name`.
+
+    Built once under `cache_root` in a directory named by zoo name, config hash, seed,
+    gains and transformers version, so changing any of them builds a new one. The build
+    goes to a temporary sibling that is renamed into place atomically; when concurrent
+    builders race (pytest-xdist), the first rename wins and the others discard theirs.
+    """
+    if name not in ZOO:
+        raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
+    config = ZOO[name].build_config()
+    cache_root = Path(cache_root)
+    final = cache_root / _cache_key(name, config)
+    if final.is_dir():
+        return final
+    cache_root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
+    try:
+        _build_model(config).save_pretrained(tmp)
+        os.rename(tmp, final)
+    except OSError as exc:
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def sliding_layers(config) -> list[int]:
+    """Indices of sliding-window layers.
+
+    With `layer_types`: the layers typed "sliding_attention". Without it (Mistral): every
+    layer when `sliding_window` is set, else none.
+    """
+    n = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    return list(range(n)) if getattr(config, "sliding_window", None) is not None else []
+
+
+def attention_window(config) -> int | None:
+    """Keys (itself included) a query at a late position sees in a sliding layer; None without sliding layers.
+
+    Rule (W = ``config.sliding_window``): a query at position q sees key k iff
+    ``q - W < k <= q``, i.e. exactly ``min(q + 1, W)`` keys. It holds for Mistral,
+    Gemma2/3, Gemma3n and Gemma4 in transformers 5.2 to 5.23, eager and sdpa alike: all
+    mask sliding layers with `create_sliding_window_causal_mask` (``kv_idx > q_idx - W``).
+    Cached decoding agrees: a sliding `DynamicCache` layer keeps the last ``W - 1`` keys
+    and adds the new one. KV-sharing layers (Gemma3n/4) apply their own layer type's
+    mask to the producer's keys, so W holds there too. The
+    ``sliding_window = (sliding_window // 2) + 1`` in the Gemma3/Gemma4 configs runs only
+    with ``use_bidirectional_attention`` (encoder use), never for these causal LMs.
+    Verified on attention weights and outputs by tests/test_zoo.py.
+    """
+    return config.sliding_window if sliding_layers(config) else None
+
+
+def shared_kv_layers(config) -> list[int]:
+    """Indices of layers reusing another layer's KV: the last `num_kv_shared_layers` layers.
+
+    Each reuses the KV of the last earlier non-shared layer of the same layer type
+    (Gemma3n, Gemma4).
+    """
+    n = config.num_hidden_layers
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    return list(range(n - shared, n)) if 0 < shared < n else []
+
+
+__all__ = [
+    "ModelUnavailable", "ZooModel", "ZOO", "checkpoint", "attention_window", "sliding_layers", "shared_kv_layers",
+    "SEED", "WEIGHT_GAIN", "HEAD_GAIN", "WINDOW",
+]

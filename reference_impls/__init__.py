@@ -1,0 +1,1 @@
+"""Reference engines: short, direct implementations the conformance suite is checked against."""

@@ -1,0 +1,325 @@
+"""Reference engine: a gpt-fast-style Llama over a growing KV cache, under torch.compile.
+
+The model is ~100 lines of plain PyTorch loaded straight from the checkpoint's safetensors, so
+every shape is ours. Two functions are compiled, once each: `prefill` (batch and prompt length
+dynamic) and `decode` (batch and cache length dynamic, one new token per row). The cache is
+DynamicCache-like: per-layer K/V tensors [batch, seq, kv_heads, head_dim] that grow by
+`torch.cat` every step, so memory follows prompt + generated tokens. cudagraphs stay off: the
+shapes change every step.
+
+Dynamic shapes, and why exactly two compiles:
+
+- Every varying dim (batch, prompt length, cache length, mask length) is marked
+  `mark_unbacked` before each call, and the compiled code ties the symbols together with
+  `torch._check` (one batch; one cache length shared by every layer's K and V; mask length =
+  cache length + new tokens), so the graph has one batch and one length symbol, not one per tensor.
+- Unbacked, not `mark_dynamic`: dynamo specialises backed sizes 0 and 1 (batch 1, a 1-token prompt,
+  the first decode step after it), and a graph warmed on sizes >= 2 guards `size >= 2`, so each
+  of those would compile again. Unbacked sizes are never specialised and install no shape guards:
+  warming up on batch 1 / prompt 1 serves batch 4 / prompt 256 and back. The price: the code
+  must not branch on a size (there is none: the mask and positions are tensor ops).
+- Guards that are not about sizes are kept constant too: the cache tensors are always freshly
+  allocated and contiguous (no stride guard can flip between prefill and decode outputs), and
+  generate/score always run under `torch.inference_mode()` (a caller's no_grad vs inference_mode
+  would otherwise fail a dispatch-key guard).
+- Each engine compiles private copies of `prefill`/`decode` (`compile_fresh`): dynamo caches per
+  code object, so engines for other models, dtypes or backends never count as its recompiles.
+
+Batches are left-padded; `valid` [batch, keys] marks real tokens. Positions restart at 0 on each
+prompt's first real token and pads are masked from every query, so a padded row computes what
+the prompt alone would.
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import nn
+from torch._dynamo.decorators import mark_unbacked  # not re-exported by torch._dynamo in 2.13
+
+from pytest_kvcompile.engine import Declaration, ModelNotSupported, ModelSpec
+
+class UnsupportedModel(ModelNotSupported):
+    """The checkpoint's architecture or options are outside what this engine implements."""
+
+
+# --------------------------------------------------------------------------- model
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's (static) RoPE variant."""
+    rope = dict(getattr(config, "rope_parameters", None) or {})
+    kind = rope.get("rope_type", "default")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    if kind == "default":
+        theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if kind in ("dynamic", "longrope") or kind not in ROPE_INIT_FUNCTIONS:  # the first two depend on the length
+        raise UnsupportedModel(f"rope_type '{kind}' is not supported (static RoPE variants only)")
+    return ROPE_INIT_FUNCTIONS[kind](config)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
+        bias = getattr(config, "attention_bias", False)
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
+
+    def forward(self, x, cos, sin, mask, past):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        if past is not None:  # the dynamic cache: append this step's keys and values
+            k = torch.cat((past[0], k), dim=1)
+            v = torch.cat((past[1], v), dim=1)
+        # The cache is [b, seq, heads, d]: always freshly allocated and contiguous, so its
+        # strides follow its sizes (no stride guards to fail between prefill and decode).
+        y = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
+        )
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)), (k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        bias = getattr(config, "mlp_bias", False)
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, mask, past):
+        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), kv
+
+
+class Backbone(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class Llama(nn.Module):
+    """Parameter names match transformers' LlamaForCausalLM, so the checkpoint loads as is."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.model = Backbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        inv_freq, self.rope_scale = rope_inv_freq(config)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, tokens, valid, cache=None):
+        """Logits [batch, vocab] for the last position, and the grown cache.
+
+        tokens [b, t] are the new tokens; valid [b, n] marks real (non-pad) tokens over all n
+        keys, the cache's n - t plus these t; cache is a list of per-layer (k, v) [b, n - t, kv_heads, d].
+        """
+        b, t = tokens.shape
+        n = valid.size(1)
+        # Tie the dynamic sizes: one batch, and one cache length shared by every layer's K and V.
+        past = cache[0][0].size(1) if cache else 0
+        torch._check(t >= 1)
+        torch._check(valid.size(0) == b)
+        torch._check(n == past + t)
+        for x in (x for kv in cache or () for x in kv):
+            torch._check(x.size(0) == b)
+            torch._check(x.size(1) == past)
+
+        x = self.model.embed_tokens(tokens)
+
+        # Positions count real tokens only: a left-padded prompt sees what it would see alone.
+        pos = (valid.long().cumsum(-1) - 1).clamp(min=0).narrow(1, n - t, t)
+        freqs = pos[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [b, t, 1, d]
+        cos = (emb.cos() * self.rope_scale).to(x.dtype)
+        sin = (emb.sin() * self.rope_scale).to(x.dtype)
+
+        # Query i sits at key index n - t + i: causal, real keys only, and always itself (no empty rows).
+        q_idx = torch.arange(n - t, n, device=tokens.device)[:, None]
+        k_idx = torch.arange(n, device=tokens.device)[None, :]
+        mask = ((k_idx <= q_idx) & valid[:, None, None, :]) | (k_idx == q_idx)
+
+        new_cache = []
+        for i, layer in enumerate(self.model.layers):
+            x, kv = layer(x, cos, sin, mask, cache[i] if cache else None)
+            new_cache.append(kv)
+        x = self.model.norm(x.narrow(1, t - 1, 1))
+        return self.lm_head(x)[:, 0], new_cache
+
+
+#: config.model_type -> model class. Sliding-window (Mistral) and hybrid (Gemma) models come next.
+ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": Llama}
+
+
+def load_model(spec: ModelSpec) -> nn.Module:
+    """The checkpoint's model in spec.dtype on spec.device, weights straight from its safetensors."""
+    config = spec.config
+    if config.model_type not in ARCHITECTURES:
+        raise UnsupportedModel(
+            f"CompiledDynamicCache does not support model_type '{config.model_type}' (model '{spec.name}'); "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise UnsupportedModel(f"hidden_act '{config.hidden_act}' is not supported (silu only)")
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.model_type](config)
+    state = {}
+    for file in sorted(Path(spec.path).glob("*.safetensors")):
+        state.update(load_file(file, device=str(spec.device)))
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(spec.dtype).eval().requires_grad_(False)
+    model.inv_freq = rope_inv_freq(config)[0].to(spec.device)  # not in the checkpoint; fp32 like transformers
+    return model
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def prefill(model, tokens, valid):
+    return model(tokens, valid)
+
+
+def decode(model, tokens, valid, cache):
+    return model(tokens, valid, cache)
+
+
+def compile_fresh(fn, backend: str):
+    """torch.compile a private copy of `fn`.
+
+    Dynamo keeps compiled code (and its recompile limit) per code object. A fresh code object
+    per engine gives each engine its own cache: exactly its own two compiles, never a
+    "recompile" because another engine served a different model, dtype or backend first.
+    """
+    code = fn.__code__.replace()  # an equal but distinct code object
+    fn = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    options = {"triton.cudagraphs": False} if backend == "inductor" else None  # shapes change every step
+    return torch.compile(fn, backend=backend, fullgraph=True, options=options)
+
+
+def mark_dynamic(tokens, valid, cache=None):
+    """Batch, prompt and cache lengths vary: unbacked, so sizes 0/1 are not specialised either."""
+    mark_unbacked(tokens, 0)
+    mark_unbacked(valid, 0)
+    mark_unbacked(valid, 1)
+    if cache is None:
+        mark_unbacked(tokens, 1)  # prefill: any prompt length; decode: one token
+    for k, v in cache or ():
+        for x in (k, v):
+            mark_unbacked(x, 0)
+            mark_unbacked(x, 1)
+
+
+class CompiledDynamicCache:
+    """Greedy generation with a growing KV cache; prefill and decode each compiled once."""
+
+    kv_declaration = Declaration(
+        batching=True,
+        scoring=True,
+        kv_cache_bytes=True,
+        compiled=True,
+        description="reference: gpt-fast-style Llama, dynamic KV cache, torch.compile with unbacked dynamic shapes",
+    )
+
+    def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor"):
+        self.spec = spec
+        self.model = load_model(spec)
+        self.compiled_prefill = compile_fresh(prefill, compile_backend)
+        self.compiled_decode = compile_fresh(decode, compile_backend)
+        self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last generate's
+
+    def _prefill(self, prompts: list[list[int]]):
+        """Left-pad the prompts and run them: (last logits [b, vocab], valid [b, width], cache)."""
+        if not all(prompts):
+            raise ValueError("every prompt needs at least one token")
+        width, device = max(map(len, prompts)), self.spec.device
+        tokens = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
+        valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+        mark_dynamic(tokens, valid)
+        logits, cache = self.compiled_prefill(self.model, tokens, valid)
+        return logits, valid, cache
+
+    def _decode(self, tokens: torch.Tensor, valid: torch.Tensor, cache):
+        """Feed one token per row (tokens [b]): (logits [b, vocab], valid, cache), one key longer."""
+        tokens, valid = tokens[:, None], torch.cat((valid, valid.new_ones(valid.size(0), 1)), dim=1)
+        mark_dynamic(tokens, valid, cache)
+        logits, cache = self.compiled_decode(self.model, tokens, valid, cache)
+        return logits, valid, cache
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        if max_new_tokens <= 0 or not prompts:
+            self.cache = []
+            return [[] for _ in prompts]
+        logits, valid, cache = self._prefill(prompts)
+        out = [logits.argmax(-1)]
+        for _ in range(max_new_tokens - 1):
+            logits, valid, cache = self._decode(out[-1], valid, cache)
+            out.append(logits.argmax(-1))
+        self.cache = cache
+        return torch.stack(out, dim=1).tolist()
+
+    @torch.inference_mode()
+    def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """Teacher-forced logits [len(continuation), vocab]: the generate path, fed `continuation`."""
+        if not continuation:
+            return torch.empty(0, self.spec.vocab_size, dtype=self.spec.dtype, device=self.spec.device)
+        logits, valid, cache = self._prefill([prompt])
+        rows = [logits[0]]
+        for token in continuation[:-1]:
+            logits, valid, cache = self._decode(torch.tensor([token], device=self.spec.device), valid, cache)
+            rows.append(logits[0])
+        return torch.stack(rows)
+
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the K/V tensors the last generate left (prompt width + new tokens - 1 positions)."""
+        return sum(x.numel() * x.element_size() for kv in self.cache for x in kv)

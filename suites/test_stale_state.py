@@ -1,0 +1,23 @@
+"""Stale state: one engine object fed different prompts back to back (same shapes included)
+gives what fresh runs give. Static caches that are not reset between calls fail here."""
+
+from pytest_kvcompile.prompts import variant
+
+
+def test_stale_state(kv_engine, kv_oracle, kv_prompts, kv_record):
+    long = max(kv_prompts, key=len)
+    short = min(kv_prompts, key=len)
+    sequence = [long, variant(long, kv_engine.spec.vocab_size, salt=1), short, long]
+    seen = []
+    results = []
+    for call, prompt in enumerate(sequence):
+        got = kv_engine.generate([prompt])[0]
+        reference = kv_oracle.reference(prompt.ids, kv_engine.max_new_tokens)
+        where = f"call {call + 1} of {len(sequence)} on one engine object, after prompts {seen or '(none)'}"
+        kv_engine.check(reference, got, prompt, where, kv_record)
+        seen.append(f"{prompt.name} (length {len(prompt)})")
+        results.append(got)
+    assert results[0] == results[-1], (
+        f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{long.name}' gave {results[0]} on call 1 "
+        f"but {results[-1]} on call {len(sequence)} (after {seen[1:-1]}): state leaks between generate() calls"
+    )

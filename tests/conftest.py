@@ -1,0 +1,34 @@
+"""Helpers for the plugin's own tests: real pytest runs (pytester) against tests/kv_test_engines.py."""
+
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).parent
+SUITES_DIR = TESTS_DIR.parent / "suites"
+
+
+@pytest.fixture(scope="session")
+def zoo_cache(tmp_path_factory) -> Path:
+    """One zoo checkpoint cache for every pytester run of this process."""
+    return tmp_path_factory.mktemp("kv-zoo-cache")
+
+
+@pytest.fixture
+def kvtester(pytester: pytest.Pytester, zoo_cache: Path, monkeypatch) -> pytest.Pytester:
+    """pytester that can import the test engines (``kv_test_engines:NAME``) and shares the zoo cache.
+
+    Runs are subprocesses: an in-process run restores sys.modules afterwards, which breaks
+    transformers' lazy modules and re-registers torch kernels.
+    """
+    monkeypatch.setenv("KVCOMPILE_CACHE_DIR", str(zoo_cache))
+    monkeypatch.setenv("PYTHONPATH", str(TESTS_DIR), prepend=":")
+    return pytester
+
+
+def run_suites(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """Run the project's suites (suites/) with the given options, on the tiny Llama unless told otherwise."""
+    opts = [str(SUITES_DIR), "-p", "no:cacheprovider", "--rootdir", str(pytester.path)]
+    if not any(a.startswith("--kv-zoo") for a in args):
+        opts.append("--kv-zoo=llama")
+    return pytester.runpytest_subprocess(*opts, *args)

@@ -1,0 +1,112 @@
+"""The built-in transformers engines on a tiny random Llama (compiled ones on the eager backend)."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from pytest_kvcompile.engine import ModelSpec, declaration_of
+from pytest_kvcompile.engines.hf import HFDynamicCompile, HFEager, HFStaticCompile
+from pytest_kvcompile.recompiles import isolate
+
+ENGINES = [HFEager, HFStaticCompile, HFDynamicCompile]
+PROMPTS = [[5, 17, 200], [9, 3, 3, 140, 77, 21, 60], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def spec(tmp_path_factory):
+    """A tiny Llama whose checkpoint generation_config would stop at any token and penalise repeats."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, initializer_range=0.2, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+    )
+    path = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(config).save_pretrained(path)
+    GenerationConfig(eos_token_id=list(range(256)), repetition_penalty=2.0, no_repeat_ngram_size=1).save_pretrained(path)
+    return ModelSpec("tiny-llama", path, config)
+
+
+@pytest.fixture(scope="module")
+def greedy(spec):
+    """A hand-written greedy loop: a full forward over the whole sequence per token, no cache."""
+    model = AutoModelForCausalLM.from_pretrained(spec.path).eval()
+
+    @torch.inference_mode()
+    def run(prompt, steps):
+        ids = list(prompt)
+        for _ in range(steps):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+        return ids[len(prompt):]
+
+    return run
+
+
+def build(cls, spec, **kwargs):
+    if declaration_of(cls).compiled:
+        isolate()  # a fresh dynamo, so this engine's own compiles are what its check sees
+        kwargs.setdefault("compile_backend", "eager")
+    return cls(spec, **kwargs)
+
+
+@pytest.fixture(scope="module", params=ENGINES, ids=lambda cls: cls.__name__)
+def engine(request, spec):
+    return build(request.param, spec)
+
+
+def test_declarations():
+    for cls in ENGINES:
+        decl = declaration_of(cls)
+        assert decl.batching and decl.scoring and decl.kv_cache_bytes and decl.description
+        assert decl.compiled == (cls is not HFEager)
+
+
+def test_tokens_equal_greedy_loop(engine, greedy):
+    assert [engine.generate([p], NEW)[0] for p in PROMPTS] == [greedy(p, NEW) for p in PROMPTS]
+
+
+def test_batch_equals_one_by_one(engine):
+    assert engine.generate(PROMPTS, NEW) == [engine.generate([p], NEW)[0] for p in PROMPTS]
+
+
+def test_score_follows_own_tokens(engine):
+    prompt = PROMPTS[1]
+    tokens = engine.generate([prompt], NEW)[0]
+    logits = engine.score(prompt, tokens)
+    assert logits.shape == (NEW, 256)
+    assert logits.argmax(-1).tolist() == tokens
+
+
+def test_score_equals_full_forward(engine, spec):
+    prompt, continuation = PROMPTS[0], [7, 7, 100, 3]
+    model = AutoModelForCausalLM.from_pretrained(spec.path).eval()
+    with torch.inference_mode():
+        full = model(torch.tensor([prompt + continuation])).logits[0, len(prompt) - 1 : -1]
+    torch.testing.assert_close(engine.score(prompt, continuation), full, atol=1e-4, rtol=1e-4)
+
+
+def test_kv_cache_bytes(engine):
+    engine.generate([PROMPTS[2]], NEW)
+    per_position = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head_dim * fp32 bytes
+    held = 256 if isinstance(engine, HFStaticCompile) else len(PROMPTS[2]) + NEW - 1
+    assert engine.kv_cache_bytes() == held * per_position
+
+
+def test_static_cache_overflow_raises(spec):
+    engine = build(HFStaticCompile, spec, max_cache_len=16)
+    with pytest.raises(ValueError, match="exceeds max_cache_len=16"):
+        engine.generate([list(range(10))], 7)
+
+
+def test_static_raises_when_transformers_skips_compile(spec, monkeypatch):
+    engine = build(HFStaticCompile, spec)
+    monkeypatch.setattr(engine.compile_config, "_compile_all_devices", None)
+    with pytest.raises(RuntimeError, match="compiled no frame"):
+        engine.generate([PROMPTS[0]], 4)
+
+
+def test_dynamic_raises_when_nothing_compiles(spec, monkeypatch):
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    engine = build(HFDynamicCompile, spec)
+    with pytest.raises(RuntimeError, match="compiled no frame"):
+        engine.generate([PROMPTS[0]], 4)

@@ -1,0 +1,170 @@
+"""The plugin's command line: options and help, engine resolution in all three forms,
+usage errors that name the fix, and the entry point switch."""
+
+import textwrap
+
+import pytest
+
+ENGINE_TEST = """
+def test_engine(kv_engine):
+    assert kv_engine.name
+"""
+
+
+def test_help_shows_the_kvcompile_group_and_ini_keys(kvtester):
+    result = kvtester.runpytest_subprocess("--help")
+    result.stdout.fnmatch_lines([
+        "KV-cache + compile engine conformance (pytest-kvcompile):",
+        "  --kv-engine=NAME*",
+        "  --kv-model=PATH*",
+        "  --kv-list-engines*",
+        "  kv_engines (linelist):*",
+        "  kv_tie_tolerance (string):*",
+    ])
+
+
+def test_plugin_can_be_disabled(kvtester):
+    result = kvtester.runpytest_subprocess("-p", "no:kvcompile", "--kv-engine=hf-eager")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unrecognized arguments: --kv-engine=hf-eager*"])
+
+
+def test_list_engines_prints_builtins_with_declarations(kvtester):
+    result = kvtester.runpytest_subprocess("--kv-list-engines")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines([
+        "hf-eager *strategy=exact capabilities=*compiled=no*built-in: pytest_kvcompile.engines.hf:HFEager*",
+        "hf-static-compile *compiled=yes*",
+        "ref-compiled-dynamic *",
+    ])
+    assert "collected" not in result.stdout.str()
+
+
+def test_unknown_engine_is_a_usage_error_listing_engines(kvtester):
+    result = kvtester.runpytest_subprocess("--kv-engine=nope")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        "ERROR: unknown engine 'nope'. Available engines: hf-dynamic-compile, hf-eager, hf-static-compile, "
+        "ref-compiled-dynamic*import path 'package.module:attr'*--kv-list-engines*",
+    ])
+
+
+def test_import_path_engine_runs_with_its_name_in_the_test_id(kvtester):
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama", "-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*test_engine?kv_test_engines:Greedy-llama? PASSED*"])
+
+
+def test_engine_from_an_entry_point_and_ini(kvtester, monkeypatch):
+    dist = kvtester.path / "site" / "my_engines-1.0.dist-info"
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: my-engines\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[pytest_kvcompile.engines]\nmine = kv_test_engines:greedy_function\n")
+    monkeypatch.setenv("PYTHONPATH", str(kvtester.path / "site"), prepend=":")
+    kvtester.makeini("[pytest]\nkv_engines =\n    mine\n    kv_test_engines:Unbatched\nkv_zoo = llama\n")
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*test_engine?mine-llama? PASSED*", "*test_engine?kv_test_engines:Unbatched-llama? PASSED*"])
+    listing = kvtester.runpytest_subprocess("--kv-list-engines")
+    listing.stdout.fnmatch_lines(["mine *strategy=exact capabilities=- *entry point of my-engines: kv_test_engines:greedy_function*"])
+
+
+def test_engine_import_error_shows_the_engines_traceback(kvtester):
+    kvtester.makepyfile(broken_engine=textwrap.dedent("""
+        import helper_that_is_not_installed
+
+        class Engine:
+            pass
+    """))
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("--kv-engine=broken_engine:Engine", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        "ERROR: engine 'broken_engine:Engine': importing module 'broken_engine' failed "
+        "(ModuleNotFoundError: No module named 'helper_that_is_not_installed').",
+        "The engine's traceback:",
+        "*broken_engine.py*line 1*",
+        "*import helper_that_is_not_installed*",
+        "Hint: the package 'helper_that_is_not_installed' is not installed in this environment.",
+    ])
+    assert "registry.py" not in result.stderr.str()
+
+
+@pytest.mark.parametrize("name, message", [
+    ("kv_test_engines:Missing", "*engine 'kv_test_engines:Missing': module 'kv_test_engines' has no attribute 'Missing'*"),
+    ("kv_test_engines:__doc__", "*engine 'kv_test_engines:__doc__': 'kv_test_engines:__doc__' is a str, not a factory*"),
+    ("kv_test_engines:BadDeclaration", "*kv_declaration must be a pytest_kvcompile.Declaration, got dict*"),
+])
+def test_bad_engine_targets_are_usage_errors(kvtester, name, message):
+    result = kvtester.runpytest_subprocess(f"--kv-engine={name}")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--kv-dtype=float64", "*--kv-dtype='float64': choose one of float32, bfloat16, float16*"),
+    ("--kv-max-new-tokens=0", "*--kv-max-new-tokens='0': give a whole number >= 1*"),
+    ("--kv-tie-tolerance=-1", "*--kv-tie-tolerance='-1': give 'auto' or a logit gap >= 0*"),
+    ("--kv-device=gpu0", "*--kv-device='gpu0' is not a torch device*"),
+    ("--kv-zoo=llama,gpt9", "*--kv-zoo: unknown zoo model(s) ?'gpt9'?; choose from llama*"),
+    ("--kv-model=/nonexistent/dir", "*--kv-model=/nonexistent/dir: not a local Hugging Face checkpoint directory*"),
+])
+def test_bad_option_values_are_usage_errors(kvtester, option, message):
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
+    result.stderr.fnmatch_lines([message])
+
+
+def test_no_engine_skips_with_how_to_choose_one(kvtester):
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("-rs", "--kv-zoo=llama")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*no engine selected: pass --kv-engine=NAME (pytest --kv-list-engines lists them)*"])
+
+
+def test_two_engines_parametrize_every_engine_test(kvtester):
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-engine=kv_test_engines:Unbatched",
+                                           "--kv-zoo=llama,mistral-sw", "--co", "-q")
+    result.stdout.fnmatch_lines([
+        "*test_engine?kv_test_engines:Greedy-llama?", "*test_engine?kv_test_engines:Greedy-mistral-sw?",
+        "*test_engine?kv_test_engines:Unbatched-llama?", "*test_engine?kv_test_engines:Unbatched-mistral-sw?",
+    ])
+
+
+def test_strict_markers_clean_and_bad_kv_requires_rejected(kvtester):
+    kvtester.makepyfile("""
+        import pytest
+
+        @pytest.mark.kv_requires("batching")
+        def test_ok(kv_engine):
+            pass
+
+        @pytest.mark.kv_requires("teleport")
+        def test_bad(kv_engine):
+            pass
+    """)
+    result = kvtester.runpytest_subprocess("--strict-markers", "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama",
+                                           "-n", "2")
+    assert result.ret != pytest.ExitCode.OK  # a collection error (2 serial, 1 under xdist)
+    result.stdout.fnmatch_lines([
+        "*test_bad*: @pytest.mark.kv_requires('teleport',) is invalid; give one or more capability names as "
+        "positional arguments: batching, scoring, kv_cache_bytes, compiled",
+    ])
+
+
+def test_kv_model_adds_a_local_checkpoint(kvtester, zoo_cache):
+    from pytest_kvcompile import zoo
+
+    local = zoo.checkpoint("llama", zoo_cache / "zoo")
+    kvtester.makepyfile("""
+        def test_model(kv_model, kv_engine):
+            assert kv_model.path.name == kv_model.name and kv_model.config.vocab_size == 256
+    """)
+    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-zoo=none",
+                                           f"--kv-model={local}", "-v")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"*test_model?kv_test_engines:Greedy-{local.name}? PASSED*"])

@@ -1,0 +1,134 @@
+"""Every suite check FAILS, with a useful message, on an engine carrying the bug it is for,
+and PASSES on a correct engine. Real pytest runs of suites/ (pytester)."""
+
+import pytest
+
+from conftest import run_suites
+
+
+def test_correct_engine_passes_every_check(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama,mistral-sw")
+    result.assert_outcomes(passed=19, skipped=2)  # the recompile check skips: Greedy is not compiled
+
+
+def test_wrong_late_token_fails_token_identity(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:WrongLateToken", "-k", "token_identity and short7")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*TokenMismatch: engine 'kv_test_engines:WrongLateToken' diverges from the oracle on model 'llama', "
+        "prompt 'short7' (length 7), alone: step 14 of 16",
+        "*expected token *, got *: the oracle prefers * by a logit gap of * > tie tolerance 0.001, so this is a real mismatch*",
+        "*oracle top-3 at this step:*",
+        "*hint: prefill was right; decode step 14 reads 21 cached positions*",
+    ])
+
+
+def test_stale_cache_fails_stale_state_naming_the_call(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "-k", "stale_state")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*prompt 'long48/v1' (length 48), call 2 of 4 on one engine object, after prompts ?'long48 (length 48)'?: step 0*",
+        "*check that caches and positions are reset per call*",
+    ])
+
+
+def test_stale_cache_is_caught_by_the_short_prompt_on_a_sliding_window_model(kvtester):
+    # On an all-sliding model a stale cache is invisible to prompts longer than the window
+    # (relative RoPE, old keys evicted): the short third call is what catches it.
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "--kv-zoo=mistral-sw", "-k", "stale_state")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*prompt 'len1' (length 1), call 3 of 4 on one engine object*"])
+
+
+def test_padding_bug_fails_batched_checks_only(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug")
+    result.assert_outcomes(passed=6, failed=2, skipped=1)
+    result.stdout.fnmatch_lines([
+        "FAILED *test_batch_consistency*PaddingBug-llama*",
+        "FAILED *test_token_identity_batched*PaddingBug-llama*",
+    ])
+    result.stdout.fnmatch_lines([
+        "*prompt 'short7' (length 7), index 0 of a batch of lengths ?7, 1, 48, 23?: step 0 of 16",
+        "*hint: *it happens inside a batch: check padding, attention masks and per-row positions",
+    ])
+
+
+def test_flaky_engine_fails_determinism(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Flaky", "-k", "test_determinism and not batched")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*engine 'kv_test_engines:Flaky' on model 'llama', prompt 'long48': two identical generate() calls differ at step 15*",
+    ])
+
+
+def test_near_tie_passes_and_is_reported(kvtester):
+    # A tolerance above the runner-up's gap at step 2 (0.66 on this prompt) makes the flip a near tie.
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:SecondBest", "--kv-tie-tolerance=5",
+                        "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "*kvcompile: near ties accepted as numerics (1)*",
+        "kv_test_engines:SecondBest / llama / short7 (alone): near tie at step 2, *",
+    ])
+
+
+def test_near_tie_with_default_tolerance_is_a_mismatch(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:SecondBest", "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*step 2 of 16*", "*so this is a real mismatch*"])
+
+
+def test_teacher_forcing_finds_a_bug_after_a_near_tie(kvtester):
+    # The flip at step 2 is within tolerance 5; the scoring path's last step picks the oracle's worst token.
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:SecondBestBadScore", "--kv-tie-tolerance=5",
+                        "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*step 15 of 16 (teacher-forced on the oracle's tokens after an earlier near tie)*",
+        "*earlier near tie at step 2:*",
+    ])
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_verdicts_are_the_same_serial_and_with_xdist(kvtester, workers):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug", "-n", workers)
+    result.assert_outcomes(passed=6, failed=2, skipped=1)
+
+
+def test_recompiling_engine_fails_the_recompile_check_and_a_compiled_one_passes(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:RecompilingGreedy",
+                        "--kv-engine=kv_test_engines:CompiledGreedy", "-k", "recompiles")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*engine 'kv_test_engines:RecompilingGreedy' on model 'llama' recompiled after warmup*",
+        "*generate(<batch of 1, lengths ?2?>, 32): 1 compile(s)",
+        "*generate(<batch of 1, lengths ?100?>, 32): 1 compile(s)",
+        "5 dynamo compile(s) after warmup, 0 allowed",
+        "*guard failed: tensor 'logits' size mismatch at index 1. expected 7, actual 2",
+        "*kvcompile: compiles (2)*",
+        "kv_test_engines:CompiledGreedy / llama: * warmup compile(s) over 3 call(s), 0 after warmup over *",
+    ])
+
+
+def test_uncompiled_engines_skip_the_recompile_check(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "-k", "recompiles", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["*does not declare capability 'compiled'*"])
+
+
+def test_a_known_finding_is_a_strict_xfail(kvtester):
+    finding = "kv_test_engines:RecompilingGreedy | test_no_recompiles_after_warmup* | recompiles per length (dynamic=False)"
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:RecompilingGreedy", "-k", "recompiles",
+                        f"--kv-known-finding={finding}", "-rx")
+    result.assert_outcomes(xfailed=1)
+    result.stdout.fnmatch_lines(["XFAIL *known finding on kv_test_engines:RecompilingGreedy: recompiles per length*"])
+    fixed = run_suites(kvtester, "--kv-engine=kv_test_engines:CompiledGreedy", "-k", "recompiles",
+                       f"--kv-known-finding={finding.replace('Recompiling', 'Compiled')}")
+    fixed.assert_outcomes(failed=1)
+    fixed.stdout.fnmatch_lines(["*XPASS(strict)*known finding on kv_test_engines:CompiledGreedy*"])
+
+
+def test_a_malformed_known_finding_is_a_usage_error(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-known-finding=hf-eager: flaky")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*'hf-eager: flaky' must be 'ENGINE | TEST-GLOB | REASON'*"])

@@ -1,0 +1,215 @@
+"""Tests of the tiny model zoo (pytest_kvcompile.zoo).
+
+transformers may swap the module object in sys.modules (seen after from_pretrained in 5.23),
+so patches name the target as a string, which resolves the current module.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import statistics
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from pytest_kvcompile import zoo
+
+NAMES = list(zoo.ZOO)
+WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared"]
+#: zoo name -> (sliding layers, attention window, shared-KV layers)
+LAYOUT = {
+    "llama": ([], None, []),
+    "mistral-sw": ([0, 1], zoo.WINDOW, []),
+    "gemma3-hybrid": ([0, 2], zoo.WINDOW, []),
+    "gemma4-kvshared": ([0, 2], zoo.WINDOW, [2, 3]),
+}
+
+
+@pytest.fixture(scope="module")
+def load(tmp_path_factory):
+    """load(name) -> the zoo model from a module-wide cache, eager attention, eval mode."""
+    root, models = tmp_path_factory.mktemp("zoo"), {}
+
+    def get(name):
+        if name not in models:
+            try:
+                path = zoo.checkpoint(name, root)
+            except zoo.ModelUnavailable as exc:
+                pytest.skip(str(exc))
+            models[name] = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        return models[name]
+
+    return get
+
+
+def test_zoo_names_in_order():
+    assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared"]
+    assert all(m.name == n and m.description and "\n" not in m.description for n, m in zoo.ZOO.items())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checkpoint_is_deterministic(tmp_path, name):
+    """Same bytes whatever the global RNG state; no dependence on transformers' init."""
+    torch.manual_seed(0)
+    a = zoo.checkpoint(name, tmp_path / "a")
+    torch.manual_seed(1)
+    b = zoo.checkpoint(name, tmp_path / "b")
+    assert a.name == b.name
+    ta, tb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert ta.keys() == tb.keys()
+    assert all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert (a / "config.json").read_text() == (b / "config.json").read_text()
+
+
+def test_checkpoint_is_cached_and_loads_cleanly(tmp_path, monkeypatch):
+    path = zoo.checkpoint("gemma4-kvshared", tmp_path)
+    assert {"config.json", "model.safetensors"} <= {p.name for p in path.iterdir()}
+    assert path.name.startswith("gemma4-kvshared-") and f"seed{zoo.SEED}" in path.name
+    assert path.name.endswith(f"-tf{transformers.__version__}")
+
+    def no_rebuild(config):
+        raise AssertionError("rebuilt a cached checkpoint")
+
+    monkeypatch.setattr(zoo, "_build_model", no_rebuild)
+    assert zoo.checkpoint("gemma4-kvshared", tmp_path) == path
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+    saved_only = {"_name_or_path", "architectures", "dtype"}
+    reloaded, built = AutoConfig.from_pretrained(path).to_dict(), zoo.ZOO["gemma4-kvshared"].build_config().to_dict()
+    assert {k: v for k, v in reloaded.items() if k not in saved_only} == {
+        k: v for k, v in built.items() if k not in saved_only
+    }
+    _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+    assert not any(info.values()), info
+
+
+def test_cache_key_changes_with_config_seed_and_version(monkeypatch):
+    config = zoo.ZOO["mistral-sw"].build_config()
+    key = zoo._cache_key("mistral-sw", config)
+    assert zoo._cache_key("llama", config) != key
+    config.sliding_window += 1
+    assert zoo._cache_key("mistral-sw", config) != key
+    config.sliding_window -= 1
+    assert zoo._cache_key("mistral-sw", config) == key
+    monkeypatch.setattr(zoo, "SEED", zoo.SEED + 1)
+    assert zoo._cache_key("mistral-sw", config) != key
+    monkeypatch.undo()
+    monkeypatch.setattr("transformers.__version__", "0.0.0")
+    assert zoo._cache_key("mistral-sw", config) != key
+
+
+def test_concurrent_build_loser_discards_its_copy(tmp_path, monkeypatch):
+    """Another worker renames its build into place while we build: we return its copy, leave nothing behind."""
+    real_build = zoo._build_model
+
+    def racing_build(config):
+        monkeypatch.setattr(zoo, "_build_model", real_build)
+        winner = zoo.checkpoint("llama", tmp_path)
+        (winner / "built-by-winner").touch()
+        return real_build(config)
+
+    monkeypatch.setattr(zoo, "_build_model", racing_build)
+    path = zoo.checkpoint("llama", tmp_path)
+    assert (path / "built-by-winner").exists()
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_decoding_is_non_degenerate(load, name):
+    """6 random prompts (lengths 1..40), 32 greedy tokens each.
+
+    Measured on transformers 5.2, 5.5 and 5.23 (all four models): >= 17 distinct tokens per
+    continuation, median top-1/top-2 logit gap 0.80-1.21, at most 1% of gaps below 1e-2.
+    """
+    model = load(name)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (int(n),), generator=gen) for n in torch.randint(1, 41, (6,), generator=gen)]
+    distinct, gaps = [], []
+    for prompt in prompts:
+        out = model.generate(
+            prompt[None], max_new_tokens=32, do_sample=False, return_dict_in_generate=True, output_logits=True
+        )
+        distinct.append(len(set(out.sequences[0, len(prompt):].tolist())))
+        for step_logits in out.logits:
+            top2 = step_logits[0].topk(2).values
+            gaps.append(float(top2[0] - top2[1]))
+    assert min(distinct) >= 12, distinct
+    assert statistics.median(gaps) >= 0.5
+    assert sum(g < 1e-2 for g in gaps) <= 0.05 * len(gaps)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_layer_layout(load, name):
+    model = load(name)
+    sliding, window, shared = LAYOUT[name]
+    assert zoo.sliding_layers(model.config) == sliding
+    assert zoo.attention_window(model.config) == window
+    assert zoo.shared_kv_layers(model.config) == shared
+    attns = [layer.self_attn for layer in model.model.layers]
+    assert [i for i, a in enumerate(attns) if getattr(a, "is_kv_shared_layer", False)] == shared
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_attention_window_matches_eager_attention_weights(load, name):
+    """In every layer, for every query (prefill) and for a cached decode step, exactly the keys
+    the rule admits get nonzero attention: q - W < k <= q in sliding layers, k <= q elsewhere."""
+    model = load(name)
+    config, window = model.config, zoo.attention_window(model.config)
+    length = 2 * window + 3
+    ids = torch.randint(0, 256, (1, length + 1), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        prefill = model(ids[:, :length], output_attentions=True, use_cache=True)
+        step = model(ids[:, length:], past_key_values=prefill.past_key_values, output_attentions=True)
+    q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
+    for i in range(config.num_hidden_layers):
+        w = window if i in zoo.sliding_layers(config) else length + 1
+        expected = (k <= q) & (k > q - w)
+        assert torch.equal(prefill.attentions[i][0] > 0, expected.expand(config.num_attention_heads, -1, -1)), i
+        seen = (step.attentions[i][0, :, -1] > 0).sum(-1)
+        assert seen.tolist() == [min(w, length + 1)] * config.num_attention_heads, i
+
+
+@pytest.mark.parametrize("name", WINDOWED)
+def test_first_layer_output_depends_exactly_on_the_window(load, name):
+    """Layer 0 is sliding and everything before its attention is position-wise, so its output at
+    the last position changes with the token W-1 places back and not with the one W places back."""
+    model = load(name)
+    window = zoo.attention_window(model.config)
+    assert zoo.sliding_layers(model.config)[0] == 0
+    ids = torch.randint(0, 256, (1, 2 * window + 3), generator=torch.Generator().manual_seed(2))
+    captured = []
+    hook = model.model.layers[0].register_forward_hook(
+        lambda mod, args, out: captured.append((out[0] if isinstance(out, tuple) else out)[..., -1, :])
+    )
+    try:
+        with torch.no_grad():
+            for back in (None, window - 1, window):
+                perturbed = ids.clone()
+                if back is not None:
+                    perturbed[0, -1 - back] = (perturbed[0, -1 - back] + 1) % 256
+                model(perturbed, use_cache=False)
+    finally:
+        hook.remove()
+    base, visible, invisible = captured
+    assert not torch.equal(base, visible)
+    assert torch.equal(base, invisible)
+
+
+def test_gemma4_falls_back_to_gemma3n(monkeypatch):
+    monkeypatch.setattr("transformers.Gemma4TextConfig", None, raising=False)
+    config = zoo.ZOO["gemma4-kvshared"].build_config()
+    assert config.model_type == "gemma3n_text"
+    assert zoo.shared_kv_layers(config) == [2, 3]
+    assert zoo.attention_window(config) == zoo.WINDOW
+
+
+def test_model_unavailable_names_the_version(tmp_path, monkeypatch):
+    monkeypatch.setattr("transformers.Gemma4TextConfig", None, raising=False)
+    monkeypatch.setattr("transformers.Gemma3nTextConfig", None, raising=False)
+    with pytest.raises(zoo.ModelUnavailable, match=f"transformers {transformers.__version__} has no Gemma4"):
+        zoo.checkpoint("gemma4-kvshared", tmp_path)
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
