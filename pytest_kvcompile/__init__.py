@@ -8,6 +8,7 @@ from .engine import (
     BATCHING, EXACT, KV_CACHE_BYTES, SCORING, Declaration, Engine, EngineFactory, KVBytesEngine,
     ModelNotSupported, ModelSpec, ScoringEngine, Strategy,
 )
+from .memory import KVLayout
 from .oracle import HFEagerOracle, Reference
 from .token_match import DEFAULT_TIE_TOLERANCE, TokenMismatch, Verdict, assert_tokens_match
 
@@ -15,6 +16,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BATCHING", "EXACT", "KV_CACHE_BYTES", "SCORING", "Declaration", "Engine", "EngineFactory", "KVBytesEngine",
-    "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy", "HFEagerOracle", "Reference", "DEFAULT_TIE_TOLERANCE",
+    "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy", "HFEagerOracle", "KVLayout", "Reference", "DEFAULT_TIE_TOLERANCE",
     "TokenMismatch", "Verdict", "assert_tokens_match",
 ]

@@ -17,6 +17,8 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
+from .memory import KVLayout
+
 #: Capability names, as they appear in skip reasons and in ``--kv-list-engines``.
 BATCHING = "batching"
 SCORING = "scoring"
@@ -85,6 +87,9 @@ class Declaration:
     - `description`: one line shown by ``--kv-list-engines``.
     - `known_findings`: ``(test-id glob, reason)`` pairs: what the suite is known to find on this
       engine. Matching tests become strict xfails (a fixed engine shows as XPASS(strict)).
+    - `kv_layout`: a ``pytest_kvcompile.memory.KVLayout`` saying how the cache stores positions
+      (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
+      `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
     """
 
     strategy: Strategy = EXACT
@@ -96,6 +101,7 @@ class Declaration:
     compiled: bool = False
     description: str = ""
     known_findings: tuple[tuple[str, str], ...] = ()
+    kv_layout: KVLayout | None = None
 
     def capabilities(self) -> tuple[str, ...]:
         names = (BATCHING, SCORING, KV_CACHE_BYTES)

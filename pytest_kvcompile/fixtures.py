@@ -3,13 +3,12 @@ from the run's options (see ``plugin.pytest_generate_tests``)."""
 
 from __future__ import annotations
 
-from typing import Callable
-
 import pytest
 
 from .harness import EngineUnderTest
 from .options import Settings
 from .prompts import Prompt, batch, prompt_set
+from .results import Recorder
 from .session import SESSION
 
 UNAVAILABLE_PROMPT = Prompt("unavailable", ())
@@ -74,9 +73,7 @@ def kv_batch(request: pytest.FixtureRequest, kv_model_name: str, kv_prompts) -> 
 
 
 @pytest.fixture
-def kv_record(request: pytest.FixtureRequest) -> Callable[[str, str], None]:
-    """``kv_record(category, line)``: a passing-but-notable fact (a near tie, a compile count)
-    for the run's terminal summary."""
-    from .plugin import NOTE
-
-    return lambda category, line: request.node.user_properties.append((NOTE, (category, line)))
+def kv_record(request: pytest.FixtureRequest) -> Recorder:
+    """``kv_record(category, line, **metrics)``: a passing-but-notable fact (a near tie, a compile
+    count) for the run's terminal summary; metrics go to the reports (see results.Recorder)."""
+    return Recorder(request.node)

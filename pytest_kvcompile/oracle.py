@@ -10,6 +10,7 @@ classified as a near tie or a mismatch (see ``token_match``).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,7 @@ class HFEagerOracle:
 
     source = "transformers eager greedy, full DynamicCache"
 
-    def __init__(self, spec: ModelSpec):
+    def __init__(self, spec: ModelSpec, strategy: Strategy = Strategy()):
         from transformers import AutoModelForCausalLM
 
         self.spec = spec
@@ -79,8 +80,20 @@ class NoOracle(LookupError):
     """No oracle exists for the strategy an engine declares."""
 
 
-def oracle_for(strategy: Strategy, spec: ModelSpec) -> HFEagerOracle:
+#: Strategy kind -> oracle factory ``module:attr``, called as ``factory(spec, strategy)``; the
+#: result has ``reference(prompt, max_new_tokens) -> Reference`` and ``source``. Imported lazily.
+ORACLES: dict[str, str] = {
+    "exact": "pytest_kvcompile.oracle:HFEagerOracle",
+    "last_recent": "reference_impls.eviction:EvictionOracle",
+    "streaming_llm": "reference_impls.eviction:EvictionOracle",
+    "h2o": "reference_impls.eviction:EvictionOracle",
+    "tova": "reference_impls.eviction:EvictionOracle",
+}
+
+
+def oracle_for(strategy: Strategy, spec: ModelSpec):
     """The oracle that decides whether an engine with `strategy` is right on `spec`."""
-    if strategy.kind == "exact":
-        return HFEagerOracle(spec)
-    raise NoOracle(f"no oracle for strategy '{strategy}' (known: exact)")
+    if strategy.kind not in ORACLES:
+        raise NoOracle(f"no oracle for strategy '{strategy}' (known: {', '.join(sorted(ORACLES))})")
+    module, _, attr = ORACLES[strategy.kind].partition(":")
+    return getattr(importlib.import_module(module), attr)(spec, strategy)

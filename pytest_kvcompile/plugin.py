@@ -9,8 +9,9 @@ from fnmatch import fnmatch
 
 import pytest
 
-from . import fixtures, options, recompile_marker, registry
+from . import fixtures, memory_marker, options, recompile_marker, registry, reports
 from .engine import BATCHING, COMPILED, KV_CACHE_BYTES, SCORING
+from .marker_checks import validated_at_collection
 from .prompts import prompt_set
 from .session import SESSION, Session
 
@@ -25,6 +26,7 @@ def kv_requires(*capabilities: str) -> None:
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     options.add_options(parser)
+    reports.add_options(parser)
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -47,6 +49,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(fixtures, "kvcompile.fixtures")
     config.pluginmanager.register(RunNotes(), "kvcompile.notes")
     recompile_marker.register(config)
+    memory_marker.register(config)
+    reports.register(config)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -71,19 +75,16 @@ def _prompts(entry):
     return prompt_set(entry.vocab_size, entry.window)
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_pycollect_makeitem(collector: pytest.Collector, name: str, obj: object):
-    """Bad kv_requires arguments fail collection of their module, naming the fix (a UsageError
-    raised in an xdist worker would crash the worker instead)."""
-    result = yield
-    for item in result if isinstance(result, list) else [result]:
-        for mark in item.iter_markers("kv_requires") if isinstance(item, pytest.Item) else ():
-            if mark.kwargs or not mark.args or any(c not in CAPABILITIES for c in mark.args):
-                raise collector.CollectError(
-                    f"{item.nodeid}: @pytest.mark.kv_requires{mark.args or ''}{mark.kwargs or ''} is invalid; "
-                    f"give one or more capability names as positional arguments: {', '.join(CAPABILITIES)}"
-                )
-    return result
+def _check_kv_requires(item: pytest.Item) -> None:
+    for mark in item.iter_markers("kv_requires"):
+        if mark.kwargs or not mark.args or any(c not in CAPABILITIES for c in mark.args):
+            raise ValueError(
+                f"@pytest.mark.kv_requires{mark.args or ''}{mark.kwargs or ''} is invalid; "
+                f"give one or more capability names as positional arguments: {', '.join(CAPABILITIES)}"
+            )
+
+
+pytest_pycollect_makeitem = validated_at_collection(_check_kv_requires)
 
 
 class RunNotes:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from .marker_checks import validated_at_collection
 from .recompiles import CompileRecorder, isolate, verdict
 
 MARKER = "no_recompile"
@@ -95,18 +96,7 @@ def _validate(mark: pytest.Mark, fixturenames: tuple[str, ...] | list[str]) -> S
 class RecompilePlugin:
     """The marker's hooks and fixture; per-test state lives in ``item.stash``."""
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_pycollect_makeitem(self, collector: pytest.Collector, name: str, obj: object):
-        """Bad marker arguments fail collection of their module (a UsageError raised in an
-        xdist worker would crash the worker instead of reporting)."""
-        result = yield
-        for item in result if isinstance(result, list) else [result]:
-            if isinstance(item, pytest.Item):
-                try:
-                    settings(item)
-                except ValueError as exc:
-                    raise collector.CollectError(f"{item.nodeid}: {exc}") from None
-        return result
+    pytest_pycollect_makeitem = staticmethod(validated_at_collection(settings))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:

@@ -8,6 +8,7 @@ A NAME is, in this order: (1) a built-in engine, (2) an entry point in the group
 from __future__ import annotations
 
 import importlib
+import inspect
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -24,6 +25,13 @@ BUILTIN_ENGINES: dict[str, str] = {
     "hf-static-compile": "pytest_kvcompile.engines.hf:HFStaticCompile",
     "hf-dynamic-compile": "pytest_kvcompile.engines.hf:HFDynamicCompile",
     "ref-compiled-dynamic": "reference_impls.compiled_dynamic:CompiledDynamicCache",
+    "ref-sliding-window": "reference_impls.sliding_window:SlidingWindowCache",
+    "ref-static": "reference_impls.static_cache:StaticCache",
+    "ref-static-cudagraph": "reference_impls.static_cache:StaticCacheCudaGraph",
+    "ref-last-recent": "reference_impls.eviction_engine:LastRecent",
+    "ref-streaming-llm": "reference_impls.eviction_engine:StreamingLLM",
+    "ref-h2o": "reference_impls.eviction_engine:H2O",
+    "ref-tova": "reference_impls.eviction_engine:TOVA",
 }
 
 
@@ -38,10 +46,17 @@ class EngineRef:
     declaration: Declaration = field(compare=False)
 
     def build(self, spec: ModelSpec, compile_backend: str) -> Any:
-        """Call the factory; built-in compiled engines also get the chosen backend."""
-        if self.source == "built-in" and self.declaration.compiled:
+        """Call the factory; one that takes a ``compile_backend`` keyword gets --kv-compile-backend."""
+        if _accepts_backend(self.factory):
             return self.factory(spec, compile_backend=compile_backend)
         return self.factory(spec)
+
+
+def _accepts_backend(factory: Any) -> bool:
+    try:
+        return "compile_backend" in inspect.signature(factory).parameters
+    except (TypeError, ValueError):  # builtins and some C callables have no signature
+        return False
 
 
 def _entry_points() -> dict[str, tuple[str, str]]:

@@ -1,8 +1,13 @@
-"""Reference engine: a gpt-fast-style Llama over a growing KV cache, under torch.compile.
+"""Reference engine: a gpt-fast-style decoder over a growing KV cache, under torch.compile.
 
-The model is ~100 lines of plain PyTorch loaded straight from the checkpoint's safetensors, so
-every shape is ours. Two functions are compiled, once each: `prefill` (batch and prompt length
-dynamic) and `decode` (batch and cache length dynamic, one new token per row). The cache is
+Models: Llama, Mistral (Llama + sliding window) and Gemma3 text (`reference_impls/gemma3.py`),
+~150 lines of plain PyTorch loaded straight from the checkpoint's safetensors, so every shape
+is ours. Sliding-window layers keep every key here and mask by position (the zoo rule: a query
+at position q sees key k iff q - W < k <= q); `reference_impls/sliding_window.py` is the engine
+whose sliding layers hold only the window.
+
+Two functions are compiled, once each: `prefill` (batch and prompt length dynamic) and `decode`
+(batch and cache length dynamic, one new token per row). The cache is
 DynamicCache-like: per-layer K/V tensors [batch, seq, kv_heads, head_dim] that grow by
 `torch.cat` every step, so memory follows prompt + generated tokens. cudagraphs stay off: the
 shapes change every step.
@@ -32,8 +37,10 @@ the prompt alone would.
 
 from __future__ import annotations
 
+import functools
 import types
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +49,21 @@ from torch import nn
 from torch._dynamo.decorators import mark_unbacked  # not re-exported by torch._dynamo in 2.13
 
 from pytest_kvcompile.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.zoo import sliding_layers
 
 class UnsupportedModel(ModelNotSupported):
     """The checkpoint's architecture or options are outside what this engine implements."""
 
 
 # --------------------------------------------------------------------------- model
+
+SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types names
+
+
+def layer_types(config) -> list[str]:
+    """SLIDING or FULL per layer (`zoo.sliding_layers`: `layer_types`, else Mistral's `sliding_window`)."""
+    sliding = set(sliding_layers(config))
+    return [SLIDING if i in sliding else FULL for i in range(config.num_hidden_layers)]
 
 
 class RMSNorm(nn.Module):
@@ -62,9 +78,16 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and attention scaling for the config's (static) RoPE variant."""
+def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and attention scaling for the config's (static) RoPE variant.
+
+    Configs with RoPE per layer type (Gemma3: `rope_parameters = {"sliding_attention": {...},
+    "full_attention": {...}}`) give `layer_type`'s; flat ones (Llama, Mistral) give theirs to every type.
+    """
     rope = dict(getattr(config, "rope_parameters", None) or {})
+    per_type = layer_type in rope
+    if per_type:
+        rope = dict(rope[layer_type])
     kind = rope.get("rope_type", "default")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     if kind == "default":
@@ -74,7 +97,7 @@ def rope_inv_freq(config) -> tuple[torch.Tensor, float]:
 
     if kind in ("dynamic", "longrope") or kind not in ROPE_INIT_FUNCTIONS:  # the first two depend on the length
         raise UnsupportedModel(f"rope_type '{kind}' is not supported (static RoPE variants only)")
-    return ROPE_INIT_FUNCTIONS[kind](config)
+    return ROPE_INIT_FUNCTIONS[kind](config, layer_type=layer_type if per_type else None)
 
 
 def rotate_half(x):
@@ -82,7 +105,26 @@ def rotate_half(x):
     return torch.cat((-x2, x1), dim=-1)
 
 
+def attention_mask(q_pos, k_pos, k_real, window: int | None = None):
+    """Bool [b, 1, t, n]: may query i (position q_pos[:, i]) see key j (position k_pos[:, j])?
+
+    Yes iff key j is a real token (`k_real`, not a pad or an empty slot) and k <= q, and for a
+    sliding layer of window W also q - W < k (the zoo rule, `zoo.attention_window`). The t new
+    keys are the last t of the n: query i also always sees key n - t + i, itself, so a pad query
+    has a non-empty row (its output is never read).
+    """
+    t, n = q_pos.size(1), k_pos.size(1)
+    q, k = q_pos[:, None, :, None], k_pos[:, None, None, :]
+    seen = k_real[:, None, None, :] & (k <= q)
+    if window is not None:
+        seen = seen & (k > q - window)
+    itself = torch.arange(n, device=q_pos.device) == torch.arange(n - t, n, device=q_pos.device)[:, None]
+    return seen | itself
+
+
 class Attention(nn.Module):
+    scale: float | None = None  # SDPA's default, 1/sqrt(head_dim)
+
     def __init__(self, config):
         super().__init__()
         self.n_heads = config.num_attention_heads
@@ -94,34 +136,49 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
 
-    def forward(self, x, cos, sin, mask, past):
+    def project(self, x):
+        """q [b, t, heads, d], k and v [b, t, kv_heads, d], before RoPE."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
         k = self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+        return q, k, self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim)
+
+    def attend(self, q, k, v, mask):
+        """q [b, heads, t, d], k and v [b, kv_heads, n, d], mask [b, 1, t, n] -> [b, heads, t, d]."""
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+
+    def forward(self, x, cos, sin, mask, past):
+        b, t, _ = x.shape
+        q, k, v = self.project(x)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        if past is not None:  # the dynamic cache: append this step's keys and values
+        if past is not None:  # append this step's keys and values to the cache
             k = torch.cat((past[0], k), dim=1)
             v = torch.cat((past[1], v), dim=1)
         # The cache is [b, seq, heads, d]: always freshly allocated and contiguous, so its
         # strides follow its sizes (no stride guards to fail between prefill and decode).
-        y = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, enable_gqa=True
-        )
+        y = self.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)), (k, v)
 
 
+#: config activation name -> function (transformers' ACT2FN entries these models use).
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
 class MLP(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, hidden_act: str | None = None):
         super().__init__()
+        hidden_act = hidden_act or getattr(config, "hidden_act", "silu")
+        if hidden_act not in ACTIVATIONS:
+            raise UnsupportedModel(f"activation '{hidden_act}' is not supported ({', '.join(ACTIVATIONS)})")
+        self.act = ACTIVATIONS[hidden_act]
         bias = getattr(config, "mlp_bias", False)
         self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -139,22 +196,66 @@ class Block(nn.Module):
 
 
 class Backbone(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, block: type[nn.Module], norm: type[nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(block(config) for _ in range(config.num_hidden_layers))
+        self.norm = norm(config.hidden_size, config.rms_norm_eps)
+
+
+def rope_tables(config, device=None) -> dict[str, tuple[torch.Tensor, float]]:
+    """Layer type -> (inv_freq in fp32 on `device`, attention scaling), like transformers' rotary embedding."""
+    tables = {kind: rope_inv_freq(config, kind) for kind in sorted(set(layer_types(config)))}
+    return {kind: (inv_freq.to(device), scale) for kind, (inv_freq, scale) in tables.items()}
 
 
 class Llama(nn.Module):
-    """Parameter names match transformers' LlamaForCausalLM, so the checkpoint loads as is."""
+    """Llama, and Mistral (the same weights; `config.sliding_window` makes every layer sliding).
+
+    Parameter names match transformers' *ForCausalLM, so the checkpoint loads as is. `run` is the
+    model for any cache layout (the caller gives key positions and masks); `forward` is it over the
+    growing cache of this module's engine.
+    """
+
+    block, norm = Block, RMSNorm
 
     def __init__(self, config):
         super().__init__()
-        self.model = Backbone(config)
+        self.model = Backbone(config, self.block, self.norm)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        inv_freq, self.rope_scale = rope_inv_freq(config)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.layer_types = layer_types(config)
+        self.window = config.sliding_window if SLIDING in self.layer_types else None
+        self.rope = rope_tables(config)  # load_model rebuilds it on the real device
+
+    def embed(self, tokens):
+        return self.model.embed_tokens(tokens)
+
+    def head(self, x):
+        return self.lm_head(x)
+
+    def run(self, tokens, pos, masks, cache):
+        """Logits [b, vocab] of the last position, and each layer's keys and values, past + new.
+
+        tokens [b, t]; pos [b, t] their positions (RoPE); masks: layer type -> [b, 1, t, n] bool
+        (`attention_mask`); cache: per layer (k, v) [b, n - t, kv_heads, d] or None (nothing cached).
+        """
+        x = self.embed(tokens)
+        cos_sin = {}
+        for kind, (inv_freq, scale) in self.rope.items():
+            freqs = pos[..., None].float() * inv_freq
+            emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [b, t, 1, d]
+            cos_sin[kind] = ((emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype))
+        kvs = []
+        for layer, kind, past in zip(self.model.layers, self.layer_types, cache or [None] * len(self.layer_types)):
+            x, kv = layer(x, *cos_sin[kind], masks[kind], past)
+            kvs.append(kv)
+        x = self.model.norm(x.narrow(1, tokens.size(1) - 1, 1))
+        return self.head(x)[:, 0], kvs
+
+    def masks(self, q_pos, k_pos, k_real):
+        """Layer type -> `attention_mask` (the window applies to sliding layers only)."""
+        return {kind: attention_mask(q_pos, k_pos, k_real, self.window if kind == SLIDING else None)
+                for kind in self.rope}
 
     def forward(self, tokens, valid, cache=None):
         """Logits [batch, vocab] for the last position, and the grown cache.
@@ -172,31 +273,14 @@ class Llama(nn.Module):
         for x in (x for kv in cache or () for x in kv):
             torch._check(x.size(0) == b)
             torch._check(x.size(1) == past)
-
-        x = self.model.embed_tokens(tokens)
-
         # Positions count real tokens only: a left-padded prompt sees what it would see alone.
-        pos = (valid.long().cumsum(-1) - 1).clamp(min=0).narrow(1, n - t, t)
-        freqs = pos[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [b, t, 1, d]
-        cos = (emb.cos() * self.rope_scale).to(x.dtype)
-        sin = (emb.sin() * self.rope_scale).to(x.dtype)
-
-        # Query i sits at key index n - t + i: causal, real keys only, and always itself (no empty rows).
-        q_idx = torch.arange(n - t, n, device=tokens.device)[:, None]
-        k_idx = torch.arange(n, device=tokens.device)[None, :]
-        mask = ((k_idx <= q_idx) & valid[:, None, None, :]) | (k_idx == q_idx)
-
-        new_cache = []
-        for i, layer in enumerate(self.model.layers):
-            x, kv = layer(x, cos, sin, mask, cache[i] if cache else None)
-            new_cache.append(kv)
-        x = self.model.norm(x.narrow(1, t - 1, 1))
-        return self.lm_head(x)[:, 0], new_cache
+        k_pos = valid.long().cumsum(-1) - 1
+        q_pos = k_pos.narrow(1, n - t, t).clamp(min=0)
+        return self.run(tokens, q_pos, self.masks(q_pos, k_pos, valid), cache)
 
 
-#: config.model_type -> model class. Sliding-window (Mistral) and hybrid (Gemma) models come next.
-ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": Llama}
+#: config.model_type -> model class (reference_impls/gemma3.py adds "gemma3_text").
+ARCHITECTURES: dict[str, type[nn.Module]] = {"llama": Llama, "mistral": Llama}
 
 
 def load_model(spec: ModelSpec) -> nn.Module:
@@ -204,11 +288,9 @@ def load_model(spec: ModelSpec) -> nn.Module:
     config = spec.config
     if config.model_type not in ARCHITECTURES:
         raise UnsupportedModel(
-            f"CompiledDynamicCache does not support model_type '{config.model_type}' (model '{spec.name}'); "
+            f"reference_impls does not support model_type '{config.model_type}' (model '{spec.name}'); "
             f"supported: {', '.join(ARCHITECTURES)}"
         )
-    if getattr(config, "hidden_act", "silu") != "silu":
-        raise UnsupportedModel(f"hidden_act '{config.hidden_act}' is not supported (silu only)")
     with torch.device("meta"):
         model = ARCHITECTURES[config.model_type](config)
     state = {}
@@ -218,7 +300,7 @@ def load_model(spec: ModelSpec) -> nn.Module:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(spec.dtype).eval().requires_grad_(False)
-    model.inv_freq = rope_inv_freq(config)[0].to(spec.device)  # not in the checkpoint; fp32 like transformers
+    model.rope = rope_tables(config, spec.device)  # not in the checkpoint; fp32 like transformers
     return model
 
 
@@ -237,7 +319,7 @@ def compile_fresh(fn, backend: str):
     """torch.compile a private copy of `fn`.
 
     Dynamo keeps compiled code (and its recompile limit) per code object. A fresh code object
-    per engine gives each engine its own cache: exactly its own two compiles, never a
+    per engine gives each engine its own cache: exactly its own compiles, never a
     "recompile" because another engine served a different model, dtype or backend first.
     """
     code = fn.__code__.replace()  # an equal but distinct code object
@@ -259,15 +341,35 @@ def mark_dynamic(tokens, valid, cache=None):
             mark_unbacked(x, 1)
 
 
+def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [b, width] left-padded with 0, and valid [b, width] marking the real tokens."""
+    if not all(prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(map(len, prompts))
+    tokens = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
+    valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+    return tokens, valid
+
+
+class DynamicState(NamedTuple):
+    valid: torch.Tensor  # [b, n]: real tokens among the n cached positions
+    cache: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v) [b, n, kv_heads, d]
+
+
 class CompiledDynamicCache:
-    """Greedy generation with a growing KV cache; prefill and decode each compiled once."""
+    """Greedy generation with a growing KV cache; prefill and decode each compiled once.
+
+    generate/score drive `_prefill` and `_decode`, which pass an engine-specific state whose
+    `cache` field is the per-layer (k, v) list (reference_impls/sliding_window.py reuses them).
+    """
 
     kv_declaration = Declaration(
         batching=True,
         scoring=True,
         kv_cache_bytes=True,
         compiled=True,
-        description="reference: gpt-fast-style Llama, dynamic KV cache, torch.compile with unbacked dynamic shapes",
+        description="reference: gpt-fast-style Llama/Mistral/Gemma3, dynamic KV cache, torch.compile with "
+        "unbacked dynamic shapes",
     )
 
     def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor"):
@@ -277,35 +379,31 @@ class CompiledDynamicCache:
         self.compiled_decode = compile_fresh(decode, compile_backend)
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last generate's
 
-    def _prefill(self, prompts: list[list[int]]):
-        """Left-pad the prompts and run them: (last logits [b, vocab], valid [b, width], cache)."""
-        if not all(prompts):
-            raise ValueError("every prompt needs at least one token")
-        width, device = max(map(len, prompts)), self.spec.device
-        tokens = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
-        valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, DynamicState]:
+        """Left-pad the prompts and run them: last logits [b, vocab] and the state."""
+        tokens, valid = left_pad(prompts, self.spec.device)
         mark_dynamic(tokens, valid)
         logits, cache = self.compiled_prefill(self.model, tokens, valid)
-        return logits, valid, cache
+        return logits, DynamicState(valid, cache)
 
-    def _decode(self, tokens: torch.Tensor, valid: torch.Tensor, cache):
-        """Feed one token per row (tokens [b]): (logits [b, vocab], valid, cache), one key longer."""
-        tokens, valid = tokens[:, None], torch.cat((valid, valid.new_ones(valid.size(0), 1)), dim=1)
-        mark_dynamic(tokens, valid, cache)
-        logits, cache = self.compiled_decode(self.model, tokens, valid, cache)
-        return logits, valid, cache
+    def _decode(self, tokens: torch.Tensor, state: DynamicState) -> tuple[torch.Tensor, DynamicState]:
+        """Feed one token per row (tokens [b]): logits [b, vocab] and the state, one key longer."""
+        tokens, valid = tokens[:, None], torch.cat((state.valid, state.valid.new_ones(tokens.size(0), 1)), dim=1)
+        mark_dynamic(tokens, valid, state.cache)
+        logits, cache = self.compiled_decode(self.model, tokens, valid, state.cache)
+        return logits, DynamicState(valid, cache)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         if max_new_tokens <= 0 or not prompts:
             self.cache = []
             return [[] for _ in prompts]
-        logits, valid, cache = self._prefill(prompts)
+        logits, state = self._prefill(prompts)
         out = [logits.argmax(-1)]
         for _ in range(max_new_tokens - 1):
-            logits, valid, cache = self._decode(out[-1], valid, cache)
+            logits, state = self._decode(out[-1], state)
             out.append(logits.argmax(-1))
-        self.cache = cache
+        self.cache = state.cache
         return torch.stack(out, dim=1).tolist()
 
     @torch.inference_mode()
@@ -313,13 +411,16 @@ class CompiledDynamicCache:
         """Teacher-forced logits [len(continuation), vocab]: the generate path, fed `continuation`."""
         if not continuation:
             return torch.empty(0, self.spec.vocab_size, dtype=self.spec.dtype, device=self.spec.device)
-        logits, valid, cache = self._prefill([prompt])
+        logits, state = self._prefill([prompt])
         rows = [logits[0]]
         for token in continuation[:-1]:
-            logits, valid, cache = self._decode(torch.tensor([token], device=self.spec.device), valid, cache)
+            logits, state = self._decode(torch.tensor([token], device=self.spec.device), state)
             rows.append(logits[0])
         return torch.stack(rows)
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of the K/V tensors the last generate left (prompt width + new tokens - 1 positions)."""
+        """Bytes of the K/V tensors the last generate left (here: prompt width + new tokens - 1 positions)."""
         return sum(x.numel() * x.element_size() for kv in self.cache for x in kv)
+
+
+import reference_impls.gemma3  # noqa: E402,F401  registers Gemma3 in ARCHITECTURES (it imports this module)

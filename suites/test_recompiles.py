@@ -26,6 +26,11 @@ def _calls(prompts: list[Prompt], batching: bool, vocab: int):
     return warmup, unseen
 
 
+def _reason(event) -> str:
+    """One line per compile after warmup: which compile and its first failed guard."""
+    return event.describe().splitlines()[0] + (f": guard failed: {event.guard_failures[0]}" if event.guard_failures else "")
+
+
 def _describe(call: list[Prompt]) -> str:
     return f"generate(<batch of {len(call)}, lengths {[len(p) for p in call]}>, {DECODE_STEPS})"
 
@@ -44,9 +49,11 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record):
             kv_engine.generate(call, DECODE_STEPS)
             if len(recorder.events) > before:
                 culprits.append(f"{_describe(call)}: {len(recorder.events) - before} compile(s)")
+    after = recorder.post_warmup_events
     kv_record("compiles", f"{kv_engine.name} / {kv_engine.spec.name}: {len(recorder.warmup_events)} warmup compile(s) "
-                          f"over {len(warmup)} call(s), {len(recorder.post_warmup_events)} after warmup "
-                          f"over {len(unseen)} call(s)")
+                          f"over {len(warmup)} call(s), {len(after)} after warmup over {len(unseen)} call(s)",
+              compiles={"warmup": len(recorder.warmup_events), "after_warmup": len(after),
+                        "reasons": culprits + [_reason(event) for event in after]})
     failure = verdict(recorder, warmup=True)
     if failure:
         pytest.fail(

@@ -6,6 +6,8 @@ import pytest
 
 TESTS_DIR = Path(__file__).parent
 SUITES_DIR = TESTS_DIR.parent / "suites"
+#: -k expression selecting the token-level suites (identity, batch consistency, stale state, determinism)
+TOKEN_CHECKS = "token_identity or batch_consistency or stale_state or determinism"
 
 
 @pytest.fixture(scope="session")
@@ -28,7 +30,7 @@ def kvtester(pytester: pytest.Pytester, zoo_cache: Path, monkeypatch) -> pytest.
 
 def run_suites(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     """Run the project's suites (suites/) with the given options, on the tiny Llama unless told otherwise."""
-    opts = [str(SUITES_DIR), "-p", "no:cacheprovider", "--rootdir", str(pytester.path)]
+    opts = [str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(pytester.path)]
     if not any(a.startswith("--kv-zoo") for a in args):
         opts.append("--kv-zoo=llama")
     return pytester.runpytest_subprocess(*opts, *args)

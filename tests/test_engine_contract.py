@@ -3,7 +3,7 @@ showing the engine's own traceback, never the plugin's internals; undeclared cap
 
 import pytest
 
-from conftest import run_suites
+from conftest import TOKEN_CHECKS, run_suites
 
 ONE_CALL = """
 def test_generate(kv_engine, kv_prompts):
@@ -48,12 +48,12 @@ def test_failed_build_fails_later_tests_fast(kvtester):
 
 
 def test_undeclared_capabilities_skip_with_the_capability_named(kvtester):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Unbatched", "-rs")
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Unbatched", "-rs", "-k", TOKEN_CHECKS)
     result.assert_outcomes(passed=5, skipped=4)
     reason = ("engine 'kv_test_engines:Unbatched' does not declare capability 'batching' "
               "(declare it with kv_declaration = Declaration(batching=True) if it supports it)")
     result.stdout.fnmatch_lines([f"SKIPPED ?1? *{name}.py:*: {reason}" for name in
-                                 ("test_batch_consistency", "test_determinism", "test_token_identity")])
+                                 ("test_batch_consistency", "test_determinism", "test_stale_state", "test_token_identity")])
 
 
 def test_undeclared_device_skips(kvtester):

@@ -3,12 +3,12 @@ and PASSES on a correct engine. Real pytest runs of suites/ (pytester)."""
 
 import pytest
 
-from conftest import run_suites
+from conftest import TOKEN_CHECKS, run_suites
 
 
 def test_correct_engine_passes_every_check(kvtester):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama,mistral-sw")
-    result.assert_outcomes(passed=19, skipped=2)  # the recompile check skips: Greedy is not compiled
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama,mistral-sw", "-k", TOKEN_CHECKS)
+    result.assert_outcomes(passed=21)
 
 
 def test_wrong_late_token_fails_token_identity(kvtester):
@@ -24,7 +24,7 @@ def test_wrong_late_token_fails_token_identity(kvtester):
 
 
 def test_stale_cache_fails_stale_state_naming_the_call(kvtester):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "-k", "stale_state")
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "-k", "stale_state and not batched")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
         "*prompt 'long48/v1' (length 48), call 2 of 4 on one engine object, after prompts ?'long48 (length 48)'?: step 0*",
@@ -35,16 +35,18 @@ def test_stale_cache_fails_stale_state_naming_the_call(kvtester):
 def test_stale_cache_is_caught_by_the_short_prompt_on_a_sliding_window_model(kvtester):
     # On an all-sliding model a stale cache is invisible to prompts longer than the window
     # (relative RoPE, old keys evicted): the short third call is what catches it.
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "--kv-zoo=mistral-sw", "-k", "stale_state")
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "--kv-zoo=mistral-sw",
+                        "-k", "stale_state and not batched")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*prompt 'len1' (length 1), call 3 of 4 on one engine object*"])
 
 
 def test_padding_bug_fails_batched_checks_only(kvtester):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug")
-    result.assert_outcomes(passed=6, failed=2, skipped=1)
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug", "-k", TOKEN_CHECKS)
+    result.assert_outcomes(passed=6, failed=3)
     result.stdout.fnmatch_lines([
         "FAILED *test_batch_consistency*PaddingBug-llama*",
+        "FAILED *test_stale_state_batched*PaddingBug-llama*",
         "FAILED *test_token_identity_batched*PaddingBug-llama*",
     ])
     result.stdout.fnmatch_lines([
@@ -91,8 +93,8 @@ def test_teacher_forcing_finds_a_bug_after_a_near_tie(kvtester):
 
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_verdicts_are_the_same_serial_and_with_xdist(kvtester, workers):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug", "-n", workers)
-    result.assert_outcomes(passed=6, failed=2, skipped=1)
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug", "-n", workers, "-k", TOKEN_CHECKS)
+    result.assert_outcomes(passed=6, failed=3)
 
 
 def test_recompiling_engine_fails_the_recompile_check_and_a_compiled_one_passes(kvtester):

@@ -12,12 +12,14 @@ Every call builds a fresh cache; greedy decoding runs with a clean GenerationCon
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, LogitsProcessor
+from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, LogitsProcessor, StaticCache
 
 from ..engine import Declaration, ModelSpec
+from ..memory import KVLayout, cache_tensors, held_bytes
 from ..recompiles import CompileRecorder
 
 _PAD_ID = 0  # left padding value; padded positions are masked, so any id works
+MAX_CACHE_LEN = 256  # hf-static-compile's fixed StaticCache length
 
 
 class HFEager:
@@ -27,6 +29,7 @@ class HFEager:
         batching=True,
         scoring=True,
         kv_cache_bytes=True,
+        kv_layout=KVLayout("dynamic"),
         description="transformers generate(), eager, full DynamicCache",
     )
 
@@ -59,10 +62,15 @@ class HFEager:
         (a StaticCache: its whole preallocated buffers)."""
         return self._kv_bytes
 
+    def _cache_kwargs(self) -> dict:
+        """Extra generate() arguments choosing the cache (none: generate()'s default DynamicCache)."""
+        return {}
+
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]], max_new_tokens: int,
                   processor: LogitsProcessor | None = None) -> list[list[int]]:
         if not prompts or max_new_tokens == 0:
+            self._kv_bytes = 0
             return [[] for _ in prompts]
         longest = max(len(p) for p in prompts)
         input_ids = torch.tensor([[_PAD_ID] * (longest - len(p)) + list(p) for p in prompts], device=self.spec.device)
@@ -73,8 +81,9 @@ class HFEager:
             attention_mask=attention_mask,
             generation_config=self._generation_config(max_new_tokens),
             logits_processor=[processor] if processor else None,
+            **self._cache_kwargs(),
         )
-        self._kv_bytes = _cache_bytes(out.past_key_values)
+        self._kv_bytes = held_bytes(cache_tensors(out.past_key_values))
         return out.sequences[:, longest:].tolist()
 
 
@@ -116,6 +125,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         scoring=True,
         kv_cache_bytes=True,
         compiled=True,
+        kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN),
         description="transformers generate(), StaticCache (fixed max_cache_len), compiled decode step",
         known_findings=tuple(
             (f"test_no_recompiles_after_warmup*-{model}]",
@@ -125,7 +135,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         ),
     )
 
-    def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = 256):
+    def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN):
         super().__init__(spec)
         self.max_cache_len = max_cache_len
         self.compile_config = CompileConfig(backend=compile_backend)
@@ -133,10 +143,14 @@ class HFStaticCompile(_CompiledMixin, HFEager):
 
     def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
         config = super()._generation_config(max_new_tokens)
-        config.cache_implementation = "static"
-        config.max_cache_len = self.max_cache_len
         config.compile_config = self.compile_config
         return config
+
+    def _cache_kwargs(self) -> dict:
+        """A fresh StaticCache of the fixed length per call. Not `cache_implementation="static"`:
+        transformers 5.2 ignores generation_config.max_cache_len there (sizes the cache prompt + new
+        tokens) and reuses one cache across calls (measured by the memory suite)."""
+        return {"past_key_values": StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)}
 
     def _generate(self, prompts, max_new_tokens, processor=None):
         needed = max((len(p) for p in prompts), default=0) + max_new_tokens
@@ -156,6 +170,7 @@ class HFDynamicCompile(_CompiledMixin, HFEager):
         scoring=True,
         kv_cache_bytes=True,
         compiled=True,
+        kv_layout=KVLayout("dynamic"),
         description="transformers generate(), DynamicCache, torch.compile'd forward",
         known_findings=((
             "test_no_recompiles_after_warmup*",
@@ -183,14 +198,3 @@ class _ForceTokens(LogitsProcessor):
         forced = torch.full_like(scores, float("-inf"))
         forced[:, self.tokens[step]] = 0.0
         return forced
-
-
-def _cache_bytes(cache) -> int:
-    """Bytes of the distinct key/value storages held by a transformers Cache."""
-    storages = {}
-    for layer in getattr(cache, "layers", ()):
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-            if isinstance(tensor, torch.Tensor):
-                storage = tensor.untyped_storage()
-                storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())

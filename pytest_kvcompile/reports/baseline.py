@@ -1,0 +1,103 @@
+"""``--kv-baseline=FILE`` with ``--kv-fail-on=latency:10%,memory:5%,recompiles:0``.
+
+Rows of the baseline and of this run are matched by (engine, model, device, dtype). A run
+regresses when, on a matched row:
+
+- ``latency:P%``: the prefill or the decode median grew by more than P percent;
+- ``memory:P%``: the measured KV-cache bytes grew by more than P percent;
+- ``recompiles:N``: compiles after warmup grew by more than N.
+
+A name left out of ``--kv-fail-on`` is not checked. Rows only in one side are listed, never failed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .table import latency_stats
+
+SYNTAX = "latency:10%,memory:5%,recompiles:0"
+PERCENT_NAMES = ("latency", "memory")
+COUNT_NAMES = ("recompiles",)
+
+
+def parse_fail_on(spec: str) -> dict[str, float]:
+    """{name: allowed growth} (percent for latency and memory, a count for recompiles); ValueError naming the syntax."""
+    found: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = (s.strip() for s in part.partition(":"))
+        if not sep or name not in PERCENT_NAMES + COUNT_NAMES:
+            raise ValueError(f"{part!r}: expected NAME:LIMIT with NAME one of {', '.join(PERCENT_NAMES + COUNT_NAMES)}, "
+                             f"e.g. {SYNTAX}")
+        number = value.removesuffix("%") if name in PERCENT_NAMES else value
+        try:
+            limit = float(number) if name in PERCENT_NAMES else int(number)
+        except ValueError:
+            limit = -1
+        if name in PERCENT_NAMES and not value.endswith("%") or limit < 0:
+            wanted = "a percentage such as 10%" if name in PERCENT_NAMES else "a whole number such as 0"
+            raise ValueError(f"{part!r}: {name} takes {wanted}, e.g. {SYNTAX}")
+        found[name] = limit
+    if not found:
+        raise ValueError(f"nothing to check; e.g. {SYNTAX}")
+    return found
+
+
+@dataclass(frozen=True)
+class Change:
+    check: str  # latency, memory, recompiles
+    where: str
+    what: str
+    old: float
+    new: float
+    limit: float
+
+    @property
+    def regressed(self) -> bool:
+        if self.check in PERCENT_NAMES:
+            return self.new > self.old * (1 + self.limit / 100)
+        return self.new - self.old > self.limit
+
+    def line(self) -> str:
+        if self.check in PERCENT_NAMES:
+            growth = f"{(self.new / self.old - 1) * 100:+.1f}%" if self.old else "from zero"
+            allowed = f"+{self.limit:g}%"
+            fmt = "{:.4g}"
+        else:
+            growth, allowed, fmt = f"{self.new - self.old:+g}", f"+{self.limit:g}", "{:g}"
+        return (f"{self.check}: {self.where}: {self.what} {fmt.format(self.old)} -> {fmt.format(self.new)} "
+                f"({growth}, allowed {allowed})")
+
+
+def _numbers(row: dict[str, Any]) -> dict[str, tuple[str, float]]:
+    """check name + what -> value, for the numbers a row has."""
+    found = {}
+    lat = latency_stats(row)
+    if lat:
+        found["latency/prefill"] = ("prefill median ms", lat[0]["median"])
+        found["latency/decode"] = ("decode median ms/token", lat[1]["median"])
+    if row["kv_bytes"]:
+        found["memory/kv"] = ("KV-cache bytes", row["kv_bytes"]["measured"])
+    if row["compiles"]:
+        found["recompiles/after"] = ("compiles after warmup", row["compiles"]["after_warmup"])
+    return found
+
+
+def compare(baseline: dict[str, Any], current: dict[str, Any], fail_on: dict[str, float]) -> tuple[list[Change], list[str]]:
+    """(changes checked per fail_on, notes on rows that could not be matched)."""
+    key = lambda r: (r["engine"], r["model"], r["device"], r["dtype"])  # noqa: E731
+    old_rows = {key(r): r for r in baseline["rows"]}
+    new_rows = {key(r): r for r in current["rows"]}
+    changes, notes = [], []
+    for k in sorted(old_rows.keys() | new_rows.keys()):
+        where = " / ".join(k)
+        if k not in new_rows or k not in old_rows:
+            notes.append(f"{where}: only in the {'baseline' if k in old_rows else 'current run'}")
+            continue
+        old, new = _numbers(old_rows[k]), _numbers(new_rows[k])
+        for name in sorted(old.keys() & new.keys()):
+            check = name.split("/")[0]
+            if check in fail_on:
+                changes.append(Change(check, where, new[name][0], old[name][1], new[name][1], fail_on[check]))
+    return changes, notes

@@ -1,0 +1,111 @@
+"""The results file: versioned JSON, written by ``--kv-report-json`` and read by ``--kv-baseline``
+and ``kvcompile merge``.
+
+Schema (``schema_version`` 1)::
+
+    {"schema_version": 1, "kind": "pytest-kvcompile-results",
+     "runs": [{"started", "python", "platform", "torch", "transformers", "pytest_kvcompile", "device",
+               "device_name", "dtype", "engines", "compile_backend", "max_new_tokens", "options"}, ...],
+     "rows": [{"engine", "model", "device", "dtype",
+               "tests": {"passed": n, "failed": n, "skipped": n, "xfailed": n, "xpassed": n, "error": n},
+               "tokens": {"identical": n, "near_tie": n, "unverified": n, "mismatch": n},
+               "near_ties": [line], "failures": [{"test", "message"}],
+               "compiles": null | {"warmup": n, "after_warmup": n, "reasons": [line]},
+               "kv_bytes": null | {"expected": n | null, "measured": n},
+               "latency": null | {"prompt_len": n, "decode_tokens": n, "timer": str,
+                                  "prefill_ms": [sample], "decode_ms_per_token": [sample],
+                                  "prefill": {"median", "p90"}, "decode": {"median", "p90"}, "tokens_per_s": x}}]}
+
+``latency.prefill``, ``latency.decode`` and ``latency.tokens_per_s`` are derived from the samples for
+readers' convenience and recomputed on load. A run with several ``--kv-engine`` has one row per engine
+and model; merged files list every source run.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from ..results import new_row
+from .table import latency_stats, tokens_per_s
+
+SCHEMA_VERSION = 1
+KIND = "pytest-kvcompile-results"
+_DERIVED = ("prefill", "decode", "tokens_per_s")
+_NESTED = {  # field -> required keys and their types
+    "compiles": {"warmup": int, "after_warmup": int, "reasons": list},
+    "kv_bytes": {"expected": (int, type(None)), "measured": int},
+    "latency": {"prompt_len": int, "decode_tokens": int, "timer": str, "prefill_ms": list, "decode_ms_per_token": list},
+}
+
+
+class ResultsFileError(ValueError):
+    """A results file cannot be used; the message names the file and the problem."""
+
+
+def dumps(results: dict[str, Any]) -> str:
+    rows = []
+    for row in results["rows"]:
+        row = dict(row)
+        found = latency_stats(row)
+        if found:
+            row["latency"] = {**row["latency"], "prefill": found[0], "decode": found[1], "tokens_per_s": tokens_per_s(row)}
+        rows.append(row)
+    return json.dumps({"schema_version": SCHEMA_VERSION, "kind": KIND, "runs": results["runs"], "rows": rows}, indent=1)
+
+
+def load(path: str | Path) -> dict[str, Any]:
+    """Read and validate a results file; ResultsFileError names the file and what is wrong."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except OSError as exc:
+        raise ResultsFileError(f"{path}: cannot read it ({exc.strerror or exc})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResultsFileError(f"{path}: not valid JSON ({exc}); give a file written by --kv-report-json") from None
+    try:
+        return _validated(data)
+    except ValueError as exc:
+        raise ResultsFileError(f"{path}: {exc}") from None
+
+
+def _validated(data: Any) -> dict[str, Any]:
+    if not isinstance(data, dict) or data.get("kind") != KIND:
+        raise ValueError(f"not a pytest-kvcompile results file (expected an object with \"kind\": \"{KIND}\")")
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(f"schema_version {version!r} is not supported (this pytest-kvcompile reads {SCHEMA_VERSION}); "
+                         "re-create the file with this version's --kv-report-json")
+    for key in ("runs", "rows"):
+        if not isinstance(data.get(key), list):
+            raise ValueError(f"missing key {key!r} (a list)")
+    return {"runs": data["runs"], "rows": [_row(row, f"rows[{i}]") for i, row in enumerate(data["rows"])]}
+
+
+def _require(obj: Any, spec: dict[str, Any], where: str) -> None:
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected an object, got {type(obj).__name__}")
+    for key, kind in spec.items():
+        if key not in obj:
+            raise ValueError(f"{where}: missing key {key!r}")
+        if not isinstance(obj[key], kind) or isinstance(obj[key], bool):
+            raise ValueError(f"{where}.{key}: wrong type {type(obj[key]).__name__}")
+
+
+def _row(row: Any, where: str) -> dict[str, Any]:
+    template = new_row("", "", "", "")
+    _require(row, {"engine": str, "model": str, "device": str, "dtype": str, "tests": dict, "tokens": dict,
+                   "near_ties": list, "failures": list}, where)
+    for counts in ("tests", "tokens"):
+        _require(row[counts], dict.fromkeys(template[counts], int), f"{where}.{counts}")
+    found = {key: row[key] for key in template}
+    for field, spec in _NESTED.items():
+        if found[field] is not None:
+            _require(found[field], spec, f"{where}.{field}")
+            found[field] = {k: v for k, v in found[field].items() if k not in _DERIVED}
+    lat = found["latency"]
+    if lat is not None:
+        for key in ("prefill_ms", "decode_ms_per_token"):
+            if not lat[key] or not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in lat[key]):
+                raise ValueError(f"{where}.latency.{key}: expected a non-empty list of numbers")
+    return found

@@ -1,0 +1,71 @@
+"""Cells of the results table, shared by the terminal summary, Markdown and HTML reports."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..results import stats
+
+REFERENCE_ENGINE = "hf-eager"  # latency ratios are given against it when it ran on the same model, device, dtype
+HEADERS = ("engine", "model", "device", "tests", "tokens identical", "near ties", "compiles (warmup / after)",
+           "KV bytes (expected / measured)", "prefill ms (p90)", "decode ms/token (p90)", "tokens/s",
+           f"x {REFERENCE_ENGINE} (prefill / decode)")
+
+
+def latency_stats(row: dict[str, Any]) -> tuple[dict[str, float], dict[str, float]] | None:
+    """(prefill, decode) median/p90 of a row, or None when not measured."""
+    lat = row["latency"]
+    return (stats(lat["prefill_ms"]), stats(lat["decode_ms_per_token"])) if lat else None
+
+
+def tokens_per_s(row: dict[str, Any]) -> float | None:
+    found = latency_stats(row)
+    return 1e3 / found[1]["median"] if found and found[1]["median"] > 0 else None
+
+
+def reference_ratio(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[float, float] | None:
+    """(prefill, decode) median ratios of `row` to REFERENCE_ENGINE on the same model, device and dtype."""
+    mine = latency_stats(row)
+    ref = next((r for r in rows if r["engine"] == REFERENCE_ENGINE and r is not row and r["latency"]
+                and (r["model"], r["device"], r["dtype"]) == (row["model"], row["device"], row["dtype"])), None)
+    if not mine or ref is None:
+        return None
+    theirs = latency_stats(ref)
+    return mine[0]["median"] / theirs[0]["median"], mine[1]["median"] / theirs[1]["median"]
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
+
+
+def cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ...]:
+    """One formatted line of HEADERS for `row` (`rows`: all rows, for the reference ratio)."""
+    tests = ", ".join(f"{n} {name}" for name, n in row["tests"].items() if n) or "-"
+    tokens = row["tokens"]
+    checked = sum(tokens.values())
+    identical = f"{tokens['identical']}/{checked}" if checked else "-"
+    near = str(tokens["near_tie"] + tokens["unverified"]) if checked else "-"
+    comp = row["compiles"]
+    compiles = f"{comp['warmup']} / {comp['after_warmup']}" if comp else "-"
+    kv = row["kv_bytes"]
+    kv_cell = f"{human_bytes(kv['expected'])} / {human_bytes(kv['measured'])}" if kv else "-"
+    lat = latency_stats(row)
+    prefill = f"{lat[0]['median']:.3f} ({lat[0]['p90']:.3f})" if lat else "-"
+    decode = f"{lat[1]['median']:.3f} ({lat[1]['p90']:.3f})" if lat else "-"
+    tps = tokens_per_s(row)
+    ratio = reference_ratio(row, rows)
+    return (row["engine"], row["model"], f"{row['device']} {row['dtype']}", tests, identical, near, compiles, kv_cell,
+            prefill, decode, f"{tps:.1f}" if tps else "-", f"{ratio[0]:.2f} / {ratio[1]:.2f}" if ratio else "-")
+
+
+def text_table(rows: list[dict[str, Any]]) -> list[str]:
+    """A fixed-width table for the terminal."""
+    lines = [HEADERS] + [cells(r, rows) for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(HEADERS))]
+    return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]

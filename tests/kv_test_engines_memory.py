@@ -1,0 +1,53 @@
+"""Engines for the memory checks (suites/test_kv_memory.py): one correct, and one bug each check must catch."""
+
+import torch
+from transformers import DynamicCache
+
+from kv_test_engines import Greedy
+from pytest_kvcompile import Declaration
+from pytest_kvcompile.memory import KVLayout, cache_tensors, held_bytes
+
+
+class DynamicBytes(Greedy):
+    """Correct: a fresh DynamicCache per prompt; kv_cache_bytes() = the storages the last one holds."""
+
+    kv_declaration = Declaration(scoring=True, kv_cache_bytes=True, kv_layout=KVLayout("dynamic"),
+                                 description="test engine: dynamic cache, reports held bytes")
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        self.cache = DynamicCache(config=self.model.config)
+        return super()._run(prompt, steps, forced, cache=self.cache)
+
+    def kv_cache_bytes(self):
+        return held_bytes(cache_tensors(self.cache))
+
+
+class NbytesNotStorage(DynamicBytes):
+    """Bug: counts tensor.nbytes, so a sliding layer's W-1 view of a W-position buffer is counted as W-1."""
+
+    def kv_cache_bytes(self):
+        return sum(t.nbytes for t in cache_tensors(self.cache) if t is not None)
+
+
+class KeepsEveryCache(DynamicBytes):
+    """Bug: every call's cache is kept in a list (reported bytes stay right: only the last cache is counted)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.history = []
+
+    def generate(self, prompts, max_new_tokens):
+        out = super().generate(prompts, max_new_tokens)
+        self.history.append(self.cache)
+        return out
+
+
+class KeepsOutOfWindowKeys(DynamicBytes):
+    """Bug (memory only, tokens stay right): a DynamicCache built without the config keeps every position in
+    sliding layers too; the mask hides the keys that left the window, but they stay in memory."""
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        self.cache = DynamicCache()
+        return Greedy._run(self, prompt, steps, forced, cache=self.cache)

@@ -1,0 +1,140 @@
+"""The eviction reference engines (reference_impls/eviction_engine.py) and their masking oracle
+(reference_impls/eviction.py), on the zoo's tiny Llama with the "eager" compile backend.
+
+- each engine equals its oracle token for token AND holds exactly the positions the oracle
+  leaves unmasked, per layer and KV head, for every prompt of a batch;
+- with a budget no prompt reaches, the eviction oracle is the exact oracle;
+- the project suites pass on the engines, and fail two engines that declare the right strategy
+  but carry a bug (H2O without its recent window, StreamingLLM without sinks);
+- kvpress, where installed, keeps the same sets after prefill.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+import kv_test_engines_eviction as engines  # noqa: E402
+from conftest import run_suites  # noqa: E402
+from pytest_kvcompile import zoo  # noqa: E402
+from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of  # noqa: E402
+from pytest_kvcompile.oracle import HFEagerOracle, oracle_for  # noqa: E402
+from pytest_kvcompile.token_match import assert_tokens_match  # noqa: E402
+from reference_impls import eviction_engine  # noqa: E402
+from reference_impls.eviction import EvictionOracle  # noqa: E402
+
+NEW = 16
+ENGINES = [engines.LastRecent, engines.StreamingLLM, engines.H2O, engines.TOVA]
+
+
+def prompt(length: int) -> list[int]:
+    return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(length)).tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> ModelSpec:
+    path = zoo.checkpoint("llama", tmp_path_factory.mktemp("zoo"))
+    return ModelSpec("llama", path, AutoConfig.from_pretrained(path))
+
+
+@pytest.mark.parametrize("factory", ENGINES, ids=lambda f: f.__name__)
+def test_engine_equals_its_oracle_in_tokens_and_kept_positions(llama, factory):
+    """A batch of lengths 48, 7, 1, 23 (left-padded): every row evicts during prefill or decode."""
+    engine = factory(llama)
+    oracle = oracle_for(declaration_of(factory).strategy, llama)
+    prompts = [prompt(n) for n in (48, 7, 1, 23)]
+    got = engine.generate(prompts, NEW)
+    kept = engine.kept_positions()
+    for row, p in enumerate(prompts):
+        assert_tokens_match(oracle.reference(p, NEW), got[row], engine=factory.__name__, model="llama",
+                            prompt=f"prompt of length {len(p)}")
+        for layer, want in enumerate(oracle.kept(p, NEW)):
+            held = kept[layer][row]
+            assert [h[h >= 0].tolist() for h in held] == want.tolist(), f"row {row} (length {len(p)}), layer {layer}"
+    budget = engine.policy.budget
+    assert all(k.shape[-1] == budget for k in kept)
+    assert engine.kv_cache_bytes() == 2 * len(kept) * 4 * 2 * budget * 16 * 4  # 2 layers, b=4, 2 kv heads, d=16, fp32
+
+
+def test_a_budget_nothing_reaches_is_exact_attention(llama):
+    p = prompt(48)
+    exact = HFEagerOracle(llama).reference(p, NEW)
+    for strategy in (Strategy.of("h2o", heavy=64, recent=64), Strategy.of("tova", budget=64)):
+        got = EvictionOracle(llama, strategy).reference(p, NEW)
+        assert got.tokens == exact.tokens
+        torch.testing.assert_close(got.logits, exact.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_other_architectures_are_not_supported(llama, tmp_path):
+    mistral = ModelSpec("mistral-sw", tmp_path, AutoConfig.for_model("mistral"))
+    with pytest.raises(ModelNotSupported, match="implements Llama only, not 'mistral'"):
+        eviction_engine.StreamingLLM(mistral, compile_backend="eager")
+    with pytest.raises(ModelNotSupported, match="implements Llama only"):
+        EvictionOracle(mistral, Strategy.of("tova", budget=4))
+
+
+def test_the_suites_pass_on_the_h2o_engine(kvtester):
+    """Token identity (alone and batched), zero recompiles, stale state, determinism. (All four engines:
+    the same run with --kv-engine=kv_test_engines_eviction:{LastRecent,StreamingLLM,TOVA} too.)"""
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines_eviction:H2O",
+                        "-k", "token_identity or recompiles or stale_state or determinism")
+    result.assert_outcomes(passed=9)
+    result.stdout.fnmatch_lines(["kv_test_engines_eviction:H2O / llama: 2 warmup compile(s) over 3 call(s), "
+                                 "0 after warmup over * call(s)"])
+
+
+def test_engines_with_a_broken_policy_fail_token_identity(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines_eviction:H2OForgetsRecent",
+                        "--kv-engine=kv_test_engines_eviction:StreamingLLMWithoutSinks",
+                        "-k", "test_token_identity and long48 and not batched")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "*TokenMismatch: engine 'kv_test_engines_eviction:H2OForgetsRecent' diverges from the oracle on model "
+        "'llama', prompt 'long48' (length 48), alone: step * of 16",
+        "*reference: transformers eager Llama, all keys kept, evicted ones masked by h2o(heavy=8, recent=8)",
+    ])
+    result.stdout.fnmatch_lines([
+        "*TokenMismatch: engine 'kv_test_engines_eviction:StreamingLLMWithoutSinks' diverges from the oracle on "
+        "model 'llama', prompt 'long48' (length 48), alone: step * of 16",
+        "*reference: transformers eager Llama, all keys kept, evicted ones masked by streaming_llm(recent=12, sinks=4)",
+    ])
+
+
+def test_kept_sets_after_prefill_match_kvpress(llama):
+    """kvpress compresses once, after prefill, to int(length * (1 - compression_ratio)) entries (integer
+    truncation: we derive our budget from the count it keeps). StreamingLLMPress keeps the first n_sink and
+    the last n_kept - n_sink: the same set as ours. TOVAPress always keeps the last token (its score is
+    padded with the maximum) and ranks the rest by the last token's attention averaged over heads, as we
+    do; we let the last token compete, so ours equals kvpress when the last token is in our top set and
+    otherwise holds kvpress's set minus the last token. kvpress returns keys in position order; we compare sets."""
+    kvpress = pytest.importorskip("kvpress", reason="kvpress is not installed (kvpress 0.5.5 needs transformers<5.3)")
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(llama.path, attn_implementation="eager").eval()
+    p, ratio = prompt(48), 0.6
+    ids = torch.tensor([p])
+    with torch.no_grad():
+        full = DynamicCache(config=model.config)
+        model(ids, past_key_values=full)
+        for press, kind in ((kvpress.StreamingLLMPress(compression_ratio=ratio, n_sink=4), "streaming_llm"),
+                            (kvpress.TOVAPress(compression_ratio=ratio), "tova")):
+            pressed = DynamicCache(config=model.config)
+            with press(model):
+                model(ids, past_key_values=pressed)
+            n_kept = pressed.layers[0].keys.shape[2]
+            assert n_kept == int(len(p) * (1 - ratio))
+            strategy = (Strategy.of("streaming_llm", sinks=4, recent=n_kept - 4) if kind == "streaming_llm"
+                        else Strategy.of("tova", budget=n_kept))
+            ours = EvictionOracle(llama, strategy).kept(p, 1)  # the state right after prefill
+            for layer in range(len(ours)):
+                # which positions kvpress kept: match its keys against the uncompressed ones
+                theirs = torch.cdist(pressed.layers[layer].keys[0], full.layers[layer].keys[0]).argmin(-1)
+                for head in range(theirs.shape[0]):
+                    mine, kv = set(ours[layer][head].tolist()), set(theirs[head].tolist())
+                    if kind == "streaming_llm" or len(p) - 1 in mine:
+                        assert mine == kv, f"{kind}, layer {layer}, kv head {head}"
+                    else:
+                        assert kv - {len(p) - 1} <= mine, f"{kind}, layer {layer}, kv head {head}"

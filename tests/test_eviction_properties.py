@@ -1,0 +1,174 @@
+"""Property tests of the eviction rules (reference_impls/eviction.py) on random score tensors.
+
+No model: each example runs a policy over a random prefill and decode steps whose attention
+weights are random (as the engine does it: candidates = kept + new, score, keep the first
+`budget` in `order`), and checks every step against a brute-force reading of the rule written
+here with plain Python lists.
+
+Profiles: "ci" (default; fixed, derandomized, few examples) and "dev" (HYPOTHESIS_PROFILE=dev).
+"""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pytest_kvcompile.engine import Strategy
+from reference_impls.eviction import EMPTY, H2O, TOVA, LastRecent, StreamingLLM, keep, order, policy_for
+
+settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, database=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("dev", max_examples=1000, deadline=None)
+PROFILE = settings.get_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+KV_HEADS, GROUP = 2, 2
+GAP = 1e-4  # top-k checks skip a step whose reference scores are closer than this at the cut (near ties)
+
+policies = st.one_of(
+    st.builds(LastRecent, st.integers(1, 6)),
+    st.builds(StreamingLLM, st.integers(0, 3), st.integers(1, 4)),
+    st.builds(H2O, st.integers(1, 4), st.integers(1, 4)),
+    st.builds(TOVA, st.integers(1, 6)),
+)
+
+
+def step(policy, pos, score, seen, t, gen):
+    """One forward of t new tokens (positions seen, ..., seen + t - 1) over the kept entries: random
+    causal weights, score, keep. Returns the candidates, their weights [1, kv, group, t, n], the kept
+    positions and scores, and the newest position."""
+    newest = seen + t - 1
+    new = torch.arange(newest - t + 1, newest + 1).expand(1, KV_HEADS, t)
+    cand = torch.cat((pos, new), dim=-1)
+    q_pos = new[0, 0][:, None]
+    visible = (cand[:, :, None, None, :] >= 0) & (cand[:, :, None, None, :] <= q_pos)
+    weights = torch.rand(1, KV_HEADS, GROUP, t, cand.size(-1), generator=gen) * visible
+    weights = weights / weights.sum(-1, keepdim=True)
+    sc = policy.score(F.pad(score, (0, t)), weights, cand)
+    kept = keep(policy, cand, sc, torch.tensor(newest))
+    return cand, weights, cand.gather(-1, kept), sc.gather(-1, kept), newest
+
+
+def reference_keep(policy, cand: list[int], score: dict[int, float], newest: int) -> set[int] | None:
+    """The rule read literally; None when reference scores nearly tie at the cut."""
+    cand = [p for p in cand if p >= 0]
+    if len(cand) <= policy.budget:
+        return set(cand)
+    if isinstance(policy, LastRecent):
+        return set(sorted(cand)[-policy.budget:])
+    if isinstance(policy, StreamingLLM):
+        return {p for p in cand if p < policy.sinks} | set(sorted(cand)[len(cand) - policy.recent:])
+    protected = {p for p in cand if p > newest - policy.recent} if isinstance(policy, H2O) else set()
+    rest = sorted((p for p in cand if p not in protected), key=lambda p: -score[p])
+    slots = policy.budget - len(protected)
+    if 0 < slots < len(rest) and score[rest[slots - 1]] - score[rest[slots]] < GAP:
+        return None
+    return protected | set(rest[:slots])
+
+
+@PROFILE
+@given(policy=policies, prompt=st.integers(1, 12), chunks=st.integers(1, 3), decode=st.integers(0, 8),
+       seed=st.integers(0, 2**31 - 1))
+def test_every_step_keeps_what_the_rule_says(policy, prompt, chunks, decode, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pos = torch.empty(1, KV_HEADS, 0, dtype=torch.long)
+    score = torch.empty(1, KV_HEADS, 0)
+    h2o = [dict() for _ in range(KV_HEADS)]  # brute-force H2O scores: position -> summed weights
+    sizes = [len(c) for c in torch.arange(prompt).chunk(chunks)] + [1] * decode
+    seen = 0
+    for t in sizes:
+        cand, weights, pos, score, newest = step(policy, pos, score, seen, t, gen)
+        seen += t
+        for head in range(KV_HEADS):
+            cands = cand[0, head].tolist()
+            kept = [p for p in pos[0, head].tolist() if p >= 0]
+            # the budget formula, unique and in range
+            assert len(kept) == min(seen, policy.budget)
+            assert len(set(kept)) == len(kept) and all(0 <= p <= newest for p in kept)
+            # protected entries always stay
+            if isinstance(policy, StreamingLLM):
+                assert set(range(min(policy.sinks, seen))) <= set(kept)
+            if isinstance(policy, (StreamingLLM, H2O)):
+                assert set(range(max(0, newest - policy.recent + 1), newest + 1)) <= set(kept)
+            # scores: H2O = brute-force sum of every weight received; TOVA = last query, mean over all heads
+            if isinstance(policy, H2O):
+                for j, p in enumerate(cands):
+                    if p >= 0:
+                        h2o[head][p] = h2o[head].get(p, 0.0) + float(weights[0, head, :, :, j].double().sum())
+                ref = h2o[head]
+            elif isinstance(policy, TOVA):
+                ref = {p: float(weights[0, :, :, -1, j].double().mean()) for j, p in enumerate(cands)}
+            else:
+                ref = {}
+            for p, s in zip(pos[0, head].tolist(), score[0, head].tolist()):
+                if ref and p >= 0:
+                    assert s == pytest.approx(ref[p], abs=1e-5), f"score of position {p}"
+            want = reference_keep(policy, cands, ref, newest)
+            if want is not None:
+                assert set(kept) == want
+            if isinstance(policy, H2O):
+                h2o[head] = {p: h2o[head][p] for p in kept}
+
+
+@PROFILE
+@given(n=st.integers(1, 12), data=st.data())
+def test_order_is_protected_then_score_then_lowest_position(n, data):
+    pos = data.draw(st.permutations(list(range(n))))
+    pos = [EMPTY if data.draw(st.booleans()) and i % 3 == 0 else p for i, p in enumerate(pos)]
+    score = data.draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))  # small integers: many ties
+    protected = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    got = order(torch.tensor(pos), torch.tensor(score, dtype=torch.float), torch.tensor(protected)).tolist()
+    want = sorted(range(n), key=lambda i: (pos[i] < 0, not protected[i], 0 if protected[i] else -score[i], pos[i]))
+    assert [pos[i] for i in got] == [pos[i] for i in want]  # empty slots are interchangeable
+
+
+@PROFILE
+@given(policy=st.one_of(st.builds(LastRecent, st.integers(1, 6)),
+                        st.builds(StreamingLLM, st.integers(0, 3), st.integers(1, 4))),
+       prompt=st.integers(1, 20), chunks=st.integers(2, 4), seed=st.integers(0, 2**31 - 1))
+def test_chunked_prefill_keeps_what_one_shot_keeps_for_position_policies(policy, prompt, chunks, seed):
+    """Position-only rules do not depend on attention: any chunking of the prompt ends with the same set."""
+    gen = torch.Generator().manual_seed(seed)
+    empty = torch.empty(1, KV_HEADS, 0, dtype=torch.long), torch.empty(1, KV_HEADS, 0)
+    one_shot = step(policy, *empty, 0, prompt, gen)[2]
+    pos, score = empty
+    for c in torch.arange(prompt).chunk(chunks):
+        _, _, pos, score, _ = step(policy, pos, score, int(c[0]), len(c), gen)
+    assert torch.equal(pos.sort(-1).values, one_shot.sort(-1).values)
+
+
+@PROFILE
+@given(heavy=st.integers(1, 4), recent=st.integers(1, 4), prompt=st.integers(2, 8), seed=st.integers(0, 2**31 - 1))
+def test_h2o_scores_add_up_over_chunks(heavy, recent, prompt, seed):
+    """Within the budget nothing is evicted, so chunking only splits the sum over queries."""
+    policy = H2O(heavy + prompt, recent)
+    weights = torch.rand(1, KV_HEADS, GROUP, prompt, prompt, generator=torch.Generator().manual_seed(seed)).tril()
+    pos = torch.arange(prompt).expand(1, KV_HEADS, prompt)
+    one_shot = policy.score(torch.zeros(1, KV_HEADS, prompt), weights, pos)
+    split = prompt // 2
+    first = policy.score(torch.zeros(1, KV_HEADS, split), weights[..., :split, :split], pos[..., :split])
+    both = policy.score(F.pad(first, (0, prompt - split)), weights[..., split:, :], pos)
+    torch.testing.assert_close(both, one_shot)
+
+
+@pytest.mark.parametrize("strategy, policy", [
+    (Strategy.of("last_recent", budget=16), LastRecent(16)),
+    (Strategy.of("streaming_llm", sinks=4, recent=12), StreamingLLM(4, 12)),
+    (Strategy.of("h2o", heavy=8, recent=8), H2O(8, 8)),
+    (Strategy.of("tova", budget=16), TOVA(16)),
+])
+def test_strategies_name_their_policy(strategy, policy):
+    assert policy_for(strategy) == policy and policy.strategy == strategy and policy.budget == 16
+
+
+@pytest.mark.parametrize("strategy, message", [
+    (Strategy.of("h2o", heavy=8), "needs exactly the parameters heavy, recent"),
+    (Strategy.of("streaming_llm", sinks=4, recent=0), "recent=0 must be an int >= 1"),
+    (Strategy.of("tova", budget=2.5), "budget=2.5 must be an int"),
+    (Strategy.of("lru", budget=4), "unknown eviction strategy 'lru'; known: last_recent, streaming_llm, h2o, tova"),
+])
+def test_bad_strategies_say_what_to_write(strategy, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        policy_for(strategy)

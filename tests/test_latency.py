@@ -1,0 +1,152 @@
+"""Latency measurement and @pytest.mark.latency_budget: unit checks of the rule and budgets, and real
+runs (pytester subprocesses) with the test engines Instant and Sleepy (tests/kv_test_engines_latency.py).
+No wall-clock absolutes: only side-by-side comparisons of engines whose speed differs by design."""
+
+import pytest
+import torch
+
+from pytest_kvcompile import latency
+from pytest_kvcompile.latency import Budget, Latency, check, parse_spec, validate
+from pytest_kvcompile.results import stats
+
+INSTANT = "kv_test_engines_latency:Instant"
+SLEEPY = "kv_test_engines_latency:Sleepy"
+
+
+def _latency(engine, prefill, decode):
+    return Latency(engine, "llama", 32, 8, "perf_counter", tuple(prefill), tuple(decode))
+
+
+def test_stats_median_and_nearest_rank_p90():
+    assert stats([5, 1, 3, 2, 4]) == {"median": 3, "p90": 5}
+    assert stats(list(range(1, 21))) == {"median": 10.5, "p90": 18}
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({}, "give at least one budget"),
+    ({"prefill_ms": 0}, "prefill_ms must be a number > 0, got 0"),
+    ({"decode_ms_per_token": "5"}, "decode_ms_per_token must be a number > 0, got '5'"),
+    ({"relative_to": "hf-eager"}, "relative_to and factor go together"),
+    ({"factor": 1.1}, "relative_to and factor go together"),
+    ({"relative_to": 3, "factor": 1.1}, "relative_to must be an engine name"),
+    ({"decode_ms": 5}, "got an unexpected keyword argument 'decode_ms'"),
+])
+def test_bad_budget_arguments_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        validate((), kwargs, "here")
+
+
+def test_budget_option_uses_the_marker_keywords():
+    assert parse_spec("relative_to=hf-eager, factor=1.1", "opt") == Budget(relative_to="hf-eager", factor=1.1)
+    assert parse_spec("decode_ms_per_token=5,prefill_ms=40", "opt") == Budget(prefill_ms=40.0, decode_ms_per_token=5.0)
+    with pytest.raises(ValueError, match="'factor' is not NAME=VALUE"):
+        parse_spec("relative_to=x,factor", "opt")
+    with pytest.raises(ValueError, match="prefill_ms='fast' is not a number"):
+        parse_spec("prefill_ms=fast", "opt")
+
+
+def test_absolute_budgets_are_enforced_only_when_asked_and_relative_always():
+    fast, slow = _latency("fast", [1, 1, 1], [0.5, 0.5, 0.5]), _latency("slow", [3, 3, 3], [2, 2, 2])
+    absolute = Budget(prefill_ms=2, decode_ms_per_token=1)
+    assert check(absolute, fast, None, enforce_absolute=True) == ([], [])
+    failures, unenforced = check(absolute, slow, None, enforce_absolute=False)
+    assert failures == [] and unenforced == ["prefill median 3.000 ms > budget 2 ms",
+                                             "decode median 2.000 ms/token > budget 1 ms/token"]
+    assert check(absolute, slow, None, enforce_absolute=True) == (unenforced, [])
+    relative = Budget(relative_to="fast", factor=1.5)
+    failures, _ = check(relative, slow, fast, enforce_absolute=False)
+    assert failures == ["prefill median 3.000 ms is 3.00 x 'fast' (1.000), budget 1.5 x",
+                        "decode median 2.000 ms/token is 4.00 x 'fast' (0.500), budget 1.5 x"]
+    assert check(Budget(relative_to="slow", factor=1.0), fast, slow, enforce_absolute=False) == ([], [])
+
+
+def test_cpu_timer_is_perf_counter():
+    assert latency.timer_for("cpu")[0] == "perf_counter"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a CUDA device (none here)")
+def test_cuda_timer_uses_cuda_events():
+    name, time_ms = latency.timer_for("cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+    assert name == "cuda-events"
+    one, ten = time_ms(lambda: x @ x), time_ms(lambda: [x @ x for _ in range(10)])
+    assert ten > one > 0  # side by side: ten matmuls take longer than one
+
+
+def test_cuda_timer_skips_cleanly_without_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(pytest.skip.Exception, match="latency on device 'cuda' needs CUDA"):
+        latency.timer_for("cuda")
+
+
+BUDGETS = f'''
+import pytest
+
+
+@pytest.mark.latency_budget(relative_to="{INSTANT}", factor=1.5)
+def test_vs_instant(kv_engine, kv_latency):
+    kv_latency.measure(kv_engine)
+
+
+@pytest.mark.latency_budget(relative_to="{SLEEPY}", factor=1.0)
+def test_vs_sleepy(kv_engine, kv_latency):
+    kv_latency.measure(kv_engine)
+
+
+@pytest.mark.latency_budget(relative_to="no-such-engine", factor=1.1)
+def test_vs_unknown(kv_engine, kv_latency):
+    kv_latency.measure(kv_engine)
+
+
+@pytest.mark.latency_budget(decode_ms_per_token=0.001)
+def test_absolute(kv_engine, kv_latency):
+    kv_latency.measure(kv_engine)
+'''
+
+BAD_MARKERS = '''
+import pytest
+
+
+@pytest.mark.latency_budget(factor=2)
+def test_bad(kv_engine, kv_latency):
+    pass
+'''
+
+
+def test_relative_budget_fails_the_slow_engine_and_passes_the_fast_one(kvtester):
+    kvtester.makepyfile(test_budgets=BUDGETS)
+    result = kvtester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama", f"--kv-engine={INSTANT}",
+        f"--kv-engine={SLEEPY}", "--kv-latency-repeats=3", "-rf")
+    result.assert_outcomes(passed=5, failed=3)
+    result.stdout.fnmatch_lines([
+        f"engine '{SLEEPY}' on model 'llama' (cpu, float32) is over its latency budget:",
+        f"  prefill median * ms is * '{INSTANT}' (*), budget 1.5 x",
+        f"  decode median * ms/token is * '{INSTANT}' (*), budget 1.5 x",
+    ])
+    result.stdout.fnmatch_lines(["latency budget relative_to='no-such-engine': unknown engine 'no-such-engine'*"] * 2)
+    result.stdout.fnmatch_lines([f"FAILED test_budgets.py::test_vs_unknown[[]{INSTANT}-llama]*",
+                                 f"FAILED test_budgets.py::test_vs_instant[[]{SLEEPY}-llama]*",
+                                 f"FAILED test_budgets.py::test_vs_unknown[[]{SLEEPY}-llama]*"])
+    # absolute budgets on CPU: recorded and listed, not enforced (Sleepy only: Instant is within 0.001 ms)
+    result.stdout.fnmatch_lines([f"*kvcompile: {latency.NOT_ENFORCED} (1)*",
+                                 f"engine '{SLEEPY}' on model 'llama' (cpu, float32): decode median * > budget 0.001 ms/token"])
+
+
+def test_enforced_absolute_budget_and_bad_marker_arguments(kvtester):
+    kvtester.makepyfile(test_budgets=BUDGETS, test_bad_markers=BAD_MARKERS)
+    result = kvtester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama", f"--kv-engine={SLEEPY}",
+        "--kv-latency-repeats=1", "--kv-enforce-latency", "-k", "absolute or bad", "--continue-on-collection-errors")
+    result.assert_outcomes(failed=1, errors=1)
+    result.stdout.fnmatch_lines([
+        "*test_bad_markers.py::test_bad*: @pytest.mark.latency_budget(factor=2): relative_to and factor go together*",
+        "*decode median * ms/token > budget 0.001 ms/token",
+    ])
+    assert "Traceback" not in result.stdout.str()
+
+
+def test_bad_budget_option_is_a_usage_error(kvtester):
+    result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "--kv-latency-budget=factor=2")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-latency-budget='factor=2': relative_to and factor go together*"])

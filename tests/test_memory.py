@@ -1,0 +1,195 @@
+"""pytest_kvcompile.memory: held bytes, the KVLayout footprint formulas against transformers' own caches,
+and the memory suite (suites/test_kv_memory.py) failing broken engines (tests/kv_test_engines_memory.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
+
+from conftest import run_suites
+from pytest_kvcompile import zoo
+from pytest_kvcompile.memory import KVLayout, cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
+
+NEW_TOKENS = 5
+MAX_CACHE_LEN = 40
+
+
+# --------------------------------------------------------------------------- held_bytes
+
+
+def test_a_view_holds_its_whole_base():
+    base = torch.zeros(1, 2, 8, 16)  # 256 floats: 1,024 bytes
+    window = base[:, :, 1:]  # the W-1 positions a sliding layer keeps
+    assert window.nbytes == 896 and held_bytes([window]) == 1024
+
+
+def test_a_shared_storage_counts_once_and_distinct_ones_add_up():
+    k = torch.zeros(2, 3)
+    assert held_bytes([k, k.view(3, 2), k[0], None]) == 24
+    assert held_bytes([k, torch.zeros(2, 3)]) == 48
+
+
+def test_unallocated_and_meta_tensors_hold_nothing():
+    assert held_bytes([None, torch.empty(4, 4, device="meta"), torch.empty(0)]) == 0
+
+
+def test_live_tensor_bytes_sees_new_tensors():
+    before = live_tensor_bytes()
+    kept = [torch.zeros(1000) for _ in range(3)]
+    assert live_tensor_bytes() - before >= 12000
+    del kept
+
+
+# --------------------------------------------------------------------------- KVLayout
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(kind="paged"), "KVLayout kind 'paged' is unknown; write KVLayout(\"dynamic\"), *"),
+    (dict(kind="static"), "*max_cache_len is required for kind 'static' and only there*"),
+    (dict(kind="dynamic", budget=8), "*budget is required for kind 'budget' and only there*"),
+    (dict(kind="budget", budget=0), "*budget must be an int >= 1, got 0"),
+    (dict(window_offset=1), "*window_offset must be -1 (W-1 positions) or 0 (W), got 1"),
+    (dict(rows=0), "*rows must be an int >= 1, got 0"),
+])
+def test_bad_layouts_name_the_fix(kwargs, message):
+    with pytest.raises(ValueError) as info:
+        KVLayout(**kwargs)
+    assert info.match(message.replace("(", r"\(").replace(")", r"\)").replace("*", ".*"))
+
+
+def test_positions_per_kind():
+    assert KVLayout().positions(22, None) == (22, "T=22")
+    assert KVLayout().positions(22, 8) == (8, "min(T=22, W=8)")
+    assert KVLayout(window_offset=-1).positions(5, 8) == (5, "min(T=5, W-1=7)")
+    assert KVLayout("static", max_cache_len=256).positions(22, 8) == (8, "min(max_cache_len=256, W=8)")
+    assert KVLayout("budget", budget=16).positions(22, None) == (16, "min(T=22, budget=16)")
+
+
+def test_fixed_rows():
+    llama = zoo.ZOO["llama"].build_config()
+    one, padded = (expected_kv_bytes(KVLayout("static", max_cache_len=64, rows=rows), llama, torch.float32, 1, 7, 4)
+                   for rows in (None, 4))
+    assert (one.rows, padded.rows, padded.total) == (1, 4, 4 * one.total)
+
+
+def test_footprint_needs_a_decode_step():
+    with pytest.raises(ValueError, match="new_tokens >= 2"):
+        expected_kv_bytes(KVLayout(), zoo.ZOO["llama"].build_config(), torch.float32, 1, 7, 1)
+
+
+# --------------------------------------------------------------------------- the formulas vs transformers' caches
+
+
+def _gemma4_wide_global():
+    """gemma4-kvshared with global layers of their own geometry (head_dim 32, 1 KV head)."""
+    config = zoo.ZOO["gemma4-kvshared"].build_config()
+    kwargs = {k: v for k, v in config.to_dict().items() if k != "per_layer_config"}
+    return type(config)(**{**kwargs, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True})
+
+
+CONFIGS = {name: zoo.ZOO[name].build_config for name in zoo.ZOO} | {"gemma4-wide-global": _gemma4_wide_global}
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def model(request):
+    try:
+        config = CONFIGS[request.param]()
+    except zoo.ModelUnavailable as exc:
+        pytest.skip(str(exc))
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@torch.inference_mode()
+def _decode(model, cache, lengths: list[int]):
+    """Left-padded prefill of prompts of these lengths, then NEW_TOKENS - 1 decode steps (generate's forwards)."""
+    width = max(lengths)
+    mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
+    ids = torch.randint(0, 256, mask.shape)
+    for _ in range(NEW_TOKENS - 1):
+        ids = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        mask = torch.cat((mask, torch.ones_like(ids)), dim=1)
+    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+
+
+@pytest.mark.parametrize("lengths", [[3], [7, 1, 20, 9]], ids=str)  # T below the window; a padded batch above it
+@pytest.mark.parametrize("kind", ["dynamic", "static"])
+def test_formula_equals_what_transformers_caches_hold(model, kind, lengths):
+    config = model.config
+    if kind == "dynamic":
+        cache, layout = DynamicCache(config=config), KVLayout()
+    else:
+        cache, layout = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN), KVLayout("static", max_cache_len=MAX_CACHE_LEN)
+        assert held_bytes(cache_tensors(cache)) == 0  # allocated lazily, at the first forward
+    _decode(model, cache, lengths)
+    footprint = expected_kv_bytes(layout, config, torch.float32, len(lengths), max(lengths), NEW_TOKENS)
+    assert held_bytes(cache_tensors(cache)) == footprint.total, footprint.explain()
+
+
+def test_sliding_layer_holds_more_than_its_nbytes():
+    """The measurement behind held_bytes: the kept W-1 positions are a view of a W-position buffer."""
+    config = zoo.ZOO["mistral-sw"].build_config()
+    torch.manual_seed(0)
+    cache = DynamicCache(config=config)
+    _decode(AutoModelForCausalLM.from_config(config).eval(), cache, [20])
+    tensors = cache_tensors(cache)
+    window = config.sliding_window
+    assert [t.shape[-2] for t in tensors] == [window - 1] * 4
+    assert held_bytes(tensors) == sum(t.nbytes for t in tensors) * window // (window - 1)
+
+
+def test_per_layer_geometry():
+    footprint = expected_kv_bytes(KVLayout(), _gemma4_wide_global(), torch.float32, 1, 10, 4)
+    assert [(t.kv_heads, t.head_dim) for t in footprint.layers] == [(2, 16), (1, 32), (2, 16), (1, 32)]
+
+
+def test_shared_kv_layers_hold_nothing():
+    footprint = expected_kv_bytes(KVLayout(), zoo.ZOO["gemma4-kvshared"].build_config(), torch.bfloat16, 2, 10, 4)
+    assert [(t.kind, t.positions) for t in footprint.layers] == [("sliding", 8), ("full", 13), ("shared", 0), ("shared", 0)]
+    assert footprint.total == 2 * (8 + 13) * 2 * 2 * 16 * 2
+    assert "layer 2 (shared KV): 0" in footprint.explain()
+
+
+# --------------------------------------------------------------------------- the suite on test engines
+
+ENGINES = ("DynamicBytes", "NbytesNotStorage", "KeepsOutOfWindowKeys", "KeepsEveryCache")
+
+
+def test_memory_suite_passes_correct_and_fails_broken_engines(kvtester):
+    result = run_suites(
+        kvtester, *(f"--kv-engine=kv_test_engines_memory:{e}" for e in ENGINES), "--kv-zoo=mistral-sw",
+        "-k", "kv_memory and (DynamicBytes or ((NbytesNotStorage or KeepsOutOfWindowKeys) and long48) or "
+              "(KeepsEveryCache and growth))",
+    )
+    # DynamicBytes: its 6 prompts and the growth check pass; its batched check skips (it does not batch).
+    result.assert_outcomes(passed=7, failed=3, skipped=1)
+    result.stdout.fnmatch_lines([
+        "FAILED *test_no_memory_growth?kv_test_engines_memory:KeepsEveryCache-mistral-sw*",
+        "FAILED *test_kv_cache_bytes?kv_test_engines_memory:NbytesNotStorage-mistral-sw-long48*",
+        "FAILED *test_kv_cache_bytes?kv_test_engines_memory:KeepsOutOfWindowKeys-mistral-sw-long48*",
+    ])
+    result.stdout.fnmatch_lines([
+        "engine 'kv_test_engines_memory:KeepsOutOfWindowKeys' on model 'mistral-sw', prompt 'long48' alone, 16 new "
+        "tokens: kv_cache_bytes() = 32,256 B (31.5 KiB) but its declared KVLayout('dynamic') holds 4,096 B (4.0 KiB) "
+        "(+28,160 B)",
+        "*hint: the count matches sliding layers holding all T=63 positions: the engine keeps keys that left the "
+        "window (masked, never read again)*",
+    ])
+    result.stdout.fnmatch_lines([
+        "engine 'kv_test_engines_memory:NbytesNotStorage' on model 'mistral-sw', prompt 'long48' alone, 16 new "
+        "tokens: kv_cache_bytes() = 3,584 B (3.5 KiB) but its declared KVLayout('dynamic') holds 4,096 B (4.0 KiB) (-512 B)",
+        "KVLayout('dynamic'), T = width 48 + new_tokens 16 - 1 = 63; bytes = rows x positions x 2 (K,V) x kv_heads x "
+        "head_dim x dtype bytes",
+        "  layer 0 (sliding): 1 x 8 [min(T=63, W=8)] x 2 x 2 x 16 x 4 = 2048",
+        "  layer 1 (sliding): 1 x 8 [min(T=63, W=8)] x 2 x 2 x 16 x 4 = 2048",
+        "  total: 4096",
+        "  hint: the count matches KVLayout('dynamic', window_offset=-1), sliding layers holding W-1 positions, not W.*"
+        "count storages with pytest_kvcompile.memory.held_bytes, not tensor.nbytes*",
+    ], consecutive=True)
+    result.stdout.fnmatch_lines([
+        "engine 'kv_test_engines_memory:KeepsEveryCache' on model 'mistral-sw': memory grows over 3 repeated identical "
+        "calls generate(<1 prompt(s) of lengths [[]48[]]>, 16)",
+        "  live tensor bytes: 4,112 B (4.0 KiB) after 1 warmup call(s), then +4,112 B, +4,112 B, +4,112 B per call",
+        "  hint: generate() keeps something per call (caches or outputs appended to a list*",
+    ], consecutive=True)

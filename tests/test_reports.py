@@ -1,0 +1,185 @@
+"""Run results and reports: files written by real runs (pytester subprocesses, also under -n 2), the
+baseline comparison, corrupt result files, rendering, and ``kvcompile merge``.
+
+Engines: kv_test_engines:Greedy (correct, runs the tiny Llama), and kv_test_engines_latency:Instant
+(answers zeros at once: token identity fails on it) and Sleepy (sleeps per token)."""
+
+import json
+
+import pytest
+
+from conftest import run_suites
+from pytest_kvcompile import cli
+from pytest_kvcompile.reports import baseline, html, json_file, markdown
+from pytest_kvcompile.reports.json_file import SCHEMA_VERSION, ResultsFileError
+from pytest_kvcompile.results import Collector, merge
+
+GREEDY = "kv_test_engines:Greedy"
+INSTANT = "kv_test_engines_latency:Instant"
+SLEEPY = "kv_test_engines_latency:Sleepy"
+OPTS = ("-p", "no:benchmark", "--kv-latency-repeats=3")
+LATENCY = "test_latency and not benchmark"
+FAIL_ON = "--kv-fail-on=latency:10%,memory:5%,recompiles:0"
+
+
+def _rows(path):
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION and data["kind"] == json_file.KIND
+    return data, {row["engine"]: row for row in data["rows"]}
+
+
+def test_reports_are_written(kvtester):
+    out = kvtester.path
+    result = run_suites(kvtester, f"--kv-engine={GREEDY}", f"--kv-engine={INSTANT}", *OPTS,
+                        "-k", f"({LATENCY}) or (test_token_identity and short7)",
+                        f"--kv-report-json={out / 'r.json'}", f"--kv-report-md={out / 'r.md'}",
+                        f"--kv-report-html={out / 'r.html'}")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*kvcompile: results per engine and model*", "engine * model * device * tests*",
+                                 f"{GREEDY} * llama * cpu float32 * 2 passed * 1/1 *"])
+    data, rows = _rows(out / "r.json")
+    run = data["runs"][0]
+    assert run["engines"] == [GREEDY, INSTANT] and run["device"] == "cpu" and run["torch"] and run["transformers"]
+    greedy, instant = rows[GREEDY], rows[INSTANT]
+    assert greedy["tests"]["passed"] == 2 and greedy["tokens"]["identical"] == 1 and greedy["kv_bytes"] is None
+    assert instant["tests"] == {**instant["tests"], "passed": 1, "failed": 1} and instant["tokens"]["mismatch"] == 1
+    assert "TokenMismatch" in instant["failures"][0]["message"]
+    assert instant["kv_bytes"] == {"expected": None, "measured": (32 + 1 + 8) * 64}
+    for row in (greedy, instant):
+        assert len(row["latency"]["prefill_ms"]) == 3 and set(row["latency"]["decode"]) == {"median", "p90"}
+    md = (out / "r.md").read_text().splitlines()
+    assert md[0] == "## pytest-kvcompile results"
+    assert any(line.startswith(f"| {GREEDY} | llama | cpu float32 | 2 passed | 1/1 |") for line in md)
+    assert any(line.startswith(f"| {INSTANT} | llama | cpu float32 | 1 passed, 1 failed | 0/1 |") for line in md)
+    page = (out / "r.html").read_text()
+    for engine in (GREEDY, INSTANT):
+        section = page.split(f'<section class="engine" id="engine-{engine}">')[1].split("</section>")[0]
+        assert "<table>" in section and section.count("<svg") == 2, engine
+
+
+def test_xdist_workers_merge_and_baseline_regression_fails_the_run(kvtester):
+    out = kvtester.path
+    old = json.loads(json_file.dumps(_hand_made_baseline()))
+    (out / "baseline.json").write_text(json.dumps(old))
+    result = run_suites(kvtester, f"--kv-engine={SLEEPY}", f"--kv-engine={INSTANT}", *OPTS, "-n", "2", "-k", LATENCY,
+                        f"--kv-report-json={out / 'r.json'}",
+                        f"--kv-baseline={out / 'baseline.json'}", FAIL_ON)
+    result.assert_outcomes(passed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # every test passed: the regressions fail the run
+    result.stdout.fnmatch_lines([
+        "*kvcompile: 3 regression(s) vs baseline *baseline.json (3 number(s) compared)*",
+        f"memory: {INSTANT} / llama / cpu / float32: KV-cache bytes 1 -> 2624 (+262300.0%, allowed +5%)",
+        f"latency: {SLEEPY} / llama / cpu / float32: decode median ms/token 1e-06 -> * (+*%, allowed +10%)",
+        f"latency: {SLEEPY} / llama / cpu / float32: prefill median ms 1e-06 -> * (+*%, allowed +10%)",
+        "not compared: gone-engine / llama / cpu / float32: only in the baseline",
+    ])
+    _, rows = _rows(out / "r.json")  # the controller merged what the workers measured
+    assert sorted(rows) == [INSTANT, SLEEPY]
+    assert all(row["tests"]["passed"] == 1 and len(row["latency"]["prefill_ms"]) == 3 for row in rows.values())
+
+
+def test_corrupt_baseline_is_a_usage_error(kvtester):
+    bad = kvtester.path / "bad.json"
+    bad.write_text('{"schema_version": 1,')
+    result = run_suites(kvtester, f"--kv-engine={INSTANT}", f"--kv-baseline={bad}", FAIL_ON)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"ERROR: --kv-baseline: {bad}: not valid JSON (*); give a file written by --kv-report-json"])
+    assert "Traceback" not in result.stderr.str() + result.stdout.str()
+
+
+def _collector(device="cpu", scale=1.0):
+    found = Collector(device, "float32")
+    latency = {"prompt_len": 32, "decode_tokens": 8, "timer": "perf_counter"}
+    found.add("hf-eager", "llama", tests={"passed": 3}, tokens={"identical": 3},
+              latency={**latency, "prefill_ms": [2.0 * scale], "decode_ms_per_token": [1.0 * scale]})
+    found.add("my-engine", "llama", tests={"passed": 2, "failed": 1}, tokens={"identical": 1, "near_tie": 1},
+              near_ties=["my-engine / llama / short7 (alone): near tie at step 2"],
+              failures=[{"test": "suites/test_recompiles.py::x", "message": "recompiled after warmup"}],
+              compiles={"warmup": 2, "after_warmup": 1, "reasons": ["recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7"]},
+              kv_bytes={"expected": 4096, "measured": 8192},
+              latency={**latency, "prefill_ms": [3.0 * scale], "decode_ms_per_token": [0.5 * scale]})
+    return {"runs": [{"device": device, "engines": ["hf-eager", "my-engine"]}], "rows": found.as_dict()["rows"]}
+
+
+def _hand_made_baseline():
+    """A baseline in which Sleepy was impossibly fast and Instant's KV cache tiny."""
+    found = Collector("cpu", "float32")
+    found.add(SLEEPY, "llama", latency={"prompt_len": 32, "decode_tokens": 8, "timer": "perf_counter",
+                                        "prefill_ms": [1e-6], "decode_ms_per_token": [1e-6]})
+    found.add(INSTANT, "llama", kv_bytes={"expected": None, "measured": 1})
+    found.add("gone-engine", "llama", compiles={"warmup": 1, "after_warmup": 0, "reasons": []})
+    return {"runs": [], "rows": found.as_dict()["rows"]}
+
+
+def test_markdown_and_html_show_every_column():
+    results = _collector()
+    md = markdown.render(results)
+    assert "| my-engine | llama | cpu float32 | 2 passed, 1 failed | 1/2 | 1 | 2 / 1 | 4.0 KiB / 8.0 KiB | 3.000 (3.000) " \
+           "| 0.500 (0.500) | 2000.0 | 1.50 / 0.50 |" in md
+    assert "- recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7" not in md  # listed with the engine
+    assert "- my-engine / llama: recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7" in md
+    page = html.render(results)
+    assert page.count('<section class="engine"') == 2 and page.count("<svg") == 2 * 2 + 1  # + decode by engine
+    assert "guard failed: L[&#x27;x&#x27;].size()[1] == 7" in page
+
+
+@pytest.mark.parametrize("spec", ["latency:10", "memory:-5%", "recompiles:1%", "speed:10%", "latency"])
+def test_bad_fail_on_names_the_syntax(spec):
+    with pytest.raises(ValueError, match="latency:10%,memory:5%,recompiles:0"):
+        baseline.parse_fail_on(spec)
+
+
+def test_baseline_compare_lists_moved_numbers():
+    old, new = _collector(), _collector(scale=1.2)
+    new["rows"][1]["compiles"] = {**new["rows"][1]["compiles"], "after_warmup": 3}
+    changes, notes = baseline.compare(old, new, baseline.parse_fail_on("latency:25%,recompiles:1"))
+    assert [c.line() for c in changes if c.regressed] == [
+        "recompiles: my-engine / llama / cpu / float32: compiles after warmup 1 -> 3 (+2, allowed +1)"]
+    assert len(changes) == 5 and notes == []
+
+
+@pytest.mark.parametrize(("content", "problem"), [
+    ("not json", "not valid JSON"),
+    ('{"kind": "pytest-kvcompile-results", "schema_version": 99, "runs": [], "rows": []}', "schema_version 99 is not supported"),
+    ('{"kind": "pytest-kvcompile-results", "schema_version": 1, "runs": []}', "missing key 'rows'"),
+    ('{"kind": "pytest-kvcompile-results", "schema_version": 1, "runs": [], "rows": [{"engine": "e"}]}',
+     "rows\\[0\\]: missing key 'model'"),
+    ('{"schema_version": 1}', "not a pytest-kvcompile results file"),
+])
+def test_corrupt_results_files_name_the_file_and_problem(tmp_path, capsys, content, problem):
+    path = tmp_path / "results.json"
+    path.write_text(content)
+    with pytest.raises(ResultsFileError, match=f"{path}: {problem}"):
+        json_file.load(path)
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["merge", str(path), "-o", str(tmp_path / "out.html")])
+    assert exc.value.code == 2
+    assert f"kvcompile: error: {path}: " in capsys.readouterr().err
+
+
+def test_merge_cli_joins_a_cpu_and_a_gpu_job(tmp_path, capsys):
+    cpu, gpu, again = tmp_path / "cpu.json", tmp_path / "gpu.json", tmp_path / "again.json"
+    cpu.write_text(json_file.dumps(_collector("cpu")))
+    gpu.write_text(json_file.dumps(_collector("cuda:0", scale=0.1)))
+    again.write_text(json_file.dumps(_collector("cpu", scale=3)))
+    for name in ("report.html", "report.md", "report.json"):
+        assert cli.main(["merge", str(cpu), str(gpu), str(again), "-o", str(tmp_path / name)]) == 0
+    merged = json_file.load(tmp_path / "report.json")
+    assert len(merged["runs"]) == 3 and len(merged["rows"]) == 4  # 2 engines x (cpu, cuda:0)
+    cpu_row = next(r for r in merged["rows"] if r["engine"] == "my-engine" and r["device"] == "cpu")
+    assert cpu_row["tests"]["passed"] == 4 and cpu_row["latency"]["prefill_ms"] == [3.0, 9.0]  # samples pooled
+    assert "| my-engine | llama | cuda:0 float32 |" in (tmp_path / "report.md").read_text()
+    assert (tmp_path / "report.html").read_text().count('<section class="engine"') == 2
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["merge", str(cpu), "-o", str(tmp_path / "report.txt")])
+    assert exc.value.code == 2 and "unknown report format '.txt'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0 and "merge" in capsys.readouterr().out
+
+
+def test_merging_different_latency_protocols_is_refused():
+    a, b = _collector(), _collector()
+    b["rows"][0]["latency"]["prompt_len"] = 64
+    with pytest.raises(ValueError, match="hf-eager / llama / cpu / float32: latency measured with different protocols"):
+        merge([a, b])
