@@ -1,10 +1,11 @@
-"""``kvcompile``: work with result files written by ``pytest --kv-report-json``.
+"""``kvcompile``: merge result files, and check an engine in a virtual environment of its own.
 
     kvcompile merge cpu.json gpu.json -o report.html   # also -o report.md / report.json, by extension
+    kvcompile check-engine vllm                        # venv + install + suites + reports
 
-merges the results of separate runs (``-n`` workers written apart, a CPU job and a GPU job) into
-one report. A file that is not valid JSON, has another ``schema_version`` or misses keys is an
-error naming the file and the problem (exit status 2).
+`merge` joins the results of separate runs (``-n`` workers written apart, a CPU job and a GPU job)
+into one report. A file that is not valid JSON, has another ``schema_version`` or misses keys is an
+error naming the file and the problem (exit status 2). `check-engine`: see check_engine.py.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from . import check_engine
 from .reports import WRITERS, write
 from .reports.json_file import ResultsFileError, load
 from .results import MergeError, merge
@@ -27,12 +29,33 @@ def _parser() -> argparse.ArgumentParser:
     merge_cmd.add_argument("inputs", nargs="+", metavar="RESULTS.json", help="files written by --kv-report-json")
     merge_cmd.add_argument("-o", "--output", required=True, metavar="FILE",
                            help=f"the merged report; its format follows the extension: {', '.join(WRITERS)}")
+    check = commands.add_parser(
+        "check-engine", help="run the suites on an engine in a virtual environment of its own",
+        description="Create (or reuse) a venv, install torch, the engine and this project, run the conformance "
+        "suites on the engine and write JSON and Markdown reports. Arguments after -- go to pytest.")
+    check.add_argument("engines", nargs="+", metavar="NAME", help="engine NAME(s) sharing one environment")
+    check.add_argument("--venv", type=Path, help="the venv directory (default: .kvcompile-venvs/NAME)")
+    check.add_argument("--install", action="append", default=[], metavar="SPEC",
+                       help="extra pip requirement (repeatable); required for engines without a built-in recipe")
+    check.add_argument("--out", type=Path, default=Path("reports"), help="where the reports go (default: reports/)")
+    check.add_argument("--recreate", action="store_true", help="delete the venv first")
+    check.add_argument("--system-site-packages", action="store_true",
+                       help="let the venv see this environment's packages (faster when the engine's pins allow)")
+    check.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []
+    args = parser.parse_args(argv[: len(argv) - len(pytest_args) - (1 if "--" in argv else 0)])
+    if args.command == "check-engine":
+        try:
+            return check_engine.run(args.engines, args.venv, args.out, args.install, pytest_args, args.recreate,
+                                    args.system_site_packages, args.dry_run)
+        except check_engine.CheckEngineError as exc:
+            parser.error(str(exc))
     output = Path(args.output)
     if output.suffix.lower() not in WRITERS:
         parser.error(f"-o {args.output}: unknown report format {output.suffix!r}; end the name in one of {', '.join(WRITERS)}")

