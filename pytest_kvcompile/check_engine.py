@@ -8,8 +8,8 @@ each gets its own venv. The steps, each printed before it runs:
 3. ``pip install <the engine's packages> <this project>[test]`` in one resolver run (the recipe in
    `engine_envs.py` for built-in engines, ``--install SPEC`` for any other);
 4. ``pip uninstall`` what the recipe says breaks the environment;
-5. ``pytest --pyargs pytest_kvcompile.suites --kv-engine=NAME ...`` with the recipe's environment,
-   writing ``OUT/NAME.json`` and ``OUT/NAME.md``. The exit status is pytest's.
+5. ``pytest --pyargs pytest_kvcompile.suites --kv-engine=NAME ...`` with the recipe's environment
+   and options (vLLM: ``--kv-zoo-head-dim=32``), then the user's (after ``--``), writing ``OUT/NAME.json`` and ``OUT/NAME.md``. The exit status is pytest's.
 """
 
 from __future__ import annotations
@@ -82,7 +82,8 @@ def plan(names: list[str], venv: Path, out: Path, extra: list[str], pytest_args:
     stem = safe_name(names[0])
     report = [f"--kv-report-json={out / (stem + '.json')}", f"--kv-report-md={out / (stem + '.md')}"]
     commands.append([python, "-m", "pytest", "--pyargs", "pytest_kvcompile.suites",
-                     *(f"--kv-engine={name}" for name in names), *report, "-p", "no:cacheprovider", *pytest_args])
+                     *(f"--kv-engine={name}" for name in names), *report, "-p", "no:cacheprovider", *recipe.pytest_args,
+                     *pytest_args])
     env = {"HF_HUB_OFFLINE": "1", **recipe.env}
     return commands, env, recipe.note
 

@@ -222,12 +222,17 @@ def _frame_compile(
 ) -> dict[str, Any]:
     if not isinstance(metrics, dict) or not all(key in metrics for key in _METRICS_FIELDS):
         raise _broken(f"{FRAME_COMPILE} trace record lacks some of {', '.join(_METRICS_FIELDS)}")
-    compile_id = str(metrics["compile_id"])
+    compile_id = str(metrics["compile_id"]) if metrics["compile_id"] is not None else "(no id)"
     if not reasons and metrics["recompile_reason"]:
         reasons = [metrics["recompile_reason"]]  # no artifact: torch's first reason only
     split = [_split_reason(r) for r in reasons]
     name = metrics["co_name"]
-    frame = f"{name} ({metrics['co_filename']}:{metrics['co_firstlineno']})" if name else _frame_name(compile_id, earlier)
+    if name:
+        frame = f"{name} ({metrics['co_filename']}:{metrics['co_firstlineno']})"
+    elif metrics["compile_id"] is None:  # torch records neither for torch._dynamo.aot_compile (vLLM uses it)
+        frame = "an AOT-compiled function (torch._dynamo.aot_compile; torch records no frame name)"
+    else:
+        frame = _frame_name(compile_id, earlier)
     return {
         "frame": frame,
         "compile_id": compile_id,

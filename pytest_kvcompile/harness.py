@@ -27,6 +27,7 @@ class EngineUnderTest:
     max_new_tokens: int
     tie_tolerance: float
     window: int | None
+    build_compiles: int = 0  # dynamo compiles while the factory ran (compiled engines only)
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' on model '{self.spec.name}'>"

@@ -43,7 +43,7 @@ def collect(settings: Settings) -> dict[str, ModelEntry]:
     entries: dict[str, ModelEntry] = {}
     for name in names:
         try:
-            entries[name] = ModelEntry(name, zoo.ZOO[name].build_config(), None)
+            entries[name] = ModelEntry(name, zoo.ZOO[name].build_config(settings.zoo_head_dim), None)
         except zoo.ModelUnavailable as exc:
             entries[name] = ModelEntry(name, None, None, unavailable=str(exc))
     for path in settings.models:
@@ -70,5 +70,5 @@ def _local_entry(path: Path, name: str) -> ModelEntry:
 
 def spec_for(entry: ModelEntry, settings: Settings) -> ModelSpec:
     """The ModelSpec engines receive; builds the zoo checkpoint if needed."""
-    path = entry.path or zoo.checkpoint(entry.name, settings.cache_dir / "zoo")
+    path = entry.path or zoo.checkpoint(entry.name, settings.cache_dir / "zoo", settings.zoo_head_dim)
     return ModelSpec(entry.name, path, entry.config, settings.device, getattr(torch, settings.dtype))

@@ -15,6 +15,7 @@ ENGINE = "--kv-engine"
 LIST_ENGINES = "--kv-list-engines"
 MODEL = "--kv-model"
 ZOO = "--kv-zoo"
+ZOO_HEAD_DIM = "--kv-zoo-head-dim"
 DEVICE = "--kv-device"
 DTYPE = "--kv-dtype"
 MAX_NEW_TOKENS = "--kv-max-new-tokens"
@@ -35,6 +36,9 @@ _OPTIONS = [
      "local Hugging Face checkpoint directory to add to the model zoo (repeatable)"),
     (ZOO, "kv_zoo", "string", "all",
      "comma-separated built-in tiny models to use ('all', 'none', or names such as 'llama,mistral-sw')"),
+    (ZOO_HEAD_DIM, "kv_zoo_head_dim", "string", "16",
+     "head_dim of every zoo model (default: 16; an even number >= 2). Engines whose kernels need larger heads "
+     "(vLLM's CPU attention: 32 and up) run the same zoo with e.g. 32"),
     (DEVICE, "kv_device", "string", "cpu", "device for engines and oracle (default: cpu)"),
     (DTYPE, "kv_dtype", "string", "float32", f"dtype for engines and oracle, one of {', '.join(DTYPES)} (default: float32)"),
     (MAX_NEW_TOKENS, "kv_max_new_tokens", "string", "16", "new tokens generated per prompt (default: 16)"),
@@ -52,7 +56,7 @@ _OPTIONS = [
 ]
 
 
-_METAVARS = {ENGINE: "NAME", MODEL: "PATH", ZOO: "NAMES", DEVICE: "DEVICE", DTYPE: "DTYPE", MAX_NEW_TOKENS: "N",
+_METAVARS = {ENGINE: "NAME", MODEL: "PATH", ZOO: "NAMES", ZOO_HEAD_DIM: "N", DEVICE: "DEVICE", DTYPE: "DTYPE", MAX_NEW_TOKENS: "N",
              TIE_TOLERANCE: "GAP", COMPILE_BACKEND: "BACKEND", CACHE_DIR: "DIR", KNOWN_FINDING: "LINE"}
 
 
@@ -93,6 +97,7 @@ class Settings:
     engines: tuple[str, ...]
     models: tuple[Path, ...]
     zoo: tuple[str, ...] | None  # None: all
+    zoo_head_dim: int
     device: str
     dtype: str
     max_new_tokens: int
@@ -126,12 +131,16 @@ def read_settings(config: pytest.Config) -> Settings:
     except RuntimeError:
         raise pytest.UsageError(f"{DEVICE}={device!r} is not a torch device; e.g. cpu, cuda, cuda:1") from None
     zoo = str(_value(config, ZOO)).strip()
+    raw_hd = str(_value(config, ZOO_HEAD_DIM))
+    if not raw_hd.isdigit() or int(raw_hd) < 2 or int(raw_hd) % 2:
+        raise pytest.UsageError(f"{ZOO_HEAD_DIM}={raw_hd!r}: give an even whole number >= 2 (RoPE rotates pairs), e.g. 32")
     cache_dir = _value(config, CACHE_DIR) or os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pytest-kvcompile"
     engines = tuple(dict.fromkeys(n.strip() for n in _value(config, ENGINE) if n.strip()))
     return Settings(
         engines=engines,
         models=tuple(Path(p).expanduser() for p in _value(config, MODEL)),
         zoo=None if zoo == "all" else tuple(n.strip() for n in zoo.split(",") if n.strip() and n.strip() != "none"),
+        zoo_head_dim=int(raw_hd),
         device=device,
         dtype=dtype,
         max_new_tokens=int(raw_n),

@@ -41,7 +41,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "tokens": dict.fromkeys(TOKEN_VERDICTS, 0),
         "near_ties": [],
         "failures": [],  # {"test": nodeid, "message": first lines}
-        "compiles": None,  # {"warmup": int, "after_warmup": int, "reasons": [str]}
+        "compiles": None,  # {"build": int, "warmup": int, "after_warmup": int, "reasons": [str]}
         "kv_bytes": None,  # {"expected": int | None, "measured": int}
         "latency": None,  # see latency.Latency.as_dict()
     }
@@ -52,7 +52,8 @@ def row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
 
 
 def _merge_compiles(a, b):
-    return {"warmup": max(a["warmup"], b["warmup"]), "after_warmup": max(a["after_warmup"], b["after_warmup"]),
+    return {"build": max(a.get("build", 0), b.get("build", 0)),
+            "warmup": max(a["warmup"], b["warmup"]), "after_warmup": max(a["after_warmup"], b["after_warmup"]),
             "reasons": list(dict.fromkeys(a["reasons"] + b["reasons"]))}
 
 

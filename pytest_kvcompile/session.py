@@ -3,6 +3,7 @@ models, and the engines/oracles built so far (shared by every test of the proces
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,7 +14,7 @@ from .engine import ModelSpec, missing_capability
 from .harness import EngineUnderTest
 from .models import ModelEntry
 from .options import Settings
-from .recompiles import isolate
+from .recompiles import CompileRecorder, isolate
 from .oracle import NoOracle, oracle_for
 from .registry import EngineRef
 
@@ -51,15 +52,18 @@ class Session:
         key = (name, model)
         if key not in self._built:
             self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
+            recorder = CompileRecorder() if ref.declaration.compiled else contextlib.nullcontext()
             if ref.declaration.compiled:
                 isolate()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
             try:
-                instance = engine_io.build(ref, spec, self.settings.compile_backend)
+                with recorder:  # engines that compile up front (vLLM) do it here
+                    instance = engine_io.build(ref, spec, self.settings.compile_backend)
             except pytest.skip.Exception:
                 del self._built[key]
                 raise
             self._built[key] = EngineUnderTest(ref, spec, instance, self.settings.max_new_tokens,
-                                               self.settings.tie_tolerance, self.models[model].window)
+                                               self.settings.tie_tolerance, self.models[model].window,
+                                               len(recorder.events) if ref.declaration.compiled else 0)
         built = self._built[key]
         if isinstance(built, str):
             pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)

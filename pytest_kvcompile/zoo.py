@@ -1,7 +1,8 @@
 """The tiny model zoo: random-weight checkpoints that exercise each KV-cache layout.
 
 Every zoo model is a text-only causal LM small enough to run on CPU in fp32
-(vocab 256, hidden 64, 4 heads over 2 KV heads, head_dim 16, untied output head).
+(vocab 256, hidden 64, 4 heads over 2 KV heads, head_dim 16 unless --kv-zoo-head-dim says otherwise,
+untied output head).
 Weights do not come from transformers' init code: after building, every parameter
 except norm scales is redrawn, in sorted-name order, from a single
 ``torch.Generator().manual_seed(SEED)`` as ``N(0, (gain / sqrt(fan_in))**2)`` with
@@ -37,6 +38,7 @@ SEED = 20240601
 WEIGHT_GAIN = 1.5
 HEAD_GAIN = 4.0
 WINDOW = 8  # sliding window of every windowed zoo model
+HEAD_DIM = 16  # the default; --kv-zoo-head-dim builds the zoo with another (vLLM's CPU kernels need >= 32)
 
 _TINY: dict[str, Any] = dict(
     vocab_size=256,
@@ -44,7 +46,7 @@ _TINY: dict[str, Any] = dict(
     intermediate_size=128,
     num_attention_heads=4,
     num_key_value_heads=2,
-    head_dim=16,
+    head_dim=HEAD_DIM,
     max_position_embeddings=512,
     bos_token_id=None,
     eos_token_id=None,
@@ -64,10 +66,10 @@ class ZooModel:
 
     name: str
     description: str
-    _build: Callable[[], Any] = field(repr=False, compare=False)
+    _build: Callable[[dict[str, Any]], Any] = field(repr=False, compare=False)
 
-    def build_config(self) -> "transformers.PretrainedConfig":  # noqa: F821
-        return self._build()
+    def build_config(self, head_dim: int = HEAD_DIM) -> "transformers.PretrainedConfig":  # noqa: F821
+        return self._build({**_TINY, "head_dim": head_dim})
 
 
 def _config_class(class_name: str, missing: str):
@@ -80,18 +82,18 @@ def _config_class(class_name: str, missing: str):
     return cls
 
 
-def _llama():
-    return _config_class("LlamaConfig", "Llama (needs >= 4.28)")(**_TINY, num_hidden_layers=2)
+def _llama(tiny):
+    return _config_class("LlamaConfig", "Llama (needs >= 4.28)")(**tiny, num_hidden_layers=2)
 
 
-def _mistral():
+def _mistral(tiny):
     mistral = _config_class("MistralConfig", "Mistral (needs >= 4.34)")
-    return mistral(**_TINY, num_hidden_layers=2, sliding_window=WINDOW)
+    return mistral(**tiny, num_hidden_layers=2, sliding_window=WINDOW)
 
 
-def _gemma3():
+def _gemma3(tiny):
     return _config_class("Gemma3TextConfig", "Gemma3 (needs >= 4.50)")(
-        **_TINY,
+        **tiny,
         num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2,
         sliding_window=WINDOW,
@@ -99,12 +101,12 @@ def _gemma3():
     )
 
 
-def _gemma4_or_gemma3n():
+def _gemma4_or_gemma3n(tiny):
     """Gemma4 text with the last 2 of 4 layers reusing KV; Gemma3n text where Gemma4 is missing."""
     import transformers
 
     shared = dict(
-        **_TINY,
+        **tiny,
         num_hidden_layers=4,
         layer_types=["sliding_attention", "full_attention"] * 2,
         sliding_window=WINDOW,
@@ -113,7 +115,7 @@ def _gemma4_or_gemma3n():
         vocab_size_per_layer_input=256,
     )
     if getattr(transformers, "Gemma4TextConfig", None) is not None:
-        return transformers.Gemma4TextConfig(**shared, global_head_dim=16)
+        return transformers.Gemma4TextConfig(**shared, global_head_dim=tiny["head_dim"])
     gemma3n = _config_class("Gemma3nTextConfig", "Gemma4 (needs >= 5.5.0) nor Gemma3n (needs >= 4.53)")
     return gemma3n(**shared, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4)
 
@@ -157,7 +159,7 @@ def _build_model(config) -> torch.nn.Module:
     return model.eval()
 
 
-def checkpoint(name: str, cache_root: Path) -> Path:
+def checkpoint(name: str, cache_root: Path, head_dim: int = HEAD_DIM) -> Path:
     """The local checkpoint dir (config.json + model.safetensors) of zoo model `name`.
 
     Built once under `cache_root` in a directory named by zoo name, config hash, seed,
@@ -167,7 +169,7 @@ def checkpoint(name: str, cache_root: Path) -> Path:
     """
     if name not in ZOO:
         raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
-    config = ZOO[name].build_config()
+    config = ZOO[name].build_config(head_dim)
     cache_root = Path(cache_root)
     final = cache_root / _cache_key(name, config)
     if final.is_dir():

@@ -90,7 +90,9 @@ def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, 
     if per_type:
         rope = dict(rope[layer_type])
     kind = rope.get("rope_type", "default")
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    # Gemma4 keeps per-layer-type geometry in per_layer_config (its config.head_dim raises when layers differ).
+    c = config.per_layer_config[layer_type] if per_type and hasattr(config, "per_layer_config") else config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if kind == "default":
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0

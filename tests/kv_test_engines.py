@@ -143,6 +143,12 @@ class CompiledGreedy(Greedy):
         return tokens, torch.stack(rows)
 
 
+class DeclaredCompiledButIsNot(Greedy):
+    """Declares compiled=True, never calls torch.compile."""
+
+    kv_declaration = Declaration(batching=True, compiled=True, description="test engine: compiles nothing")
+
+
 class RecompilingGreedy(CompiledGreedy):
     """Bug: compiled with dynamic=False, so every new prompt length recompiles."""
 

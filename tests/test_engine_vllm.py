@@ -44,15 +44,26 @@ def test_missing_vllm_is_a_usage_error_naming_the_install(kvtester):
 
 
 def _config(**fields):
-    return SimpleNamespace(hidden_size=64, num_attention_heads=4, **fields)
+    return SimpleNamespace(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, **fields)
 
 
 def test_head_sizes_vllm_cannot_serve_are_named():
     reason = engines.unsupported_head_size(_config(head_dim=16), HEADS, "0.32.0")
     assert reason == ("vLLM 0.32.0 CPU attention supports head sizes [32, 64, 128], this model has head_dim 16 "
-                      "(its first forward fails: 'Unsupported CPU attention configuration: head_dim=16')")
+                      "(its first forward fails: 'Unsupported CPU attention configuration: head_dim=16'); "
+                      "run the zoo with --kv-zoo-head-dim=32")
     assert "head_dim 256" in engines.unsupported_head_size(_config(head_dim=32, global_head_dim=256), HEADS, "0")
     assert engines.unsupported_head_size(_config(head_dim=32, global_head_dim=64), HEADS, "0") is None
+
+
+def test_gemma4_global_head_size_is_read_from_its_per_layer_config():
+    import transformers
+
+    if getattr(transformers, "Gemma4TextConfig", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma4")
+    config = transformers.Gemma4TextConfig(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"],
+                                           head_dim=32, global_head_dim=512)
+    assert engines.head_sizes(config) == {32, 512}
     assert engines.head_sizes(_config()) == {16}  # no head_dim: hidden_size / heads
 
 

@@ -128,6 +128,7 @@ def test_bad_engine_targets_are_usage_errors(kvtester, name, message):
     ("--kv-tie-tolerance=-1", "*--kv-tie-tolerance='-1': give 'auto' or a logit gap >= 0*"),
     ("--kv-device=gpu0", "*--kv-device='gpu0' is not a torch device*"),
     ("--kv-zoo=llama,gpt9", "*--kv-zoo: unknown zoo model(s) ?'gpt9'?; choose from llama*"),
+    ("--kv-zoo-head-dim=15", "*--kv-zoo-head-dim='15': give an even whole number >= 2 (RoPE rotates pairs), e.g. 32*"),
     ("--kv-model=/nonexistent/dir", "*--kv-model=/nonexistent/dir: not a local Hugging Face checkpoint directory*"),
 ])
 def test_bad_option_values_are_usage_errors(kvtester, option, message):
@@ -135,6 +136,17 @@ def test_bad_option_values_are_usage_errors(kvtester, option, message):
     result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
     result.stderr.fnmatch_lines([message])
+
+
+def test_zoo_head_dim_builds_the_zoo_with_larger_heads(kvtester):
+    kvtester.makepyfile("""
+        def test_engine(kv_engine):
+            config = kv_engine.spec.config
+            assert [config.per_layer_config[i].head_dim for i in range(4)] == [32] * 4, config
+    """)
+    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-zoo=gemma4-kvshared",
+                                           "--kv-zoo-head-dim=32", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
 
 
 def test_no_engine_skips_with_how_to_choose_one(kvtester):

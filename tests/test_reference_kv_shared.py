@@ -187,3 +187,22 @@ def test_kv_bytes_are_the_non_shared_layers_only(spec):
     engine.generate([prompt(48, 3)], 4)
     per_layer = (48 + 4 - 1) * 2 * 2 * 16 * 4  # positions x (K, V) x kv_heads x head_dim x fp32 bytes
     assert engine.kv_cache_bytes() == 2 * per_layer == spec.config.num_hidden_layers * per_layer // 2
+
+
+def test_global_layers_with_their_own_head_dim_match_transformers(tmp_path):
+    """Gemma4's full layers may be wider (global_head_dim): geometry and RoPE per layer type."""
+    import transformers
+
+    if getattr(transformers, "Gemma4TextConfig", None) is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma4")
+    tiny = {**zoo._TINY, "head_dim": 16}
+    config = transformers.Gemma4TextConfig(
+        **tiny, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=8,
+        num_kv_shared_layers=2, hidden_size_per_layer_input=8, vocab_size_per_layer_input=256, global_head_dim=32)
+    zoo._build_model(config).save_pretrained(tmp_path)
+    spec = ModelSpec("gemma4-global32", tmp_path, AutoConfig.from_pretrained(tmp_path))
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    model = load_model(spec)
+    for length in (7, 48):
+        p = prompt(length, length)
+        torch.testing.assert_close(ours(model, [p], True), theirs(hf, p), rtol=0, atol=1e-4)

@@ -114,7 +114,7 @@ def _hand_made_baseline():
 def test_markdown_and_html_show_every_column():
     results = _collector()
     md = markdown.render(results)
-    assert "| my-engine | llama | cpu float32 | 2 passed, 1 failed | 1/2 | 1 | 2 / 1 | 4.0 KiB / 8.0 KiB | 3.000 (3.000) " \
+    assert "| my-engine | llama | cpu float32 | 2 passed, 1 failed | 1/2 | 1 | 0 / 2 / 1 | 4.0 KiB / 8.0 KiB | 3.000 (3.000) " \
            "| 0.500 (0.500) | 2000.0 | 1.50 / 0.50 |" in md
     assert "- recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7" not in md  # listed with the engine
     assert "- my-engine / llama: recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7" in md

@@ -108,7 +108,17 @@ def test_recompiling_engine_fails_the_recompile_check_and_a_compiled_one_passes(
         "5 dynamo compile(s) after warmup, 0 allowed",
         "*guard failed: tensor 'logits' size mismatch at index 1. expected 7, actual 2",
         "*kvcompile: compiles (2)*",
-        "kv_test_engines:CompiledGreedy / llama: * warmup compile(s) over 3 call(s), 0 after warmup over *",
+        "kv_test_engines:CompiledGreedy / llama: * compile(s) while building, * warmup compile(s) over 3 call(s), "
+        "0 after warmup over *",
+    ])
+
+
+def test_an_engine_declaring_compiled_of_which_dynamo_compiled_nothing_is_skipped(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:DeclaredCompiledButIsNot", "-k", "recompiles", "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines([
+        "*engine 'kv_test_engines:DeclaredCompiledButIsNot' declares compiled=True but dynamo compiled nothing, "
+        "neither while building nor in generate(): this check sees dynamo compiles only*",
     ])
 
 

@@ -49,7 +49,11 @@ def _import_vllm():
 
 
 def head_sizes(config) -> set[int]:
-    """Attention head sizes of a transformers config (``head_dim``, Gemma4's ``global_head_dim``)."""
+    """Attention head sizes of a transformers config: ``head_dim``, and per layer where the config has a
+    per-layer view (Gemma4's full layers: ``global_head_dim``, kept in ``per_layer_config`` on 5.23)."""
+    per_layer = getattr(config, "per_layer_config", None)
+    if per_layer is not None:  # config.head_dim itself raises there when layers differ
+        return {per_layer[i].head_dim for i in range(config.num_hidden_layers)}
     sizes = {getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads}
     if getattr(config, "global_head_dim", None):
         sizes.add(config.global_head_dim)
@@ -62,7 +66,7 @@ def unsupported_head_size(config, supported: list[int], version: str) -> str | N
     if bad:
         return (f"vLLM {version} CPU attention supports head sizes {sorted(supported)}, this model has "
                 f"head_dim {bad[0]} (its first forward fails: 'Unsupported CPU attention configuration: "
-                f"head_dim={bad[0]}')")
+                f"head_dim={bad[0]}'); run the zoo with --kv-zoo-head-dim=32")
     return None
 
 

@@ -10,12 +10,13 @@ Schema (``schema_version`` 1)::
                "tests": {"passed": n, "failed": n, "skipped": n, "xfailed": n, "xpassed": n, "error": n},
                "tokens": {"identical": n, "near_tie": n, "unverified": n, "mismatch": n},
                "near_ties": [line], "failures": [{"test", "message"}],
-               "compiles": null | {"warmup": n, "after_warmup": n, "reasons": [line]},
+               "compiles": null | {"build": n, "warmup": n, "after_warmup": n, "reasons": [line]},
                "kv_bytes": null | {"expected": n | null, "measured": n},
                "latency": null | {"prompt_len": n, "decode_tokens": n, "timer": str,
                                   "prefill_ms": [sample], "decode_ms_per_token": [sample],
                                   "prefill": {"median", "p90"}, "decode": {"median", "p90"}, "tokens_per_s": x}}]}
 
+``compiles.build`` (dynamo compiles while the engine was built) may be absent in older files (read as 0).
 ``latency.prefill``, ``latency.decode`` and ``latency.tokens_per_s`` are derived from the samples for
 readers' convenience and recomputed on load. A run with several ``--kv-engine`` has one row per engine
 and model; merged files list every source run.

@@ -7,7 +7,7 @@ from typing import Any
 from ..results import stats
 
 REFERENCE_ENGINE = "hf-eager"  # latency ratios are given against it when it ran on the same model, device, dtype
-HEADERS = ("engine", "model", "device", "tests", "tokens identical", "near ties", "compiles (warmup / after)",
+HEADERS = ("engine", "model", "device", "tests", "tokens identical", "near ties", "compiles (build / warmup / after)",
            "KV bytes (expected / measured)", "prefill ms (p90)", "decode ms/token (p90)", "tokens/s",
            f"x {REFERENCE_ENGINE} (prefill / decode)")
 
@@ -52,7 +52,7 @@ def cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ...]:
     identical = f"{tokens['identical']}/{checked}" if checked else "-"
     near = str(tokens["near_tie"] + tokens["unverified"]) if checked else "-"
     comp = row["compiles"]
-    compiles = f"{comp['warmup']} / {comp['after_warmup']}" if comp else "-"
+    compiles = f"{comp.get('build', 0)} / {comp['warmup']} / {comp['after_warmup']}" if comp else "-"
     kv = row["kv_bytes"]
     kv_cell = f"{human_bytes(kv['expected'])} / {human_bytes(kv['measured'])}" if kv else "-"
     lat = latency_stats(row)
