@@ -1,5 +1,6 @@
 """``kvcompile check-engine``: the venv recipe per engine, argument errors, and one real run."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -22,6 +23,23 @@ def test_every_third_party_builtin_engine_has_a_recipe_and_declares_its_packages
         requires = declaration_of(_import_target(name, BUILTIN_ENGINES[name])).requires
         assert requires, f"{name} declares no requires"
         assert {pip for _, pip in requires} <= set(recipe.packages), (name, requires, recipe.packages)
+
+
+@pytest.mark.parametrize("name", sorted(RECIPES))
+def test_a_missing_engine_package_is_a_usage_error_naming_the_install(kvtester, name):
+    from pytest_kvcompile.registry import _import_target, declaration_of
+
+    (module, pip), = declaration_of(_import_target(name, BUILTIN_ENGINES[name])).requires
+    if importlib.util.find_spec(module) is not None:
+        pytest.skip(f"{module} is installed here: no missing-package error to see")
+    result = kvtester.runpytest_subprocess(f"--kv-engine={name}", "--kv-zoo=llama")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([
+        f"ERROR: engine '{name}' needs '{module}', not installed in this environment*",
+        f"Install it: python -m pip install '{pip}'",
+        f"or check it in a virtual environment of its own: kvcompile check-engine {name}",
+    ])
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
 
 
 def test_dry_run_prints_the_steps_torch_first(capsys, tmp_path):

@@ -49,17 +49,6 @@ def test_known_findings_follow_the_parameters():
     assert declaration_of(engines.StreamingLLM.configure(n_sink=0)).known_findings == ()
 
 
-@pytest.mark.skipif(HAS_KVPRESS, reason="kvpress is installed here")
-def test_missing_kvpress_is_a_usage_error_naming_the_install(kvtester):
-    result = kvtester.runpytest_subprocess("--kv-engine=kvpress-streaming", "--kv-zoo=llama")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([
-        "ERROR: engine 'kvpress-streaming' needs 'kvpress', not installed in this environment*",
-        "Install it: python -m pip install 'kvpress==0.5.5'",
-    ])
-    assert "Traceback" not in result.stdout.str() + result.stderr.str()
-
-
 def test_sliding_window_models_are_not_supported(tmp_path):
     spec = ModelSpec("mistral-sw", tmp_path, AutoConfig.for_model("mistral", sliding_window=8))
     with pytest.raises(ModelNotSupported, match="kvpress 0.5.5 does not handle sliding-window layers"):

@@ -1,7 +1,6 @@
-"""The LitGPT engines: what holds without litgpt (import, declarations, config mapping, the missing-package
-usage error), and, where litgpt is installed, conversion and scoring against transformers."""
+"""The LitGPT engines: what holds without litgpt (import, declarations, config mapping; the missing-package
+usage error is in test_check_engine.py), and, where litgpt is installed, conversion and scoring against transformers."""
 
-import importlib.util
 from fnmatch import fnmatch
 
 import pytest
@@ -12,10 +11,6 @@ from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, declaration_of
 from pytest_kvcompile.engines import litgpt as adapter
 from pytest_kvcompile.memory import KVLayout
 from pytest_kvcompile.registry import _accepts_backend
-
-from conftest import run_suites
-
-HAVE_LITGPT = importlib.util.find_spec("litgpt") is not None
 
 
 def test_declarations():
@@ -90,15 +85,6 @@ def test_unmapped_options_are_not_supported():
     config.model_type = "qwen2"
     with pytest.raises(ModelNotSupported, match="model_type 'qwen2'"):
         adapter.litgpt_config_kwargs(config)
-
-
-@pytest.mark.skipif(HAVE_LITGPT, reason="litgpt is installed here: no missing-package error to see")
-def test_missing_litgpt_is_a_usage_error_naming_the_install(kvtester):
-    result = run_suites(kvtester, "--kv-engine=litgpt-compile")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*engine 'litgpt-compile' needs 'litgpt'*",
-                                 "*Install it: python -m pip install 'litgpt==0.5.13'*"])
-    assert "Traceback" not in result.stderr.str()
 
 
 @pytest.fixture(scope="module")
