@@ -30,8 +30,10 @@ def _calls(prompts: list[Prompt], batching: bool, vocab: int):
 
 
 def _reason(event) -> str:
-    """One line per compile after warmup: which compile and its first failed guard."""
-    return event.describe().splitlines()[0] + (f": guard failed: {event.guard_failures[0]}" if event.guard_failures else "")
+    """One line per compile after warmup: which compile and the guard each cached entry failed (dynamo
+    tries every entry: the one that explains the recompile is not always the first)."""
+    failed = "; ".join(event.guard_failures)
+    return event.describe().splitlines()[0] + (f": guards failed: {failed}" if failed else "")
 
 
 def _describe(call: list[Prompt]) -> str:
