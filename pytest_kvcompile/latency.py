@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from .harness import EngineUnderTest
-from .marker_checks import validated_at_collection
+from .marker_checks import bind, validated_at_collection, written
 from .prompts import of_length
 from .results import stats
 
@@ -68,11 +68,7 @@ class Budget:
 
 def validate(args: tuple, kwargs: dict, where: str) -> Budget:
     """A Budget from marker (or option) arguments; ValueError naming the fix."""
-    try:
-        bound = _SIGNATURE.bind(*args, **kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc}; the arguments are {_USAGE}") from None
-    values = bound.arguments
+    values = bind(_SIGNATURE, args, kwargs, where, _USAGE).arguments
     for name in ("prefill_ms", "decode_ms_per_token", "factor"):
         value = values.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0):
@@ -107,8 +103,7 @@ def budget_of(item: pytest.Item) -> Budget | None:
     mark = item.get_closest_marker(MARKER)
     if mark is None:
         return None
-    given = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
-    where = f"@pytest.mark.{MARKER}({given})"
+    where = written(mark)
     if FIXTURE not in getattr(item, "fixturenames", ()):
         raise ValueError(f"{where}: the test must take the {FIXTURE} fixture and call {FIXTURE}.measure()")
     return validate(mark.args, mark.kwargs, where)

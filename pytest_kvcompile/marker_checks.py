@@ -2,9 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Callable
 
 import pytest
+
+
+def written(mark: pytest.Mark) -> str:
+    """The marker as the test wrote it, e.g. ``@pytest.mark.limit_memory('64 MiB')``: every argument error starts with it."""
+    given = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
+    return f"@pytest.mark.{mark.name}({given})"
+
+
+def bind(signature: inspect.Signature, args: tuple, kwargs: dict, where: str, usage: str) -> inspect.BoundArguments:
+    """Marker arguments bound to the marker's documented signature; ValueError naming the usage."""
+    try:
+        return signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        raise ValueError(f"{where}: {exc}; write {usage}") from None
 
 
 def validated_at_collection(check: Callable[[pytest.Item], object]):

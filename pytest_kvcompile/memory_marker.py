@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-from .marker_checks import validated_at_collection
+from .marker_checks import bind, validated_at_collection, written
 from .memory import format_bytes
 
 MARKER = "limit_memory"
@@ -84,12 +84,8 @@ def settings(item: pytest.Item) -> Settings | None:
 
 
 def _validate(mark: pytest.Mark) -> Settings:
-    given = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
-    where = f"@pytest.mark.{MARKER}({given})"
-    try:
-        bound = _SIGNATURE.bind(*mark.args, **mark.kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc}; write {_USAGE}") from None
+    where = written(mark)
+    bound = bind(_SIGNATURE, mark.args, mark.kwargs, where, _USAGE)
     bound.apply_defaults()
     text, device = bound.arguments["limit"], bound.arguments["device"]
     try:

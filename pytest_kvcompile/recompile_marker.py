@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from .marker_checks import validated_at_collection
+from .marker_checks import bind, validated_at_collection, written
 from .recompiles import CompileRecorder, isolate, verdict
 
 MARKER = "no_recompile"
@@ -73,12 +73,8 @@ def settings(item: pytest.Item) -> Settings | None:
 
 
 def _validate(mark: pytest.Mark, fixturenames: tuple[str, ...] | list[str]) -> Settings:
-    given = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
-    where = f"@pytest.mark.{MARKER}({given})"
-    try:
-        bound = _SIGNATURE.bind(*mark.args, **mark.kwargs)
-    except TypeError as exc:
-        raise ValueError(f"{where}: {exc}; the arguments are {_USAGE}") from None
+    where = written(mark)
+    bound = bind(_SIGNATURE, mark.args, mark.kwargs, where, _USAGE)
     bound.apply_defaults()
     for name, value in bound.arguments.items():
         default = _PARAMS[name].default

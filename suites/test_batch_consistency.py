@@ -1,6 +1,8 @@
 """Batch consistency: a prompt continues the same alone and inside a batch of different lengths.
 
-A difference is accepted only when the oracle shows both runs flip on near ties.
+A difference is accepted only when the oracle shows both runs flip on near ties: each run is then
+asserted against the oracle by ``kv_engine.check`` (``token_match.assert_tokens_match``, raising
+TokenMismatch). tests/test_suites_catch_bugs.py shows it failing on an engine with a padding bug.
 """
 
 import pytest

@@ -1,4 +1,8 @@
-"""Token identity: the engine's greedy continuation equals the oracle's, up to near ties."""
+"""Token identity: the engine's greedy continuation equals the oracle's, up to near ties.
+
+The assertion is ``kv_engine.check`` (``token_match.assert_tokens_match``): it raises TokenMismatch with
+engine, model, prompt, step, gap and hint. tests/test_suites_catch_bugs.py shows both checks failing on
+broken engines (a wrong late token, a padding bug)."""
 
 import pytest
 

@@ -8,6 +8,19 @@ TESTS_DIR = Path(__file__).parent
 SUITES_DIR = TESTS_DIR.parent / "suites"
 #: -k expression selecting the token-level suites (identity, batch consistency, stale state, determinism)
 TOKEN_CHECKS = "token_identity or batch_consistency or stale_state or determinism"
+TIE = 1e-3  # fp32 near tie: a flip within this logit gap is numerics, not a bug
+
+
+def assert_matches_oracle(oracle, prompt: list[int], got: list[int], what: str = "") -> None:
+    """`got` equals the oracle's greedy tokens, or first differs on a near tie. oracle(prompt, n) ->
+    (tokens, logits [n, vocab])."""
+    want, logits = oracle(prompt, len(got))
+    if got == want:
+        return
+    step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
+    gap = float(logits[step, want[step]] - logits[step, got[step]])
+    assert gap <= TIE, (f"{what + ', ' if what else ''}prompt len {len(prompt)}: step {step} got {got[step]}, "
+                        f"oracle {want[step]} (gap {gap:.2e})")
 
 
 @pytest.fixture(scope="session")

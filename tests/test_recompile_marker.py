@@ -183,9 +183,9 @@ def test_marker_failure_under_xdist(tester):
 
 
 BAD_MARKERS = {  # marker -> the collection error naming the fix
-    "no_recompile(max_recompile=1)": "got an unexpected keyword argument 'max_recompile'; the arguments are "
+    "no_recompile(max_recompile=1)": "got an unexpected keyword argument 'max_recompile'; write "
                                      "@pytest.mark.no_recompile(max_recompiles=0, graph_breaks=True, warmup=False)",
-    "no_recompile(1)": "too many positional arguments; the arguments are *",
+    "no_recompile(1)": "too many positional arguments; write *",
     "no_recompile(max_recompiles=-1)": "max_recompiles must be an int >= 0, got -1; *",
     "no_recompile(max_recompiles=True)": "max_recompiles must be an int >= 0, got True; *",
     "no_recompile(graph_breaks='no')": "graph_breaks must be True or False, got 'no'; *",

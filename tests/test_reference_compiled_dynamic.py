@@ -21,9 +21,10 @@ from pytest_kvcompile.engine import Declaration, ModelNotSupported, ModelSpec, d
 from pytest_kvcompile.recompiles import CompileRecorder  # noqa: E402
 from reference_impls.compiled_dynamic import CompiledDynamicCache, UnsupportedModel  # noqa: E402
 
+from conftest import assert_matches_oracle  # noqa: E402
+
 LENGTHS = (1, 2, 7, 33)
 NEW = 8
-TIE = 1e-3  # fp32 near tie: a flip within this logit gap is numerics, not a bug
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -65,15 +66,6 @@ def oracle(llama):
 @pytest.fixture(scope="module")
 def engine(llama):
     return CompiledDynamicCache(llama, compile_backend="eager")
-
-
-def assert_matches_oracle(oracle, prompt: list[int], got: list[int]) -> None:
-    want, logits = oracle(prompt, len(got))
-    if got == want:
-        return
-    step = next(i for i, (a, b) in enumerate(zip(got, want)) if a != b)
-    gap = float(logits[step, want[step]] - logits[step, got[step]])
-    assert gap <= TIE, f"prompt len {len(prompt)}: step {step} got {got[step]}, oracle {want[step]} (gap {gap:.2e})"
 
 
 # --------------------------------------------------------------------------- contract
