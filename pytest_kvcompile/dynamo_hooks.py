@@ -19,6 +19,12 @@ Private torch APIs used, and why (checked against torch 2.13):
 - ``torch._dynamo.config.recompile_limit`` / ``accumulated_recompile_limit`` (old aliases
   ``cache_size_limit`` / ``accumulated_cache_size_limit``): the limits, for messages.
 - ``torch._dynamo.reset()``: forget compiled code and per-frame cache entries.
+- ``torch._C._dynamo.eval_frame.set_guard_complete_hook(hook)``: dynamo calls ``hook(hit)`` each time a
+  frame that has compiled code is entered, after evaluating its guards: ``True`` = a cache entry matched
+  and compiled code runs; ``False`` = none matched, so dynamo recompiles (a compile record follows) or,
+  past the recompile limit or under ``torch.compiler.set_stance("eager_on_recompile")``, runs the frame
+  eagerly (no compile record follows). This is how "did compiled code run?" is observed, not declared.
+  One hook slot: the tap chains to the hook it found and restores it.
 
 Not used: the ``torch._dynamo.guards.__recompiles`` logger only fires when TORCH_LOGS
 enables it (torch checks its own log state, not the logger's level), so a handler alone
@@ -41,6 +47,7 @@ TRACE_LOGGER = "torch.__trace"
 FRAME_COMPILE = "compilation_metrics"  # trace record per frame compile (bwd/runtime ones are named apart)
 RECOMPILE_REASONS = "recompile_reasons"
 GRAPH_BREAK = "dynamo_graph_break_reason"
+GUARDS = "guard_complete"  # our own record: one per guard evaluation of a frame with compiled code
 
 #: Every private name this module resolves; `check_private_apis()` tries them all.
 PRIVATE_APIS = (
@@ -49,6 +56,7 @@ PRIVATE_APIS = (
     "torch._dynamo.config.recompile_limit",
     "torch._dynamo.config.accumulated_recompile_limit",
     "torch._dynamo.reset",
+    "torch._C._dynamo.eval_frame.set_guard_complete_hook",
 )
 _METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type", "fail_reason")
 
@@ -111,6 +119,8 @@ class CompileTap(logging.Handler):
         self._raw: list[tuple[str, Any]] = []
         self._baseline: Any = None
         self._propagate = True
+        self._hook_before: Any = None
+        self._hooked = False
 
     def start(self) -> None:
         check_private_apis()
@@ -120,11 +130,26 @@ class CompileTap(logging.Handler):
         # Trace records are for this tap only: propagated, they flood pytest's captured log (thousands of lines).
         self._propagate, logger.propagate = logger.propagate, False
         logger.addHandler(self)
+        self._hooked = True
+        self._hook_before = resolve("torch._C._dynamo.eval_frame.set_guard_complete_hook")(self._guard_complete)
+
+    def _guard_complete(self, hit: bool) -> bool:
+        """dynamo's guard hook: record whether compiled code matched, pass the result on unchanged."""
+        if self._hook_before is not None:
+            hit = self._hook_before(hit)
+        if self._hooked:
+            self._raw.append((GUARDS, bool(hit)))
+        return hit
 
     def stop(self) -> None:
         logger = logging.getLogger(TRACE_LOGGER)
         logger.removeHandler(self)
         logger.propagate = self._propagate
+        self._hooked = False  # a tap started later and still running keeps chaining through us, inertly
+        set_hook = resolve("torch._C._dynamo.eval_frame.set_guard_complete_hook")
+        current = set_hook(self._hook_before)
+        if current is not None and current != self._guard_complete:  # not ours on top: put it back
+            set_hook(current)
         metrics = _frame_metrics()
         ids = [id(m) for m in metrics]
         new = metrics[ids.index(id(self._baseline)) + 1:] if id(self._baseline) in ids else metrics
@@ -145,6 +170,20 @@ class CompileTap(logging.Handler):
         """Frame compilations seen so far."""
         return sum(kind == FRAME_COMPILE for kind, _ in self._raw)
 
+    def guards(self) -> tuple[int, int]:
+        """(hits, eager misses): guard evaluations where compiled code matched and ran, and misses that no
+        compile followed (the frame ran eagerly: recompile limit, ``eager_on_recompile`` stance, ...)."""
+        hits = misses = 0
+        pending = False  # a miss waiting to see whether a compile follows
+        for kind, data in self._raw:
+            if kind == GUARDS:
+                misses += pending
+                pending = not data
+                hits += bool(data)
+            elif kind == FRAME_COMPILE:
+                pending = False
+        return hits, misses + pending
+
     def compiles(self) -> list[dict[str, Any]]:
         """One dict per frame compilation, in order, with the `CompileEvent` fields.
 
@@ -156,6 +195,8 @@ class CompileTap(logging.Handler):
         reasons: list[str] = []
         breaks: list[str] = []
         for kind, data in self._raw:
+            if kind == GUARDS:
+                continue
             if kind == RECOMPILE_REASONS:
                 reasons = _reasons(data)
             elif kind == GRAPH_BREAK:
@@ -205,6 +246,15 @@ def _limit_hit(metrics: dict[str, Any], limits_then: str) -> str | None:
     return f"{found[1]}={found[2]}" if found else limits_then
 
 
+def _failure(metrics: dict[str, Any]) -> str | None:
+    """``"<fail type>: <first line of the reason>"`` of a compile that failed (dynamo ran the frame eagerly, or
+    the error reached the engine, which may have swallowed it), else None."""
+    if not metrics["fail_type"]:
+        return None
+    reason = (metrics["fail_reason"] or "").strip().splitlines()
+    return f"{metrics['fail_type']}: {reason[0] if reason else '(no reason given)'}"
+
+
 def _frame_name(compile_id: str, earlier: list[dict[str, Any]]) -> str:
     """``name (file:line)`` of a compile whose record has no frame (a limit hit)."""
     frame_id = compile_id.split("/")[0] + "/"
@@ -226,6 +276,7 @@ def _frame_compile(
     if not reasons and metrics["recompile_reason"]:
         reasons = [metrics["recompile_reason"]]  # no artifact: torch's first reason only
     split = [_split_reason(r) for r in reasons]
+    limit_hit = _limit_hit(metrics, limits_then)
     name = metrics["co_name"]
     if name:
         frame = f"{name} ({metrics['co_filename']}:{metrics['co_firstlineno']})"
@@ -240,5 +291,6 @@ def _frame_compile(
         "guard_failures": tuple(guard for guard, _ in split),
         "graph_breaks": tuple(breaks),
         "user_stack": next((stack for _, stack in split if stack), ""),
-        "limit_hit": _limit_hit(metrics, limits_then),
+        "limit_hit": limit_hit,
+        "failed": _failure(metrics) if not limit_hit else None,
     }

@@ -85,8 +85,10 @@ class Declaration:
     - `devices`, `dtypes`: what it runs on (``"cpu"``, ``"cuda"``; ``"float32"``, ``"bfloat16"``, ...).
     - `compiled`: it runs code under ``torch.compile`` (recompile checks apply).
     - `description`: one line shown by ``--kv-list-engines``.
-    - `known_findings`: ``(test-id glob, reason)`` pairs: what the suite is known to find on this
-      engine. Matching tests become strict xfails (a fixed engine shows as XPASS(strict)).
+    - `known_findings`: ``(test-id glob, reason, expected failure)`` triples: what the suite is known to find
+      on this engine. Matching tests become strict xfails that absorb only a failure whose
+      ``"<exception type>: <message>"`` matches the regex `expected failure` (a different failure still
+      fails; a fixed engine shows as XPASS(strict)).
     - `kv_layout`: a ``pytest_kvcompile.memory.KVLayout`` saying how the cache stores positions
       (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
       `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
@@ -103,7 +105,7 @@ class Declaration:
     dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
     compiled: bool = False
     description: str = ""
-    known_findings: tuple[tuple[str, str], ...] = ()
+    known_findings: tuple[tuple[str, str, str], ...] = ()
     kv_layout: KVLayout | None = None
     requires: tuple[tuple[str, str], ...] = ()
 

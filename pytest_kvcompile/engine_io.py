@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from .engine import ModelNotSupported, ModelSpec
-from .errors import MalformedOutput
+from .errors import MalformedOutput, NotApplicable
 from .registry import EngineRef
 
 
@@ -41,7 +41,7 @@ def build(ref: EngineRef, spec: ModelSpec, compile_backend: str) -> Any:
     try:
         engine = ref.build(spec, compile_backend)
     except ModelNotSupported as exc:
-        pytest.skip(f"engine '{ref.name}' does not support model '{spec.name}': {exc}")
+        raise NotApplicable(f"engine '{ref.name}' does not support model '{spec.name}': {exc}") from None
     except Exception as exc:
         _fail_raised(ref, f"its factory {ref.target}(ModelSpec(name='{spec.name}', ...))", exc)
     if not callable(getattr(engine, "generate", None)):

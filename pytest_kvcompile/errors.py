@@ -9,3 +9,12 @@ class EngineResolutionError(pytest.UsageError):
 
 class MalformedOutput(Exception):
     """An engine returned something that breaks the engine contract."""
+
+
+class NotApplicable(pytest.skip.Exception):
+    """A skip for a limitation declared or known up front (the engine raised ModelNotSupported, does not declare
+    the device or dtype, the model is unavailable, no oracle covers the strategy): the engine x model is not
+    failed as vacuous for it, and the reason is listed at the end of the run."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, pytrace=False)

@@ -1,22 +1,59 @@
-"""An engine under test: the resolved engine built for one model, and the checks' entry points."""
+"""An engine under test: the resolved engine built for one model, every call it served, and the checks' entry points.
+
+Every ``generate()`` runs under a compile recorder (`recompiles.CompileRecorder`): what dynamo compiled during
+the call, how often compiled code matched its guards and ran, and how often a frame ran eagerly after its
+guards failed. So whether an engine runs compiled code is observed, not declared (suites/test_recompiles.py),
+and every check knows the calls the engine object served before it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
 from . import engine_io
 from .engine import ModelSpec
 from .oracle import Reference
 from .prompts import Prompt
+from .recompiles import CompileEvent, CompileRecorder
 from .registry import EngineRef
-from .token_match import TokenMismatch, Verdict, assert_tokens_match
+from .token_match import TokenMismatch, Verdict, assert_score_matches, assert_tokens_match
 
 if TYPE_CHECKING:
     from .results import Recorder
 
 
 NEAR_TIES = "near ties accepted as numerics"
+FRESH_ENGINE = "--kv-fresh-engine"
+
+
+def cuda_allocated(device: str) -> int | None:
+    """torch.cuda.memory_allocated() of `device` after a synchronize, or None off CUDA."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return None
+    torch.cuda.synchronize(device)
+    return torch.cuda.memory_allocated(device)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One ``generate()`` call an engine object served, with what dynamo did during it."""
+
+    lengths: tuple[int, ...]
+    max_new_tokens: int
+    compiles: tuple[CompileEvent, ...] = ()
+    guard_hits: int = 0  # frames entered whose compiled code matched its guards and ran
+    eager_runs: int = 0  # frames whose guards failed and that then ran eagerly (no compile followed)
+
+    def __str__(self) -> str:
+        return f"generate(<{len(self.lengths)} prompt(s) of lengths {list(self.lengths)}>, {self.max_new_tokens})"
+
+    @property
+    def ran_compiled(self) -> bool:
+        """Compiled code ran: a guard matched, or dynamo compiled (and so ran) a frame without failing."""
+        return self.guard_hits > 0 or any(not (e.limit_hit or e.failed) for e in self.compiles)
 
 
 @dataclass
@@ -27,7 +64,11 @@ class EngineUnderTest:
     max_new_tokens: int
     tie_tolerance: float
     window: int | None
-    build_compiles: int = 0  # dynamo compiles while the factory ran (compiled engines only)
+    build_compiles: tuple[CompileEvent, ...] = ()  # dynamo compiles while the factory ran
+    max_near_ties: int | None = None
+    score_tolerance: float = 0.0
+    cuda_allocated_before: int | None = None  # torch.cuda.memory_allocated() before the factory ran (CUDA only)
+    history: list[Call] = field(default_factory=list)
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' on model '{self.spec.name}'>"
@@ -36,34 +77,63 @@ class EngineUnderTest:
     def name(self) -> str:
         return self.ref.name
 
+    @property
+    def compiled_observed(self) -> bool:
+        """Dynamo compiled something for this engine (at build or in a call) or its compiled code ran."""
+        return bool(self.build_compiles) or any(c.compiles or c.guard_hits for c in self.history)
+
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int | None = None) -> list[list[int]]:
-        """engine.generate over these prompts (one call), validated."""
+        """engine.generate over these prompts (one call), validated and recorded in `history`."""
         n = max_new_tokens or self.max_new_tokens
-        return engine_io.generate(self.ref, self.engine, [p.ids for p in prompts], n, self.spec.vocab_size)
+        recorder = CompileRecorder()
+        try:
+            with recorder:
+                return engine_io.generate(self.ref, self.engine, [p.ids for p in prompts], n, self.spec.vocab_size)
+        finally:
+            hits, eager = recorder.guards
+            self.history.append(Call(tuple(len(p) for p in prompts), n, tuple(recorder.events), hits, eager))
+
+    def served(self, before: int | None = None) -> str:
+        """What this engine object served before call number `before` (default: all), for failure messages."""
+        calls = self.history[:before]
+        if not calls:
+            return "  engine object: a fresh one (no earlier calls)"
+        shown = "; ".join(map(str, calls[-4:]))
+        return (f"  engine object: served {len(calls)} earlier call(s) in this process before this one"
+                f"{' (the last 4)' if len(calls) > 4 else ''}: {shown}; to rule out state left by them, rerun with "
+                f"{FRESH_ENGINE} (a fresh engine per test)")
 
     def check(self, reference: Reference, got: Sequence[int], prompt: Prompt, where: str = "alone",
               record: Recorder | None = None) -> Verdict:
-        """assert_tokens_match with this run's tolerance, the engine's scorer and the model's window."""
+        """assert_tokens_match with this run's tolerances, the model's window and the engine's call history."""
         __tracebackhide__ = True
-        scorer = engine_io.score(self.ref, self.engine, self.spec.vocab_size) if self.ref.declaration.scoring else None
         try:
             verdict = assert_tokens_match(
-                reference, got, tie_tolerance=self.tie_tolerance, score=scorer, engine=self.name,
+                reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.max_near_ties, engine=self.name,
                 model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
+                context=self.served(len(self.history) - 1),
             )
         except TokenMismatch:
             if record:
-                record.metric(tokens={"mismatch": 1})
+                record.metric(tokens={"mismatch": 1}, verified_tokens=len(got))
             raise
         if record:
             at = f"{self.name} / {self.spec.name} / {prompt.name} ({where})"
             lines = [f"{at}: near tie at step {tie.step}, {tie.expected} vs {tie.got}, gap {tie.gap:.3g}"
                      for tie in verdict.near_ties]
-            if verdict.unverified_from is not None:
-                lines.append(f"{at}: steps {verdict.unverified_from}.. unverified after a near tie "
-                             "(engine does not declare scoring)")
             for line in lines:
                 record(NEAR_TIES, line, near_ties=[line])
-            kind = "unverified" if verdict.unverified_from is not None else "near_tie" if verdict.near_ties else "identical"
-            record.metric(tokens={kind: 1})
+            evictions = {} if reference.evicted is None else {"evictions": reference.evicted, "evicting": 1}
+            record.metric(tokens={"near_tie" if verdict.near_ties else "identical": 1}, verified_tokens=len(got),
+                          near_tie_tokens=len(verdict.near_ties), **evictions)
         return verdict
+
+    def check_score(self, reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
+        """A declared score(): its rows against the oracle's along `got`, and its argmax against `got`."""
+        __tracebackhide__ = True
+        if not self.ref.declaration.scoring:
+            return None
+        scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
+        return assert_score_matches(reference, got, scored, tie_tolerance=self.tie_tolerance,
+                                    score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
+                                    prompt=f"prompt '{prompt.name}'")

@@ -10,11 +10,15 @@
 - `expected_kv_bytes(layout, config, ...)`: the exact bytes that layout holds at the end of
   ``generate()``, with the formula's terms per layer (`Footprint`).
 - `live_tensor_bytes()`: every tensor the garbage collector can see (the leak check's census).
+- `held_by(engine)`: what an engine object really holds beyond its weights (the memory cross-check).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import types
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -57,6 +61,78 @@ def live_tensor_bytes() -> int:
     return held_bytes(obj for obj in gc.get_objects() if type(obj) in (torch.Tensor, torch.nn.Parameter))
 
 
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), types.ModuleType, type, types.CodeType,
+           types.BuiltinFunctionType, torch.dtype, torch.device)
+
+
+def _referents(obj: Any) -> Iterable[Any]:
+    """What `obj` holds for `held_by`: containers' items, instance and module attributes, closures and bound
+    methods; never a function's globals, a module or a class (they reach the whole process)."""
+    if isinstance(obj, dict):
+        return obj.values()
+    if isinstance(obj, (list, tuple, set, frozenset, deque)):
+        return obj
+    if isinstance(obj, types.MethodType):
+        return (obj.__self__, obj.__func__)
+    if isinstance(obj, types.FunctionType):
+        cells = [c.cell_contents for c in obj.__closure__ or () if _filled(c)]
+        return [*cells, *(obj.__defaults__ or ()), *(obj.__kwdefaults__ or {}).values()]
+    if isinstance(obj, functools.partial):
+        return (obj.func, *obj.args, *obj.keywords.values())
+    found = list(getattr(obj, "__dict__", {}).values())
+    for cls in type(obj).__mro__:
+        for name in getattr(cls, "__slots__", ()):
+            if isinstance(name, str) and hasattr(obj, name):
+                found.append(getattr(obj, name))
+    return found
+
+
+def _filled(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Held:
+    """What an object graph holds in tensors: `weights` (parameters, and any tensor sharing their storage) and
+    `state` (every other tensor: KV cache, buffers, masks, anything kept between calls), distinct storages."""
+
+    weights: int
+    state: int
+    tensors: int
+
+
+def held_by(root: Any, limit: int = 500_000) -> Held:
+    """Bytes of the tensors reachable from `root` (see `_referents`), split into parameters and the rest.
+
+    The engine-side measurement behind the memory cross-check (suites/test_kv_memory.py): `state` is what an
+    engine keeps besides its weights, to compare with what it reports (`kv_cache_bytes()`) and declares
+    (`KVLayout`). Tensors held only from C++ (a compiled graph's constants, a native runtime's cache) are not seen.
+    At most `limit` objects are visited."""
+    seen: set[int] = set()
+    params: list[torch.Tensor] = []
+    other: list[torch.Tensor] = []
+    todo = [root]
+    while todo and len(seen) < limit:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, _LEAVES):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            (params if isinstance(obj, torch.nn.Parameter) else other).append(obj)
+            continue
+        try:
+            todo.extend(_referents(obj))
+        except Exception:  # an exotic object that refuses introspection holds nothing we can see
+            continue
+    weight_keys = {(t.device, t.untyped_storage().data_ptr()) for t in params if t.device.type != "meta"}
+    state = [t for t in other if t.device.type == "meta" or (t.device, t.untyped_storage().data_ptr()) not in weight_keys]
+    return Held(held_bytes(params), held_bytes(state), len(params) + len(other))
+
+
 @dataclass(frozen=True)
 class KVLayout:
     """How an engine's KV cache stores positions, so its footprint can be computed exactly.
@@ -77,6 +153,10 @@ class KVLayout:
     `rows`: rows the cache allocates whatever the batch (a static cache padded to a max batch size);
     None: one row per prompt.
 
+    `windowed=False`: sliding layers keep every position like full layers (keys that left the window are
+    masked, never read again, but held). `extra_positions`: positions a growing (dynamic or budget) layer holds
+    beyond T, e.g. one pad key kept so the cache is never empty.
+
     `window_offset`: what a sliding layer really holds, relative to W. transformers' dynamic sliding
     layer keeps W-1 positions as a view of the W-position concatenation of the last step, so it
     *holds* W (offset 0); its static sliding layer allocates W (offset 0). An engine copying out the
@@ -90,6 +170,8 @@ class KVLayout:
     budget: int | None = None
     window_offset: int = 0
     rows: int | None = None
+    windowed: bool = True
+    extra_positions: int = 0
 
     def __post_init__(self) -> None:
         usage = ('KVLayout("dynamic"), KVLayout("static", max_cache_len=N) or KVLayout("budget", budget=N), '
@@ -105,10 +187,16 @@ class KVLayout:
                 raise ValueError(f"{self}: {name} must be an int >= 1, got {value!r}")
         if type(self.window_offset) is not int or self.window_offset not in (-1, 0):
             raise ValueError(f"{self}: window_offset must be -1 (W-1 positions) or 0 (W), got {self.window_offset!r}")
+        if type(self.windowed) is not bool:
+            raise ValueError(f"{self}: windowed must be True or False, got {self.windowed!r}")
+        if type(self.extra_positions) is not int or self.extra_positions < 0:
+            raise ValueError(f"{self}: extra_positions must be an int >= 0, got {self.extra_positions!r}")
 
     def __str__(self) -> str:
         params = [f"{n}={getattr(self, n)}" for n in ("max_cache_len", "budget", "rows") if getattr(self, n) is not None]
         params += [f"window_offset={self.window_offset}"] if self.window_offset else []
+        params += ["windowed=False"] if not self.windowed else []
+        params += [f"extra_positions={self.extra_positions}"] if self.extra_positions else []
         return f"KVLayout({', '.join([repr(self.kind), *params])})"
 
     def positions(self, written: int, window: int | None) -> tuple[int, str]:
@@ -116,8 +204,10 @@ class KVLayout:
         if self.kind == "static":
             bounds = [(self.max_cache_len, f"max_cache_len={self.max_cache_len}")]
         else:
-            bounds = [(written, f"T={written}")] + ([(self.budget, f"budget={self.budget}")] if self.budget else [])
-        if window is not None:
+            extra = self.extra_positions
+            bounds = [(written + extra, f"T+{extra}={written + extra}" if extra else f"T={written}")]
+            bounds += [(self.budget, f"budget={self.budget}")] if self.budget else []
+        if window is not None and self.windowed:
             slots = window + self.window_offset
             bounds.append((slots, f"W-1={slots}" if self.window_offset else f"W={slots}"))
         held = min(value for value, _ in bounds)
@@ -206,5 +296,5 @@ def format_bytes(n: float) -> str:
     return f"{int(n):,} B" if unit == "B" else f"{int(n):,} B ({value:.1f} {unit})"
 
 
-__all__ = ["KINDS", "KVLayout", "LayerTerm", "Footprint", "held_bytes", "cache_tensors", "live_tensor_bytes",
-           "expected_kv_bytes", "format_bytes"]
+__all__ = ["KINDS", "KVLayout", "LayerTerm", "Footprint", "Held", "held_bytes", "held_by", "cache_tensors",
+           "live_tensor_bytes", "expected_kv_bytes", "format_bytes"]

@@ -33,6 +33,16 @@ class ModelEntry:
     def vocab_size(self) -> int:
         return int(self.config.vocab_size) if self.config is not None else 0
 
+    @property
+    def max_positions(self) -> int | None:
+        return max_positions(self.config)
+
+
+def max_positions(config: Any) -> int | None:
+    """The model's position limit (learned position tables end there), if its config says."""
+    found = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(found) if found else None
+
 
 def collect(settings: Settings) -> dict[str, ModelEntry]:
     """Zoo entries (as selected) then local checkpoints; a bad selection is a usage error."""

@@ -6,10 +6,15 @@ Each option has an ini equivalent (``[tool.pytest.ini_options]``); the command l
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from .fuzz import FuzzSettings
 
 ENGINE = "--kv-engine"
 LIST_ENGINES = "--kv-list-engines"
@@ -23,7 +28,18 @@ TIE_TOLERANCE = "--kv-tie-tolerance"
 COMPILE_BACKEND = "--kv-compile-backend"
 CACHE_DIR = "--kv-cache-dir"
 KNOWN_FINDING = "--kv-known-finding"
+MAX_NEAR_TIES = "--kv-max-near-ties"
+MAX_NEAR_TIE_RATE = "--kv-max-near-tie-rate"
+FRESH_ENGINE = "--kv-fresh-engine"
+ALLOW_GRAPH_BREAKS = "--kv-allow-graph-breaks"
+ORACLE_CHECK = "--kv-oracle-check"
+FUZZ = "--kv-fuzz"
+FUZZ_PROFILE = "--kv-fuzz-profile"
+FUZZ_BUDGET = "--kv-fuzz-budget"
+FUZZ_SEED = "--kv-fuzz-seed"
 
+NO_ENGINE = (f"no engine selected: pass {ENGINE}=NAME (or the ini key kv_engines); "
+             f"pytest {LIST_ENGINES} lists the engines")
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DIR_ENV = "KVCOMPILE_CACHE_DIR"
 
@@ -49,15 +65,43 @@ _OPTIONS = [
      "torch.compile backend for the built-in compiled engines (inductor, aot_eager, eager); "
      "recompile checks are decided by dynamo and hold for any backend"),
     (KNOWN_FINDING, "kv_known_findings", "linelist", [],
-     "a known finding on an engine, 'ENGINE | TEST-GLOB | REASON' (repeatable): matching tests of that "
-     "engine become strict xfails, so a fixed engine shows up as XPASS(strict)"),
+     "a known finding on an engine, 'ENGINE | TEST-GLOB | REASON | EXPECTED' (repeatable): matching tests of that "
+     "engine become strict xfails that expect a failure whose '<exception type>: <message>' matches the regex "
+     "EXPECTED (any other failure still fails; a fixed engine shows up as XPASS(strict))"),
     (CACHE_DIR, "kv_cache_dir", "string", "",
-     f"where built tiny-model checkpoints are cached (default: ${CACHE_DIR_ENV} or ~/.cache/pytest-kvcompile)"),
+     f"where built tiny-model checkpoints and the oracle's references are cached "
+     f"(default: ${CACHE_DIR_ENV} or ~/.cache/pytest-kvcompile)"),
+    (MAX_NEAR_TIES, "kv_max_near_ties", "string", "auto",
+     "near ties allowed in one sequence; more is numerics drift, a failure ('auto' = 2 for float32, 3 for "
+     "float16 and bfloat16)"),
+    (MAX_NEAR_TIE_RATE, "kv_max_near_tie_rate", "string", "auto",
+     "near ties allowed per verified token over each engine's whole run; more fails the run ('auto' = 0.01 for "
+     "float32, 0.05 for float16 and bfloat16)"),
+    (FRESH_ENGINE, "kv_fresh_engine", "bool", False,
+     "build a fresh engine for every test instead of one per engine and model per process (isolates tests from "
+     "state an engine keeps across calls; slow for compiled engines)"),
+    (ALLOW_GRAPH_BREAKS, "kv_allow_graph_breaks", "bool", False,
+     "do not fail the recompile check on graph breaks in an engine's compiled code (they are still reported)"),
+    (ORACLE_CHECK, "kv_oracle_check", "string", "on",
+     "'on' (default): replay each oracle reference through an independent path (float64) before judging an "
+     "engine with it; 'off' skips that check"),
+    (FUZZ, "kv_fuzz", "string", "0",
+     "fuzz each engine x model with N hypothesis examples of drawn call sequences (suites/test_fuzz.py); "
+     "0 (default): off"),
+    (FUZZ_PROFILE, "kv_fuzz_profile", "string", "ci",
+     "'ci' (default): derandomized, the same examples every run, 8 steps each; 'dev': new examples each run, "
+     "24 steps, failures kept in hypothesis' database under the cache dir and replayed first"),
+    (FUZZ_BUDGET, "kv_fuzz_budget", "string", "120",
+     "seconds per engine x model after which fuzzing draws no new examples (default: 120)"),
+    (FUZZ_SEED, "kv_fuzz_seed", "string", "",
+     "a seed for the fuzzer (random examples, reproducible): measures time-to-find over seeds"),
 ]
 
 
 _METAVARS = {ENGINE: "NAME", MODEL: "PATH", ZOO: "NAMES", ZOO_HEAD_DIM: "N", DEVICE: "DEVICE", DTYPE: "DTYPE", MAX_NEW_TOKENS: "N",
-             TIE_TOLERANCE: "GAP", COMPILE_BACKEND: "BACKEND", CACHE_DIR: "DIR", KNOWN_FINDING: "LINE"}
+             TIE_TOLERANCE: "GAP", COMPILE_BACKEND: "BACKEND", CACHE_DIR: "DIR", KNOWN_FINDING: "LINE",
+             MAX_NEAR_TIES: "N", MAX_NEAR_TIE_RATE: "RATE", ORACLE_CHECK: "on|off", FUZZ: "N",
+             FUZZ_PROFILE: "ci|dev", FUZZ_BUDGET: "SECONDS", FUZZ_SEED: "N"}
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -65,6 +109,8 @@ def add_options(parser: pytest.Parser) -> None:
     for flag, ini, kind, default, help_text in _OPTIONS:
         if kind == "linelist":
             group.addoption(flag, action="append", default=None, metavar=_METAVARS[flag], help=help_text)
+        elif kind == "bool":
+            group.addoption(flag, action="store_true", default=None, help=help_text)
         else:
             group.addoption(flag, action="store", default=None, metavar=_METAVARS[flag], help=help_text)
         parser.addini(ini, help=help_text, type=kind, default=default)
@@ -78,15 +124,22 @@ def _value(config: pytest.Config, flag: str):
     return cli if cli is not None else config.getini(ini)
 
 
-def known_findings(config: pytest.Config) -> list[tuple[str, str, str]]:
-    """(engine, test glob, reason) per known finding; a malformed line is a usage error."""
+def known_findings(config: pytest.Config) -> list[tuple[str, str, str, str]]:
+    """(engine, test glob, reason, expected failure regex) per known finding; a malformed line is a usage error."""
     found = []
     for line in _value(config, KNOWN_FINDING):
-        parts = [p.strip() for p in line.split("|")]
-        if len(parts) != 3 or not all(parts):
+        parts = [p.strip() for p in line.split("|", 3)]
+        problem = None if len(parts) == 4 and all(parts) else "must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'"
+        if problem is None:
+            try:
+                re.compile(parts[3])
+            except re.error as exc:
+                problem = f"EXPECTED {parts[3]!r} is not a regular expression ({exc})"
+        if problem:
             raise pytest.UsageError(
-                f"{KNOWN_FINDING} / kv_known_findings: {line!r} must be 'ENGINE | TEST-GLOB | REASON', "
-                "e.g. 'hf-dynamic-compile | test_no_recompiles_after_warmup* | recompiles on every new length'"
+                f"{KNOWN_FINDING} / kv_known_findings: {line!r} {problem}; e.g. 'hf-dynamic-compile | "
+                "test_no_recompiles_after_warmup* | recompiles on every new length | recompiled after warmup'. "
+                "EXPECTED is a regex searched in '<exception type>: <message>' of the failure"
             )
         found.append(tuple(parts))
     return found
@@ -104,6 +157,12 @@ class Settings:
     tie_tolerance: float
     compile_backend: str
     cache_dir: Path
+    max_near_ties: int = 2
+    max_near_tie_rate: float = 0.01
+    fresh_engine: bool = False
+    allow_graph_breaks: bool = False
+    oracle_check: bool = True
+    fuzz: FuzzSettings | None = None
 
 
 def read_settings(config: pytest.Config) -> Settings:
@@ -124,18 +183,34 @@ def read_settings(config: pytest.Config) -> Settings:
     if not tol >= 0:
         raise pytest.UsageError(f"{TIE_TOLERANCE}={raw_tol!r}: give 'auto' or a logit gap >= 0, e.g. 1e-3")
     device = _value(config, DEVICE)
-    try:
-        import torch
-
-        torch.device(device)
-    except RuntimeError:
-        raise pytest.UsageError(f"{DEVICE}={device!r} is not a torch device; e.g. cpu, cuda, cuda:1") from None
+    _check_device(device)
     zoo = str(_value(config, ZOO)).strip()
     raw_hd = str(_value(config, ZOO_HEAD_DIM))
     if not raw_hd.isdigit() or int(raw_hd) < 2 or int(raw_hd) % 2:
         raise pytest.UsageError(f"{ZOO_HEAD_DIM}={raw_hd!r}: give an even whole number >= 2 (RoPE rotates pairs), e.g. 32")
     cache_dir = _value(config, CACHE_DIR) or os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pytest-kvcompile"
-    engines = tuple(dict.fromkeys(n.strip() for n in _value(config, ENGINE) if n.strip()))
+    given = _value(config, ENGINE)
+    engines = tuple(dict.fromkeys(n.strip() for n in given if n.strip()))
+    if given and not engines:
+        raise pytest.UsageError(f"{ENGINE}= is empty: name an engine, e.g. {ENGINE}=hf-eager "
+                                f"(pytest {LIST_ENGINES} lists them)")
+    from .token_match import DEFAULT_MAX_NEAR_TIE_RATE, DEFAULT_MAX_NEAR_TIES
+
+    raw_ties = str(_value(config, MAX_NEAR_TIES))
+    if raw_ties != "auto" and not raw_ties.isdigit():
+        raise pytest.UsageError(f"{MAX_NEAR_TIES}={raw_ties!r}: give 'auto' or a whole number >= 0, e.g. 2")
+    raw_rate = str(_value(config, MAX_NEAR_TIE_RATE))
+    try:
+        rate = DEFAULT_MAX_NEAR_TIE_RATE[dtype] if raw_rate == "auto" else float(raw_rate)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate <= 1:
+        raise pytest.UsageError(f"{MAX_NEAR_TIE_RATE}={raw_rate!r}: give 'auto' or a fraction of verified tokens in "
+                                "[0, 1], e.g. 0.02")
+    check = str(_value(config, ORACLE_CHECK)).strip().lower()
+    if check not in ("on", "off"):
+        raise pytest.UsageError(f"{ORACLE_CHECK}={check!r}: give 'on' or 'off'")
+    fuzz = _fuzz_settings(config)
     return Settings(
         engines=engines,
         models=tuple(Path(p).expanduser() for p in _value(config, MODEL)),
@@ -147,4 +222,54 @@ def read_settings(config: pytest.Config) -> Settings:
         tie_tolerance=tol,
         compile_backend=_value(config, COMPILE_BACKEND),
         cache_dir=Path(cache_dir),
+        max_near_ties=DEFAULT_MAX_NEAR_TIES[dtype] if raw_ties == "auto" else int(raw_ties),
+        max_near_tie_rate=rate,
+        fresh_engine=bool(_value(config, FRESH_ENGINE)),
+        allow_graph_breaks=bool(_value(config, ALLOW_GRAPH_BREAKS)),
+        oracle_check=check == "on",
+        fuzz=fuzz,
     )
+
+
+def _fuzz_settings(config: pytest.Config):
+    """The --kv-fuzz* options (None: fuzzing off); a bad value is a usage error."""
+    from .fuzz import PROFILES, FuzzSettings
+
+    raw = str(_value(config, FUZZ)).strip()
+    if not raw.isdigit():
+        raise pytest.UsageError(f"{FUZZ}={raw!r}: give a number of examples >= 0 (0: off), e.g. {FUZZ}=20")
+    profile = str(_value(config, FUZZ_PROFILE)).strip()
+    if profile not in PROFILES:
+        raise pytest.UsageError(f"{FUZZ_PROFILE}={profile!r}: choose one of {', '.join(PROFILES)}")
+    budget = str(_value(config, FUZZ_BUDGET)).strip()
+    try:
+        seconds = float(budget)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise pytest.UsageError(f"{FUZZ_BUDGET}={budget!r}: give seconds > 0, e.g. 120")
+    seed = str(_value(config, FUZZ_SEED)).strip()
+    if seed and not seed.isdigit():
+        raise pytest.UsageError(f"{FUZZ_SEED}={seed!r}: give a whole number")
+    if int(raw) == 0:
+        return None
+    return FuzzSettings(int(raw), profile, seconds, int(seed) if seed else None)
+
+
+def _check_device(device: str) -> None:
+    """A usage error at start-up for a device string torch rejects, or a CUDA device this torch cannot use."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        raise pytest.UsageError(f"{DEVICE}={device!r} is not a torch device; e.g. cpu, cuda, cuda:1") from None
+    if parsed.type == "cuda":
+        if torch.version.cuda is None:
+            raise pytest.UsageError(f"{DEVICE}={device}: this torch ({torch.__version__}) is a build without CUDA; "
+                                    "install a CUDA build of torch (https://pytorch.org/get-started/locally/) or run "
+                                    f"on {DEVICE}=cpu")
+        if not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count():
+            raise pytest.UsageError(f"{DEVICE}={device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
+                                    f"{torch.cuda.device_count()} GPU(s); check the driver and CUDA_VISIBLE_DEVICES, "
+                                    f"or run on {DEVICE}=cpu")

@@ -5,13 +5,18 @@ full ``DynamicCache`` on the same checkpoint, device and dtype: one forward over
 prompt, then one forward per new token, each token the argmax of the raw logits (no
 logits processors: a checkpoint's ``generation_config``, e.g. a repetition penalty,
 does not apply; no stop tokens). The per-step logits are kept so a divergence can be
-classified as a near tie or a mismatch (see ``token_match``).
+classified as a near tie or a mismatch (see ``token_match``), and the same loop fed the
+engine's own tokens (``teacher_forced``) gives the oracle's logits along the engine's path.
+
+Every oracle has ``reference(prompt, max_new_tokens) -> Reference`` and
+``teacher_forced(prompt, tokens, tie_tolerance) -> Tensor [len(tokens), vocab]``.
 """
 
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
 
 import torch
 
@@ -26,9 +31,22 @@ class Reference:
     tokens: tuple[int, ...]
     logits: torch.Tensor
     source: str
+    #: (tokens, tie_tolerance) -> the oracle's logits along `tokens` (its teacher_forced, bound to this prompt)
+    forced: Callable[[Sequence[int], float], torch.Tensor] | None = field(default=None, compare=False, repr=False)
+    #: cache entries the strategy evicted along the greedy run (None: the strategy evicts nothing)
+    evicted: int | None = None
 
     def __repr__(self) -> str:
         return f"Reference(prompt of length {len(self.prompt)}, tokens={list(self.tokens)})"
+
+    def given(self, tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
+        """The oracle's logits [steps, vocab] at each step given this prompt + `tokens` before it."""
+        if tuple(int(t) for t in tokens) == self.tokens:
+            return self.logits
+        if self.forced is None:
+            raise ValueError(f"{self!r} was built without its oracle (forced=None), so tokens off the oracle's "
+                             "path cannot be verified: get references from an oracle's reference()")
+        return self.forced(tokens, tie_tolerance)
 
     def gap(self, step: int, token: int) -> float:
         """How far `token` is behind the oracle's own choice at `step`, in logits (>= 0)."""
@@ -55,25 +73,31 @@ class HFEagerOracle:
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"
 
-    @torch.inference_mode()
     def reference(self, prompt: list[int] | tuple[int, ...], max_new_tokens: int) -> Reference:
         key = (tuple(prompt), max_new_tokens)
         if key not in self._memo:
-            self._memo[key] = self._greedy(*key)
+            tokens, rows = self._run(key[0], max_new_tokens, None)
+            self._memo[key] = Reference(key[0], tokens, rows, self.source,
+                                        lambda got, tol, p=key[0]: self.teacher_forced(p, got, tol))
         return self._memo[key]
 
-    def _greedy(self, prompt: tuple[int, ...], steps: int) -> Reference:
+    def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float = 0.0) -> torch.Tensor:
+        """The logits [len(tokens), vocab] of the same loop fed `tokens` instead of its own argmax."""
+        return self._run(tuple(prompt), len(tokens), tuple(int(t) for t in tokens))[1]
+
+    @torch.inference_mode()
+    def _run(self, prompt: tuple[int, ...], steps: int, forced: tuple[int, ...] | None):
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self.model.config)
         inputs = torch.tensor([prompt], device=self.spec.device)
         tokens, rows = [], []
-        for _ in range(steps):
+        for step in range(steps):
             logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
             rows.append(logits.float().cpu())
-            tokens.append(int(logits.argmax()))
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
             inputs = torch.tensor([[tokens[-1]]], device=self.spec.device)
-        return Reference(prompt, tuple(tokens), torch.stack(rows), self.source)
+        return tuple(tokens), torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
 
 
 class NoOracle(LookupError):
@@ -95,9 +119,54 @@ ORACLES: dict[str, str] = {
 }
 
 
+#: Strategy kinds that declare no oracle: engines get every oracle-free check, token checks are skipped.
+WITHOUT_ORACLE = "without_oracle"
+
+
+def known_kinds() -> list[str]:
+    return sorted([*ORACLES, WITHOUT_ORACLE])
+
+
+def check_strategy(strategy: Strategy) -> str | None:
+    """Why `strategy` cannot be used (unknown kind, bad parameters), or None. Checked at start-up."""
+    if strategy.kind == WITHOUT_ORACLE:
+        return None
+    if strategy.kind not in ORACLES:
+        return (f"strategy kind '{strategy.kind}' is unknown; known: {', '.join(known_kinds())}. An engine whose "
+                f"cache semantics no oracle covers declares Strategy.of('{WITHOUT_ORACLE}', name='...'): it then "
+                "gets every oracle-free check (determinism, stale state, batch consistency, recompiles, memory)")
+    if strategy.kind != "exact":
+        from reference_impls.eviction import policy_for
+
+        try:
+            policy_for(strategy)
+        except ValueError as exc:
+            return str(exc)
+    return None
+
+
+def budget_of(strategy: Strategy) -> int | None:
+    """The cache budget of a budgeted eviction strategy, else None (exact, prefill-only, no oracle)."""
+    if strategy.kind in ("exact", WITHOUT_ORACLE) or strategy.kind not in ORACLES:
+        return None
+    from reference_impls.eviction import policy_for
+
+    budget = getattr(policy_for(strategy), "budget", None)
+    return budget if isinstance(budget, int) else None
+
+
+def exercising_lengths(strategy: Strategy) -> dict[str, int]:
+    """Prompt lengths that make `strategy` act (name -> length): budget+1 and 2*budget+3 for a budgeted
+    eviction policy (prefill-only policies compress any prompt)."""
+    budget = budget_of(strategy)
+    if budget is None:
+        return {}
+    return {f"budget+1={budget + 1}": budget + 1, f"2*budget+3={2 * budget + 3}": 2 * budget + 3}
+
+
 def oracle_for(strategy: Strategy, spec: ModelSpec):
     """The oracle that decides whether an engine with `strategy` is right on `spec`."""
     if strategy.kind not in ORACLES:
-        raise NoOracle(f"no oracle for strategy '{strategy}' (known: {', '.join(sorted(ORACLES))})")
+        raise NoOracle(f"strategy '{strategy}' declares no oracle (oracles exist for: {', '.join(sorted(ORACLES))})")
     module, _, attr = ORACLES[strategy.kind].partition(":")
     return getattr(importlib.import_module(module), attr)(spec, strategy)

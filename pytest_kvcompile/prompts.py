@@ -1,8 +1,11 @@
 """Prompt sets: token-id prompts of chosen lengths, random from a fixed seed.
 
-Every model gets lengths 1, short (7) and long (48). A model with sliding-window layers
+Every model gets lengths 1, short (7), long (48) and a sequence past 256 positions (a prompt
+of 250: prefill crosses 64 and 128, decode crosses 256, the sizes RoPE tables, static caches and
+paged blocks use), where the model's position limit allows. A model with sliding-window layers
 of window W also gets W-1, W, W+1 and 2W+3, so prefill and decode land just before, on
-and after the window boundary. The batch mixes different lengths.
+and after the window boundary. Strategies with a budget (eviction) add budget+1 and 2*budget+3,
+so eviction really happens (`oracle.exercising_lengths`). The batch mixes different lengths.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 SEED = 1234
-SHORT, LONG = 7, 48
+SHORT, LONG, PAST_256 = 7, 48, 250
 
 
 @dataclass(frozen=True)
@@ -32,16 +35,18 @@ def _ids(length: int, vocab_size: int, salt: int) -> tuple[int, ...]:
     return tuple(torch.randint(0, vocab_size, (length,), generator=gen).tolist())
 
 
-def lengths_for(window: int | None) -> dict[str, int]:
-    """Named prompt lengths for a model with sliding window `window` (None: full attention)."""
+def lengths_for(window: int | None, extra: dict[str, int] | None = None, limit: int | None = None) -> dict[str, int]:
+    """Named prompt lengths for a model with sliding window `window` (None: full attention), plus `extra`
+    (name -> length), keeping lengths in [1, limit] (limit: the longest prompt the model's positions allow)."""
     named = {}
     if window:
         named = {f"W-1={window - 1}": window - 1, f"W={window}": window, f"W+1={window + 1}": window + 1,
                  f"2W+3={2 * window + 3}": 2 * window + 3}
-    named.update({"len1": 1, f"short{SHORT}": SHORT, f"long{LONG}": LONG})
+    named.update({"len1": 1, f"short{SHORT}": SHORT, f"long{LONG}": LONG, f"long{PAST_256}": PAST_256})
+    named.update(extra or {})
     seen: dict[int, str] = {}
     for name, length in named.items():
-        if length >= 1:
+        if 1 <= length <= (limit or length):
             seen.setdefault(length, name)
     return {name: length for length, name in sorted(seen.items())}
 
@@ -50,8 +55,9 @@ def of_length(length: int, vocab_size: int, salt: int = 0) -> Prompt:
     return Prompt(f"len{length}", _ids(length, vocab_size, salt))
 
 
-def prompt_set(vocab_size: int, window: int | None) -> list[Prompt]:
-    return [Prompt(name, _ids(length, vocab_size, salt=0)) for name, length in lengths_for(window).items()]
+def prompt_set(vocab_size: int, window: int | None, extra: dict[str, int] | None = None,
+               limit: int | None = None) -> list[Prompt]:
+    return [Prompt(name, _ids(length, vocab_size, salt=0)) for name, length in lengths_for(window, extra, limit).items()]
 
 
 def variant(prompt: Prompt, vocab_size: int, salt: int) -> Prompt:

@@ -34,9 +34,9 @@ FIXTURE = "kv_compile_recorder"
 SECTION = f"{MARKER}: compiles after warmup"
 
 
-def no_recompile(*, max_recompiles: int = 0, graph_breaks: bool = True, warmup: bool = False) -> None:
+def no_recompile(*, max_recompiles: int = 0, graph_breaks: bool = False, warmup: bool = False) -> None:
     """fail the test if, during its call, dynamo compiles more than max_recompiles frames after
-    warmup, hits a recompile limit, or graph-breaks while graph_breaks=False. warmup=True: the
+    warmup, a compile fails or hits a recompile limit, or a graph break happens (graph_breaks=True allows them). warmup=True: the
     test takes the kv_compile_recorder fixture and calls kv_compile_recorder.mark_warmup_done()
     where warmup ends (dynamo is reset before the test, see recompiles.isolate); otherwise every
     compile in the test call counts."""

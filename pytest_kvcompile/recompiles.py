@@ -46,12 +46,15 @@ class CompileEvent:
     graph_breaks: tuple[str, ...] = ()  # "<file:line>: <reason>" of breaks hit while compiling this frame
     user_stack: str = ""  # where user code used the guarded value, when torch says
     limit_hit: str | None = None  # e.g. "recompile_limit=8": dynamo gave up on this frame
+    failed: str | None = None  # "<fail type>: <reason>": the compile raised (the frame ran eagerly, if at all)
 
     def describe(self) -> str:
         kind = "recompile" if self.is_recompile else "first compile"
         lines = [f"{kind} {self.compile_id} of {self.frame}"]
         if self.limit_hit:
             lines.append(f"  hit {self.limit_hit}: dynamo stopped compiling this frame and runs it in eager from now on")
+        if self.failed:
+            lines.append(f"  compile FAILED: {self.failed}")
         lines += [f"  guard failed: {re.sub(' {3,}', '  ', guard)}" for guard in self.guard_failures]
         if self.user_stack:
             lines += ["  guarded value used at:", textwrap.indent(self.user_stack.strip("\n"), "    ")]
@@ -108,6 +111,12 @@ class CompileRecorder:
     @property
     def post_warmup_events(self) -> list[CompileEvent]:
         return self.events[self._warmup_count or 0 :]
+
+    @property
+    def guards(self) -> tuple[int, int]:
+        """(hits, eager runs) while recording: guard evaluations where compiled code matched and ran, and
+        guard failures no compile followed (the frame ran eagerly; see dynamo_hooks.CompileTap.guards)."""
+        return self._started().guards()
 
     @property
     def graph_breaks(self) -> list[str]:
@@ -197,6 +206,9 @@ def _problems(
     hit = next((event for event in warmup + post if event.limit_hit), None)
     if hit:
         problems.append(f"dynamo hit {hit.limit_hit} compiling {hit.frame} and fell back to eager")
+    failed = next((event for event in warmup + post if event.failed), None)
+    if failed:
+        problems.append(f"a compile of {failed.frame} failed ({failed.failed})")
     if len(post) > max_recompiles:
         problems.append(f"{len(post)} dynamo compile(s) after warmup, {max_recompiles} allowed")
     breaks = sum(len(event.graph_breaks) for event in warmup + post)
@@ -214,7 +226,7 @@ def _blocks(events: Iterable[CompileEvent], start: int = 1, after_warmup: bool =
 
 
 def explain(
-    events: Iterable[CompileEvent], *, max_recompiles: int = 0, allow_graph_breaks: bool = True,
+    events: Iterable[CompileEvent], *, max_recompiles: int = 0, allow_graph_breaks: bool = False,
     warmup_events: Iterable[CompileEvent] = (),
 ) -> str:
     """The failure message: a one-line summary, then each post-warmup compile (`events`) with
@@ -223,14 +235,14 @@ def explain(
     post, warm = list(events), list(warmup_events)
     summary = _problems(post, warm, max_recompiles, allow_graph_breaks) or [f"{len(post)} dynamo compile(s) after warmup"]
     lines = ["; ".join(summary), *_blocks(post)]
-    warm_bad = [e for e in warm if e.limit_hit or (e.graph_breaks and not allow_graph_breaks)]
+    warm_bad = [e for e in warm if e.limit_hit or e.failed or (e.graph_breaks and not allow_graph_breaks)]
     if warm_bad:
         lines += ["", "during warmup:", *_blocks(warm_bad, len(post) + 1, after_warmup=False)[1:]]
     return "\n".join(lines)
 
 
 def verdict(
-    recorder: CompileRecorder, *, max_recompiles: int = 0, allow_graph_breaks: bool = True, warmup: bool = False,
+    recorder: CompileRecorder, *, max_recompiles: int = 0, allow_graph_breaks: bool = False, warmup: bool = False,
 ) -> str | None:
     """The failure message for this recording under these rules, or None if it passes."""
     if warmup and not recorder.warmup_done:
@@ -255,11 +267,11 @@ def _validate(max_recompiles: object, flags: dict[str, object]) -> None:
 
 @contextmanager
 def expect_no_recompiles(
-    *, max_recompiles: int = 0, allow_graph_breaks: bool = True, warmup: bool = False,
+    *, max_recompiles: int = 0, allow_graph_breaks: bool = False, warmup: bool = False,
 ) -> Iterator[CompileRecorder]:
     """Record the block; on a clean exit raise `RecompileError` (with `explain`'s message) if more
-    than `max_recompiles` compiles happened after warmup, a recompile limit was hit, or (when
-    not `allow_graph_breaks`) any graph break was seen. `warmup=True`: the block calls
+    than `max_recompiles` compiles happened after warmup, a compile failed or hit a recompile limit, or (unless
+    `allow_graph_breaks`) any graph break was seen. `warmup=True`: the block calls
     ``rec.mark_warmup_done()``; otherwise every compile in the block counts."""
     _validate(max_recompiles, {"allow_graph_breaks": allow_graph_breaks, "warmup": warmup})
     with CompileRecorder() as recorder:

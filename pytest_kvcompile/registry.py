@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import re
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "ref-streaming-llm": "reference_impls.eviction_engine:StreamingLLM",
     "ref-h2o": "reference_impls.eviction_engine:H2O",
     "ref-tova": "reference_impls.eviction_engine:TOVA",
+    "ref-streaming-llm-shifted": "reference_impls.eviction_engine:StreamingLLMShifted",
     "ref-kv-shared": "reference_impls.kv_shared:KVSharedPrefillSkip",
     # Third-party engines: their packages are imported when the engine is built, never at resolve time.
     "vllm": "pytest_kvcompile.engines.vllm:VLLMEager",
@@ -151,8 +153,26 @@ def resolve(name: str) -> EngineRef:
         declaration = declaration_of(factory)
     except TypeError as exc:
         raise EngineResolutionError(f"engine '{name}': {exc}") from None
+    _check_known_findings(name, declaration)
     _check_requires(name, declaration)
     return EngineRef(name, target, source, factory, declaration)
+
+
+def _check_known_findings(name: str, declaration: Declaration) -> None:
+    """Each declared known finding is (test-id glob, reason, expected-failure regex): it absorbs only that failure."""
+    for finding in declaration.known_findings:
+        ok = isinstance(finding, tuple) and len(finding) == 3 and all(isinstance(x, str) and x for x in finding)
+        if ok:
+            try:
+                re.compile(finding[2])
+            except re.error:
+                ok = False
+        if not ok:
+            raise EngineResolutionError(
+                f"engine '{name}': known finding {finding!r} must be (test-id glob, reason, expected failure), the "
+                "last a regex searched in '<exception type>: <message>' of the failure it names, e.g. "
+                "('test_no_recompiles_after_warmup*', 'recompiles per length', 'recompiled after warmup')"
+            )
 
 
 def _check_requires(name: str, declaration: Declaration) -> None:

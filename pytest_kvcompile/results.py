@@ -25,7 +25,8 @@ from typing import Any
 import pytest
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
-TOKEN_VERDICTS = ("identical", "near_tie", "unverified", "mismatch")
+TOKEN_VERDICTS = ("identical", "near_tie", "mismatch")
+COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions")  # summed when rows merge
 WORKER_KEY = "kvcompile_results"  # config.workeroutput key
 
 
@@ -40,8 +41,16 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "tests": dict.fromkeys(OUTCOMES, 0),
         "tokens": dict.fromkeys(TOKEN_VERDICTS, 0),
         "near_ties": [],
+        "verified_tokens": 0,  # engine tokens verified against the oracle
+        "near_tie_tokens": 0,  # of which near ties
+        "token_checks": 0,  # token-check tests (tests using kv_oracle) that reported an outcome
+        "evicting": 0,  # verified sequences of an evicting strategy
+        "evictions": 0,  # cache entries the oracle evicted along them
+        "declared_skips": [],  # why this engine x model could not run: ModelNotSupported, device/dtype, no oracle
+        "oracle_errors": [],  # the oracle failed its self-check on this model: no verdict on the engine
+        "checks": {},  # test function -> {"ran": n, "skipped": n, "reason": first skip reason}
         "failures": [],  # {"test": nodeid, "message": first lines}
-        "compiles": None,  # {"build": int, "warmup": int, "after_warmup": int, "reasons": [str]}
+        "compiles": None,  # {"build", "warmup", "after_warmup", "reasons": [str], "graph_breaks": [str], "eager_runs"}
         "kv_bytes": None,  # {"expected": int | None, "measured": int}
         "latency": None,  # see latency.Latency.as_dict()
     }
@@ -54,7 +63,9 @@ def row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
 def _merge_compiles(a, b):
     return {"build": max(a.get("build", 0), b.get("build", 0)),
             "warmup": max(a["warmup"], b["warmup"]), "after_warmup": max(a["after_warmup"], b["after_warmup"]),
-            "reasons": list(dict.fromkeys(a["reasons"] + b["reasons"]))}
+            "reasons": list(dict.fromkeys(a["reasons"] + b["reasons"])),
+            "graph_breaks": list(dict.fromkeys(a.get("graph_breaks", []) + b.get("graph_breaks", []))),
+            "eager_runs": max(a.get("eager_runs", 0), b.get("eager_runs", 0))}
 
 
 def _merge_kv_bytes(a, b):
@@ -79,7 +90,15 @@ def merge_row(into: dict[str, Any], row: dict[str, Any]) -> None:
     for counts in ("tests", "tokens"):
         for name, n in row[counts].items():
             into[counts][name] = into[counts].get(name, 0) + n
-    into["near_ties"] = list(dict.fromkeys(into["near_ties"] + row["near_ties"]))
+    for name in COUNTERS:
+        into[name] = into.get(name, 0) + row.get(name, 0)
+    for name in ("near_ties", "declared_skips", "oracle_errors"):
+        into[name] = list(dict.fromkeys(into.get(name, []) + row.get(name, [])))
+    for name, seen in row.get("checks", {}).items():
+        mine = into.setdefault("checks", {}).setdefault(name, {"ran": 0, "skipped": 0, "reason": ""})
+        mine["ran"] += seen["ran"]
+        mine["skipped"] += seen["skipped"]
+        mine["reason"] = mine["reason"] or seen["reason"]
     into["failures"] += [f for f in row["failures"] if f not in into["failures"]]
     for field, merge in _OPTIONAL.items():
         if row[field] is not None:
@@ -221,6 +240,54 @@ def outcome(report: pytest.TestReport) -> str | None:
     if report.failed:
         return "error"
     return "skipped" if report.skipped and report.when == "setup" else None
+
+
+def run_problems(rows: list[dict[str, Any]], max_near_tie_rate: float) -> list[str]:
+    """What fails the run beyond single tests (one line each): an engine x model whose token checks ran but
+    verified no token (vacuous), unless it was skipped for a declared reason or the oracle was unreliable; an
+    engine whose near ties per verified token exceed `max_near_tie_rate` over the run."""
+    problems = []
+    for row in rows:
+        at = f"engine '{row['engine']}' on model '{row['model']}' ({row['device']}, {row['dtype']})"
+        if row.get("token_checks") and not row.get("verified_tokens") and not row.get("declared_skips") \
+                and not row.get("oracle_errors"):
+            reasons = sorted({c["reason"] for c in row.get("checks", {}).values() if c["reason"]})
+            problems.append(f"{at}: {row['token_checks']} token check(s) ran but no token was verified: a check "
+                            f"that cannot apply proves nothing (skips: {'; '.join(reasons) or 'none recorded'})")
+        if row.get("evicting") and not row.get("evictions"):
+            problems.append(f"{at}: its eviction strategy evicted nothing on any of the {row['evicting']} verified "
+                            "sequence(s), so they proved nothing about eviction (the prompt set adds budget+1 and "
+                            "2*budget+3 tokens within the model's position limit: a larger budget cannot be exercised "
+                            "on this model)")
+    by_engine: dict[tuple, list[int]] = {}
+    for row in rows:
+        found = by_engine.setdefault((row["engine"], row["device"], row["dtype"]), [0, 0])
+        found[0] += row.get("near_tie_tokens", 0)
+        found[1] += row.get("verified_tokens", 0)
+    for (engine, device, dtype), (ties, verified) in sorted(by_engine.items()):
+        if verified and ties / verified > max_near_tie_rate:
+            problems.append(f"engine '{engine}' ({device}, {dtype}): {ties} near ties in {verified} verified tokens "
+                            f"({ties / verified:.1%}) exceed --kv-max-near-tie-rate={max_near_tie_rate:g}: numerics "
+                            "drift over the run (the near ties are listed above)")
+    return problems
+
+
+def skipped_everywhere(rows: list[dict[str, Any]]) -> list[str]:
+    """Checks skipped for every engine and model of the run, with a reason: nothing was checked by them."""
+    seen: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        for name, counts in row.get("checks", {}).items():
+            mine = seen.setdefault(name, {"ran": 0, "reasons": set()})
+            mine["ran"] += counts["ran"]
+            if counts["reason"]:
+                mine["reasons"].add(counts["reason"])
+    lines = []
+    for name, found in sorted(seen.items()):
+        if not found["ran"] and found["reasons"]:
+            reasons = sorted(found["reasons"])
+            more = f" (and {len(reasons) - 3} more)" if len(reasons) > 3 else ""
+            lines.append(f"{name}: {'; '.join(reasons[:3])}{more}")
+    return lines
 
 
 def first_lines(text: str, n: int = 4, width: int = 300) -> str:

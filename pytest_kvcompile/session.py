@@ -3,20 +3,23 @@ models, and the engines/oracles built so far (shared by every test of the proces
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
 from . import engine_io, models
-from .engine import ModelSpec, missing_capability
-from .harness import EngineUnderTest
+from .engine import ModelNotSupported, ModelSpec, missing_capability
+from .errors import NotApplicable
+from .harness import EngineUnderTest, cuda_allocated
 from .models import ModelEntry
 from .options import Settings
+from .oracle import NoOracle, exercising_lengths, oracle_for
+from .prompts import Prompt, prompt_set
 from .recompiles import CompileRecorder, isolate
-from .oracle import NoOracle, oracle_for
+from .reference_store import StoredOracle
 from .registry import EngineRef
+from .token_match import DEFAULT_SCORE_TOLERANCE
 
 
 @dataclass
@@ -35,51 +38,73 @@ class Session:
             self._models = models.collect(self.settings)
         return self._models
 
+    def prompts(self, model: str) -> list[Prompt]:
+        """The model's prompt set: the standard lengths, those that make the run's strategies act (eviction
+        budgets), all within the model's position limit (prompts.py)."""
+        entry = self.models[model]
+        extra: dict[str, int] = {}
+        for ref in self.engines.values():
+            extra.update(exercising_lengths(ref.declaration.strategy))
+        limit = entry.max_positions - self.settings.max_new_tokens if entry.max_positions else None
+        return prompt_set(entry.vocab_size, entry.window, extra, limit)
+
     def spec(self, model: str) -> ModelSpec:
         entry = self.models[model]
         if entry.unavailable:
-            pytest.skip(f"model '{model}' unavailable: {entry.unavailable}")
+            raise NotApplicable(f"model '{model}' unavailable: {entry.unavailable}")
         if model not in self._specs:
             self._specs[model] = models.spec_for(entry, self.settings)
         return self._specs[model]
 
     def engine(self, name: str, model: str) -> EngineUnderTest:
-        """The engine built for the model, once per process; a failed build fails every test using it."""
+        """The engine built for the model, once per process (each time with --kv-fresh-engine); a failed build
+        fails every test using it."""
         ref, spec = self.engines[name], self.spec(model)
         missing = missing_capability(ref.declaration, spec)
         if missing:
-            pytest.skip(f"engine '{name}' does not declare {missing}")
+            raise NotApplicable(f"engine '{name}' does not declare {missing}")
         key = (name, model)
-        if key not in self._built:
-            self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
-            recorder = CompileRecorder() if ref.declaration.compiled else contextlib.nullcontext()
-            if ref.declaration.compiled:
-                isolate()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
-            try:
-                with recorder:  # engines that compile up front (vLLM) do it here
-                    instance = engine_io.build(ref, spec, self.settings.compile_backend)
-            except pytest.skip.Exception:
-                del self._built[key]
-                raise
-            self._built[key] = EngineUnderTest(ref, spec, instance, self.settings.max_new_tokens,
-                                               self.settings.tie_tolerance, self.models[model].window,
-                                               len(recorder.events) if ref.declaration.compiled else 0)
-        built = self._built[key]
-        if isinstance(built, str):
-            pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
-        return built
+        if key in self._built and not self.settings.fresh_engine:
+            built = self._built[key]
+            if isinstance(built, str):
+                pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
+            return built
+        self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
+        if ref.declaration.compiled:
+            isolate()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
+        recorder = CompileRecorder()
+        allocated_before = cuda_allocated(spec.device)
+        try:
+            with recorder:  # engines that compile up front (vLLM) do it here
+                instance = engine_io.build(ref, spec, self.settings.compile_backend)
+        except pytest.skip.Exception:
+            del self._built[key]
+            raise
+        settings = self.settings
+        self._built[key] = EngineUnderTest(
+            ref, spec, instance, settings.max_new_tokens, settings.tie_tolerance, self.models[model].window,
+            build_compiles=tuple(recorder.events), max_near_ties=settings.max_near_ties,
+            score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype], cuda_allocated_before=allocated_before,
+        )
+        return self._built[key]
 
-    def oracle(self, name: str, model: str):
+    def oracle(self, name: str, model: str) -> StoredOracle:
+        """The oracle of the engine's declared strategy on the model (memoized, disk-cached, self-checked)."""
         strategy = self.engines[name].declaration.strategy
         key = (str(strategy), model)
         if key not in self._oracles:
+            spec = self.spec(model)
             try:
-                self._oracles[key] = oracle_for(strategy, self.spec(model))
-            except NoOracle as exc:
-                self._oracles[key] = exc
+                raw = oracle_for(strategy, spec)
+            except (NoOracle, ModelNotSupported) as exc:
+                self._oracles[key] = f"no oracle for engine '{name}' on model '{model}': {exc}"
+            else:
+                cache = self.settings.cache_dir / "oracle"
+                self._oracles[key] = StoredOracle(raw, strategy, spec, self.settings.tie_tolerance, cache,
+                                                  check=self.settings.oracle_check)
         found = self._oracles[key]
-        if isinstance(found, NoOracle):
-            pytest.skip(f"engine '{name}': {found}")
+        if isinstance(found, str):
+            raise NotApplicable(found + " (the oracle-free checks still run)")
         return found
 
 

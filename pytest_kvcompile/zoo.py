@@ -2,15 +2,23 @@
 
 Every zoo model is a text-only causal LM small enough to run on CPU in fp32
 (vocab 256, hidden 64, 4 heads over 2 KV heads, head_dim 16 unless --kv-zoo-head-dim says otherwise,
-untied output head).
+untied output head). "gpt2-abspos" is GPT-2 (learned absolute position embeddings `wpe`, so
+its output depends on absolute positions, unlike RoPE's relative ones): no KV groups, so its
+4 heads span hidden = 4 * head_dim.
 Weights do not come from transformers' init code: after building, every parameter
-except norm scales is redrawn, in sorted-name order, from a single
-``torch.Generator().manual_seed(SEED)`` as ``N(0, (gain / sqrt(fan_in))**2)`` with
-``fan_in = shape[-1]``, gain ``HEAD_GAIN`` for ``lm_head`` and ``WEIGHT_GAIN`` for the
-rest; norm scales keep their constant init. The gains are tuned (tests/test_zoo.py):
-a large head gain gives clear top-1/top-2 logit gaps and varied greedy tokens, a
-moderate body gain keeps attention spread over many keys (a much larger one makes
-Llama-style attention one-hot, which would hide cache bugs in unattended keys).
+outside norm layers is redrawn, in sorted-name order, from a single
+``torch.Generator().manual_seed(SEED)`` as ``N(0, (gain / sqrt(fan_in))**2)``, gain
+``head_gain`` for ``lm_head`` and ``weight_gain`` for the rest (the ZooModel's; by default
+``HEAD_GAIN`` and ``WEIGHT_GAIN``); norms keep their constant init. ``fan_in`` is the
+inputs per output of the parameter's module (`_fan_in`): an ``nn.Linear``'s
+``in_features`` (its weight's ``shape[-1]``), a transformers ``Conv1D``'s (GPT-2; weight
+[in, out]) ``shape[0]``, else ``shape[-1]`` (embeddings). The gains are tuned
+(tests/test_zoo.py): a large head gain gives clear top-1/top-2 logit gaps and varied
+greedy tokens, a moderate body gain keeps attention spread over many keys (a much larger
+one makes Llama-style attention one-hot, which would hide cache bugs in unattended keys).
+GPT-2 has its own gains: at body gain 1.5 its continuations repeat (9 distinct tokens of 32),
+2.0 gives 17 or more while attention stays spread (late queries put over 1% weight on ~7 keys,
+Llama ~12); head gain 4.5 puts its median logit gap (0.89) in the others' band.
 
 Configs ask for ``attn_implementation="eager"``; transformers does not save that in
 config.json, so whoever loads a checkpoint picks the attention implementation.
@@ -67,6 +75,8 @@ class ZooModel:
     name: str
     description: str
     _build: Callable[[dict[str, Any]], Any] = field(repr=False, compare=False)
+    weight_gain: float = WEIGHT_GAIN
+    head_gain: float = HEAD_GAIN
 
     def build_config(self, head_dim: int = HEAD_DIM) -> "transformers.PretrainedConfig":  # noqa: F821
         return self._build({**_TINY, "head_dim": head_dim})
@@ -120,6 +130,17 @@ def _gemma4_or_gemma3n(tiny):
     return gemma3n(**shared, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4)
 
 
+def _gpt2(tiny):
+    """GPT-2 with the tiny sizes; `hidden = heads * head_dim` (no KV groups, no separate head_dim)."""
+    heads = tiny["num_attention_heads"]
+    return _config_class("GPT2Config", "GPT-2")(
+        vocab_size=tiny["vocab_size"], n_positions=tiny["max_position_embeddings"], n_embd=heads * tiny["head_dim"],
+        n_layer=2, n_head=heads, n_inner=tiny["intermediate_size"],
+        **{k: tiny[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings",
+                                "attn_implementation")},
+    )
+
+
 ZOO: dict[str, ZooModel] = {
     m.name: m
     for m in (
@@ -133,6 +154,8 @@ ZOO: dict[str, ZooModel] = {
             "Gemma4 text (Gemma3n text on transformers without Gemma4), 4 layers, last 2 reuse earlier KV",
             _gemma4_or_gemma3n,
         ),
+        ZooModel("gpt2-abspos", "GPT-2, 2 layers, learned absolute position embeddings, 4 heads (no GQA)", _gpt2,
+                 weight_gain=2.0, head_gain=4.5),
     )
 }
 
@@ -142,20 +165,35 @@ def _cache_key(name: str, config) -> str:
 
     blob = json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
     digest = hashlib.sha256(blob).hexdigest()[:12]
-    return f"{name}-cfg{digest}-seed{SEED}-gain{WEIGHT_GAIN}-{HEAD_GAIN}-tf{transformers.__version__}"
+    gains = f"{ZOO[name].weight_gain}-{ZOO[name].head_gain}"
+    return f"{name}-cfg{digest}-seed{SEED}-gain{gains}-tf{transformers.__version__}"
 
 
-def _build_model(config) -> torch.nn.Module:
+def _fan_in(module: torch.nn.Module, param: torch.Tensor) -> int:
+    """Inputs per output of `param`'s module: nn.Linear weight [out, in] -> in; transformers' Conv1D
+    (GPT-2) weight [in, out] -> in; anything else (embeddings) -> shape[-1]. A bias takes its module's."""
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, torch.nn.Linear):
+        return module.in_features
+    if isinstance(module, Conv1D):
+        return module.weight.shape[0]
+    return param.shape[-1]
+
+
+def _build_model(config, weight_gain: float = WEIGHT_GAIN, head_gain: float = HEAD_GAIN) -> torch.nn.Module:
     """The model for `config` with the zoo's deterministic weights (see module docstring)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_config(config)
+    modules = dict(model.named_modules())
     gen = torch.Generator().manual_seed(SEED)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
-            if "norm" not in name:
-                gain = HEAD_GAIN if name.startswith("lm_head.") else WEIGHT_GAIN
-                param.copy_(torch.randn(param.shape, generator=gen) * (gain / param.shape[-1] ** 0.5))
+            module = modules[name.rpartition(".")[0]]
+            if "norm" not in name and not isinstance(module, torch.nn.LayerNorm):
+                gain = head_gain if name.startswith("lm_head.") else weight_gain
+                param.copy_(torch.randn(param.shape, generator=gen) * (gain / _fan_in(module, param) ** 0.5))
     return model.eval()
 
 
@@ -177,7 +215,7 @@ def checkpoint(name: str, cache_root: Path, head_dim: int = HEAD_DIM) -> Path:
     cache_root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
     try:
-        _build_model(config).save_pretrained(tmp)
+        _build_model(config, ZOO[name].weight_gain, ZOO[name].head_gain).save_pretrained(tmp)
         os.rename(tmp, final)
     except OSError as exc:
         if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():

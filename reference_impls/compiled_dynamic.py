@@ -50,6 +50,7 @@ from torch import nn
 from torch._dynamo.decorators import mark_unbacked  # not re-exported by torch._dynamo in 2.13
 
 from pytest_kvcompile.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.memory import KVLayout
 from pytest_kvcompile.zoo import sliding_layers
 
 class UnsupportedModel(ModelNotSupported):
@@ -300,10 +301,11 @@ def load_model(spec: ModelSpec) -> nn.Module:
     for file in sorted(Path(spec.path).glob("*.safetensors")):
         state.update(load_file(file, device=str(spec.device)))
     if config.tie_word_embeddings:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+        state["lm_head.weight"] = state[getattr(model, "tied_embedding", "model.embed_tokens.weight")]
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(spec.dtype).eval().requires_grad_(False)
-    model.rope = rope_tables(config, spec.device)  # not in the checkpoint; fp32 like transformers
+    if hasattr(model, "rope"):  # RoPE models (not GPT-2)
+        model.rope = rope_tables(config, spec.device)  # not in the checkpoint; fp32 like transformers
     return model
 
 
@@ -370,6 +372,7 @@ class CompiledDynamicCache:
         batching=True,
         scoring=True,
         kv_cache_bytes=True,
+        kv_layout=KVLayout("dynamic", windowed=False),  # sliding layers keep every key (masked), see the docstring
         compiled=True,
         description="reference: gpt-fast-style Llama/Mistral/Gemma3/Gemma4, dynamic KV cache, torch.compile with "
         "unbacked dynamic shapes",
@@ -428,3 +431,4 @@ class CompiledDynamicCache:
 
 import reference_impls.gemma3  # noqa: E402,F401  register Gemma3 and Gemma4 in ARCHITECTURES (they import this module)
 import reference_impls.gemma4  # noqa: E402,F401
+import reference_impls.gpt2  # noqa: E402,F401  register GPT-2

@@ -12,8 +12,27 @@ The step (every policy, oracle and engine alike). Each forward -- the whole prom
    happens right after prefill, scored from the prefill's own attention.
 
 `order` is the single ranking rule: protected entries first, then the others by higher score,
-then lower position (deterministic ties); empty slots (position -1) last. Entries keep their original
-positions (keys are cached after RoPE and never re-rotated).
+then lower position (deterministic ties); empty slots (position -1) last.
+
+Positions. Entries keep their original positions (keys are cached after RoPE and never re-rotated),
+except under ``streaming_llm(..., positions="shifted")``, StreamingLLM's pos-shift: arXiv:2309.17453
+section 3.2, "StreamingLLM focuses on positions within the cache rather than those in the original text"
+(cache [0, 1, 2, 3, 6, 7, 8] decoding token 9 uses positions 0..7); mit-han-lab/streaming-llm
+``enable_streaming_llm`` -> ``pos_shift/modify_llama.py`` ``llama_pos_shift_attention_forward`` caches keys
+before RoPE and rotates them at every forward by ``key_position_ids = arange(kv_seq_len)``, their index in the
+cache, and the query by ``position_ids`` = the cache length, its own index. So at each step every candidate key
+is rotated to its rank among the step's candidates (by original position), and each query to its own key's
+rank. Needs rotary position embeddings (GPT-2's learned absolute ones cannot be re-assigned per key:
+ModelNotSupported).
+
+Models (the oracle). The eviction mask is applied ON TOP OF the model's own attention mask (causal, plus
+the sliding window of sliding layers: the ``attention_mask`` transformers builds and passes to the attention
+function), with the model's own ``scaling`` and ``softcap`` as it passes them: a policy only ever removes keys
+the model would have attended. A KV-sharing layer (Gemma3n/Gemma4 ``num_kv_shared_layers``; source = the
+last earlier non-shared layer of the same layer type, transformers' ``kv_sharing`` "store"/"reuse", see
+`reference_impls/gemma4.kv_sources`) has no cache of its own: at each step it sees exactly the candidates its
+source layer's queries see (the source's kept entries + the step's new ones; the source's eviction at this
+step applies from the next step on, for both) and it neither scores nor evicts.
 
 Policies (``Strategy.of(kind, **params)``):
 
@@ -23,8 +42,8 @@ Policies (``Strategy.of(kind, **params)``):
   Language Models with Attention Sinks", arXiv:2309.17453): keep positions ``< sinks`` and the
   ``recent`` most recent. Per layer. budget = sinks + recent. This is
   ``StartRecentKVCache.__call__`` of mit-han-lab/streaming-llm (evict after the forward); its
-  ``evict_for_space`` (evict before the forward) shows one key fewer to a decode query. Unlike
-  the paper we keep original positions (no re-numbering of positions inside the cache).
+  ``evict_for_space`` (evict before the forward) shows one key fewer to a decode query.
+  ``positions``: ``"original"`` (default, may be omitted) or ``"shifted"`` (the paper's pos-shift, above).
 - ``h2o(heavy, recent)``: H2O (Zhang et al. 2023, "H2O: Heavy-Hitter Oracle", arXiv:2306.14048;
   ``H2OKVCache_LayerWise`` of FMInference/H2O, h2o_hf/utils_real_drop). Per KV head. Score of
   an entry = the sum of the softmax attention weights it received, over every query since it
@@ -67,11 +86,29 @@ an unspecified order; we take the lower positions (`order`).
 - ``knorm_prefill(compression_ratio)``: ``KnormPress`` (Devoto et al. 2024, arXiv:2406.11430).
   Per KV head. Score = minus the L2 norm of the cached key (after RoPE, a rotation: the norm is
   that of the projected key), in at least float32: the LOWEST norms stay. Nothing is protected.
+
+Near ties (score-based policies: h2o, tova, snapkv_prefill, tova_prefill, knorm_prefill; position rules are
+exact). A correct engine in bfloat16, or with fused kernels, computes slightly different scores and may take
+the other side of a close cut, then legitimately generate other tokens. Rule: where the last kept and the
+first evicted candidate (by `order`; neither protected nor empty) score within ``EVICTION_TIE_TOLERANCE[dtype]``
+of each other RELATIVE to the larger, ``|s_kept - s_evicted| <= tol * max(|s_kept|, |s_evicted|)``, either
+may stay (one choice per KV head, or per layer for per-layer policies). The greedy `reference` takes the
+rule's own side; `teacher_forced` follows both (`EvictionOracle.teacher_forced_run`).
+Measured (scripts not kept): ref-h2o and ref-tova (inductor) against this oracle in the same dtype, zoo Llama,
+28 prompts of 5-64 tokens, 16 steps teacher-forced on the oracle's tokens, 1260-1520 cuts per run; at each
+of the oracle's cuts, |engine gap - oracle gap| of the same two entries, relative to the larger score:
+float32 max 1.9e-6 (h2o) / 4.7e-6 (tova), no side taken differently; float16 max 6.2e-3 / 1.3e-2, 1 cut
+taken the other way (oracle gap 3e-4); bfloat16 max 3.9e-2 / 0.149 (p99 0.024 / 0.098), 2 + 8 cuts taken the
+other way (oracle gaps 4e-3 and 7e-3 / at most 4.3e-4). Absolute errors differ 50-fold between the two
+policies' score scales (float32 9.1e-6 / 4.5e-8, bfloat16 0.14 / 2.8e-3), relative ones 4-fold: hence
+relative. Chosen: float32 1e-4, float16 3e-2, bfloat16 0.2.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -87,7 +124,8 @@ EMPTY = -1  # position of an empty cache slot
 def order(pos: torch.Tensor, score: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
     """Candidate indices [..., n], best first: protected entries (by position), then the others by
     higher score, then lower position; empty slots (pos < 0) last. Deterministic: stable sorts, no reliance on topk's tie order."""
-    key = torch.where(protected, torch.inf, score.float()).masked_fill(pos < 0, -torch.inf)
+    key = torch.where(protected, torch.inf, score.to(torch.promote_types(score.dtype, torch.float32)))
+    key = key.masked_fill(pos < 0, -torch.inf)
     by_pos = pos.argsort(dim=-1, stable=True)
     ranked = key.gather(-1, by_pos).argsort(dim=-1, descending=True, stable=True)
     return by_pos.gather(-1, ranked)
@@ -103,10 +141,14 @@ class Policy:
     kind: ClassVar[str]
     budget: ClassVar[int]  # a field (last_recent, tova) or a property (streaming_llm, h2o); none for *_prefill
     prefill_only: ClassVar[bool] = False  # True: evict once, after prefill, to n_kept(prompt length)
+    per_head: ClassVar[bool] = False  # False: every KV head of a layer keeps the same set (one choice per layer)
+    scored: ClassVar[bool] = False  # True: scores come from attention or keys (near ties apply); False: positions
 
     @property
     def strategy(self) -> Strategy:
-        return Strategy.of(self.kind, **dataclasses.asdict(self))
+        """The strategy naming this policy; parameters at their default are left out."""
+        return Strategy.of(self.kind, **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                                         if getattr(self, f.name) != f.default})
 
     def protected(self, pos: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(pos, dtype=torch.bool)
@@ -116,6 +158,10 @@ class Policy:
 
     def __post_init__(self):
         for name, value in dataclasses.asdict(self).items():
+            if name == "positions":
+                if value not in ("original", "shifted"):
+                    raise ValueError(f"{self.kind}: positions={value!r} must be 'original' or 'shifted'")
+                continue
             if name == "compression_ratio":
                 if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
                     raise ValueError(f"{self.kind}: compression_ratio={value!r} must be a number in [0, 1)")
@@ -136,6 +182,7 @@ class StreamingLLM(Policy):
     kind: ClassVar[str] = "streaming_llm"
     sinks: int
     recent: int
+    positions: str = "original"  # or "shifted": the paper's pos-shift (module docstring)
 
     @property
     def budget(self) -> int:
@@ -148,6 +195,8 @@ class StreamingLLM(Policy):
 @dataclass(frozen=True)
 class H2O(Policy):
     kind: ClassVar[str] = "h2o"
+    per_head: ClassVar[bool] = True
+    scored: ClassVar[bool] = True
     heavy: int
     recent: int
 
@@ -165,6 +214,7 @@ class H2O(Policy):
 @dataclass(frozen=True)
 class TOVA(Policy):
     kind: ClassVar[str] = "tova"
+    scored: ClassVar[bool] = True
     budget: int
 
     def score(self, prev, weights, pos, keys=None):
@@ -195,6 +245,8 @@ class StreamingLLMPrefill(PrefillPolicy):
 @dataclass(frozen=True)
 class SnapKVPrefill(PrefillPolicy):
     kind: ClassVar[str] = "snapkv_prefill"
+    per_head: ClassVar[bool] = True
+    scored: ClassVar[bool] = True
     window_size: int
     kernel_size: int
 
@@ -220,6 +272,7 @@ class SnapKVPrefill(PrefillPolicy):
 @dataclass(frozen=True)
 class TOVAPrefill(PrefillPolicy):
     kind: ClassVar[str] = "tova_prefill"
+    scored: ClassVar[bool] = True
 
     def protected(self, pos, newest):
         return pos == newest
@@ -231,6 +284,8 @@ class TOVAPrefill(PrefillPolicy):
 @dataclass(frozen=True)
 class KNormPrefill(PrefillPolicy):
     kind: ClassVar[str] = "knorm_prefill"
+    per_head: ClassVar[bool] = True
+    scored: ClassVar[bool] = True
 
     def score(self, prev, weights, pos, keys=None):
         return -torch.linalg.vector_norm(keys, dim=-1, dtype=torch.promote_types(keys.dtype, torch.float32))
@@ -245,9 +300,11 @@ def policy_for(strategy: Strategy) -> Policy:
     if strategy.kind not in POLICIES:
         raise ValueError(f"unknown eviction strategy '{strategy.kind}'; known: {', '.join(POLICIES)}")
     cls, params = POLICIES[strategy.kind], dict(strategy.params)
-    names = [f.name for f in dataclasses.fields(cls)]
-    if sorted(params) != sorted(names):
-        raise ValueError(f"strategy '{strategy}' needs exactly the parameters {', '.join(names)}: write "
+    names = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING]
+    optional = [f.name for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING]
+    if not set(names) <= set(params) <= set(names + optional):
+        extra = f" (optional: {', '.join(optional)})" if optional else ""
+        raise ValueError(f"strategy '{strategy}' needs exactly the parameters {', '.join(names)}{extra}: write "
                          f"Strategy.of('{strategy.kind}', {', '.join(f'{n}=...' for n in names)})")
     return cls(**params)
 
@@ -260,33 +317,68 @@ def keep(policy: Policy, pos, score, newest, budget: int | None = None) -> torch
 
 # --------------------------------------------------------------------------- the oracle
 
+#: Near-tie tolerance on policy scores, per dtype, relative to the larger score: at a cut whose two sides score
+#: within it, either side may stay (module docstring, "Near ties", where the numbers come from). Other dtypes
+#: (float64) use float32's.
+EVICTION_TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.2, "float16": 3e-2}
+MAX_STATES = 8  # live alternatives `teacher_forced` follows at most
+
 
 class _Masks:
-    """Per-layer state of one oracle generation: which positions each KV head still sees, and scores."""
+    """Per-layer state of one oracle generation: which positions each KV head still sees, and scores.
 
-    def __init__(self, policy: Policy):
-        self.policy = policy
-        self.alive: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, n] bool
+    `sources`: KV-sharing layer -> the layer whose keys it reads; `rope`: layer -> the model's RoPE inverse
+    frequencies, given for ``positions="shifted"`` only; `tolerance`: record this step's near-tied cuts in `ties`
+    (None: record none)."""
+
+    def __init__(self, policy: Policy, sources=None, rope=None, tolerance: float | None = None):
+        self.policy, self.sources, self.rope, self.tolerance = policy, sources or {}, rope, tolerance
+        self.alive: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, n] bool, after the step's eviction
         self.scores: dict[int, torch.Tensor] = {}
+        self.seen: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, n] bool: the candidates of this step
+        self.ties: list[tuple[int, tuple[int, ...], int, int]] = []  # (layer, kv heads, last kept, first evicted)
 
-    def attend(self, layer: int, query, key, value, scaling: float):
-        """Explicit attention over every key ever seen, evicted ones masked; then evict.
+    def fork(self, flips=()) -> "_Masks":
+        """A copy taking the other side at each tie of `flips` (entries of `ties`)."""
+        new = copy.copy(self)
+        new.alive, new.scores, new.seen, new.ties = dict(self.alive), dict(self.scores), dict(self.seen), []
+        for layer, heads, kept, evicted in flips:
+            alive = new.alive[layer] = new.alive[layer].clone()
+            alive[0, list(heads), kept], alive[0, list(heads), evicted] = False, True
+        return new
 
-        query [1, heads, t, d]; key, value [1, kv_heads, n, d]: the whole sequence so far.
+    def attend(self, layer: int, query, key, value, scaling: float, mask=None, softcap=None):
+        """Explicit attention over every key ever seen, evicted ones masked on top of the model's `mask`; then evict.
+
+        query [1, heads, t, d]; key, value [1, kv_heads, n, d]: the whole sequence so far; mask [1, 1, t, n]
+        (bool, or additive float: 0 = visible), None: causal.
         """
         _, heads, t, d = query.shape
         kv_heads, n = key.shape[1], key.shape[2]
-        new = torch.ones(1, kv_heads, t, dtype=torch.bool, device=key.device)
-        alive = torch.cat((self.alive.get(layer, new[..., :0]), new), dim=-1)
+        source = self.sources.get(layer)
+        if source is None:
+            new = torch.ones(1, kv_heads, t, dtype=torch.bool, device=key.device)
+            alive = self.seen[layer] = torch.cat((self.alive.get(layer, new[..., :0]), new), dim=-1)
+        else:  # KV sharing: the candidates its source layer attends over in this step
+            alive = self.seen[source]
         pos = torch.arange(n, device=key.device)
-        causal = pos[None, :] <= pos[n - t:, None]  # [t, n]: query at n - t + i sees keys <= itself
-        q = query.view(1, kv_heads, heads // kv_heads, t, d)
-        logits = (q @ key[:, :, None].transpose(-1, -2)) * scaling  # [1, kv_heads, group, t, n]
-        logits = logits.masked_fill(~(alive[:, :, None, None, :] & causal), -torch.inf)
-        weights = logits.softmax(dim=-1, dtype=torch.float32)
+        if mask is None:
+            mask = pos[None, :] <= pos[n - t:, None]  # [t, n]: query at n - t + i sees keys <= itself
+        elif mask.dtype != torch.bool:
+            mask = mask == 0
+        q, k = query.view(1, kv_heads, heads // kv_heads, t, d), key[:, :, None]
+        if self.rope is not None:
+            q, k = _shift(q, k, alive, self.rope[layer])
+        logits = (q @ k.transpose(-1, -2)) * scaling  # [1, kv_heads, group, t, n]
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+        logits = logits.masked_fill(~(alive[:, :, None, None, :] & mask), -torch.inf)
+        weights = logits.softmax(dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
         out = weights.to(value.dtype) @ value[:, :, None]  # [1, kv_heads, group, t, d]
 
         result = out.reshape(1, heads, t, d).transpose(1, 2), None
+        if source is not None:  # no cache of its own: nothing to score or evict
+            return result
         if self.policy.prefill_only and layer in self.alive:  # decode after a one-time compression: keep all
             self.alive[layer] = alive
             return result
@@ -294,40 +386,128 @@ class _Masks:
                           weights.new_zeros(1, kv_heads, t)), dim=-1)
         score = self.policy.score(prev, weights, pos.expand(1, kv_heads, n), keys=key)
         budget = self.policy.n_kept(n) if self.policy.prefill_only else self.policy.budget
-        kept = keep(self.policy, torch.where(alive, pos, EMPTY), score, torch.tensor(n - 1), budget)
-        self.alive[layer] = torch.zeros_like(alive).scatter(-1, kept, True) & alive
+        cand = torch.where(alive, pos, EMPTY)
+        protected = self.policy.protected(cand, torch.tensor(n - 1))
+        ranked = order(cand, score, protected)
+        self.alive[layer] = torch.zeros_like(alive).scatter(-1, ranked[..., :budget], True) & alive
         self.scores[layer] = score
+        if self.tolerance is not None and self.policy.scored and n > budget:
+            self._near_ties(layer, cand, score, protected, ranked[0, :, budget - 1], ranked[0, :, budget])
         return result
+
+    def _near_ties(self, layer, cand, score, protected, last, first):
+        """Record the cuts where the last kept and the first evicted candidate, neither protected nor empty, score
+        within `tolerance` relative to the larger: per KV head, or once per layer for a per-layer policy."""
+        for head in range(cand.size(1)) if self.policy.per_head else (0,):
+            a, b = int(last[head]), int(first[head])
+            s_a, s_b = float(score[0, head, a]), float(score[0, head, b])
+            if min(cand[0, head, a], cand[0, head, b]) >= 0 and not (protected[0, head, a] or protected[0, head, b]) \
+                    and s_a - s_b <= self.tolerance * max(abs(s_a), abs(s_b)):
+                heads = (head,) if self.policy.per_head else tuple(range(cand.size(1)))
+                self.ties.append((layer, heads, a, b))
+
+
+def _rotate(x, angle):
+    """x rotated by `angle` [..., d / 2] (radians, fp32) the way the model's RoPE rotates (rotate_half layout)."""
+    emb = torch.cat((angle, angle), dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * emb.cos().to(x.dtype) + torch.cat((-x2, x1), dim=-1) * emb.sin().to(x.dtype)
+
+
+def _shift(q, k, alive, inv_freq):
+    """pos-shift: keys (after the model's RoPE at their original position p) rotated further by rank - p, so they
+    sit at their rank among the step's candidates `alive`; each query at its own key's rank.
+    q [1, kv_heads, group, t, d], k [1, kv_heads, 1, n, d], alive [1, kv_heads, n]."""
+    n, t = alive.size(-1), q.size(-2)
+    delta = (alive.long().cumsum(-1) - 1 - torch.arange(n, device=alive.device)).float()  # rank - position
+    angle = delta[..., None] * inv_freq.to(alive.device)  # [1, kv_heads, n, d / 2]
+    return _rotate(q, angle[:, :, None, n - t:]), _rotate(k, angle[:, :, None])
 
 
 ATTENTION_NAME = "kvcompile_eviction_oracle"
 
 
-def _attention(module, query, key, value, attention_mask, scaling, dropout=0.0, eviction=None, **kwargs):
-    """transformers attention function: delegates to the generation's `_Masks` (ignores the mask:
-    one unpadded prompt, causal by construction)."""
-    return eviction.attend(module.layer_idx, query, key, value, scaling)
+def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, eviction=None, softcap=None,
+               **kwargs):
+    """transformers attention function: delegates to the generation's `_Masks`, with the model's own mask,
+    scaling (default 1/sqrt(head_dim), as transformers' eager functions) and softcapping."""
+    scaling = query.size(-1) ** -0.5 if scaling is None else scaling
+    return eviction.attend(module.layer_idx, query, key, value, scaling, attention_mask, softcap)
+
+
+def _mask(*args, **kwargs):
+    """The model's own attention mask, always as a bool [b, 1, t, n] (transformers' `sdpa_mask`, no causal skip)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **{**kwargs, "allow_is_causal_skip": False})
+
+
+@dataclass
+class _Branch:
+    """One generation in progress: its cache (every key), masks, and the given tokens' summed gap so far."""
+
+    cache: object
+    masks: _Masks
+    gap: float = 0.0
+    flips: int = 0  # non-default choices taken so far
+
+    def forks(self, most: int) -> list["_Branch"]:
+        """Itself, then copies taking the other side of this step's ties (single flips first), `most` in all."""
+        ties = self.masks.ties
+        subsets = (c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r))
+        return [self] + [_Branch(copy.deepcopy(self.cache), self.masks.fork(c), self.gap, self.flips + len(c))
+                         for c in itertools.islice(subsets, most - 1)]
+
+
+@dataclass(frozen=True)
+class Forced:
+    """A `teacher_forced` run: the logits [steps, vocab] (fp32, CPU), the most alternatives alive at once,
+    whether the cap (`MAX_STATES`) dropped some, and the step at which every alternative was pruned (None: never)."""
+
+    logits: torch.Tensor
+    states: int
+    capped: bool
+    pruned_at: int | None
 
 
 class EvictionOracle:
-    """transformers' eager Llama keeping EVERY key, with evicted ones masked per layer and KV head.
+    """transformers' eager model keeping EVERY key, with evicted ones masked per layer and KV head.
 
-    Attention weights are computed explicitly (no SDPA) and the policy decides evictions with the
-    same rule as any engine (`keep`). One prompt at a time, greedy, raw-logit argmax.
+    Any model whose attention goes through transformers' AttentionInterface (Llama, Mistral, Gemma3, Gemma4 text
+    with KV sharing, GPT-2, ...). Attention weights are computed explicitly (no SDPA) and the policy decides
+    evictions with the same rule as any engine (`order`). One prompt at a time, greedy, raw-logit argmax.
+    `eviction_tie_tolerance` (from EVICTION_TIE_TOLERANCE by dtype; None: no forks) drives `teacher_forced`;
+    an oracle checking another dtype's tokens (float64 checking bfloat16) needs that dtype's value.
     """
 
     def __init__(self, spec: ModelSpec, strategy: Strategy):
         from transformers import AttentionInterface, AutoModelForCausalLM
+        from transformers.masking_utils import AttentionMaskInterface
 
-        if spec.config.model_type != "llama":
-            raise ModelNotSupported(f"the eviction oracle implements Llama only, not '{spec.config.model_type}'")
+        from reference_impls.gemma4 import kv_sources
+
         self.spec, self.policy = spec, policy_for(strategy)
-        once = " (once, after prefill)" if self.policy.prefill_only else ""
-        self.source = f"transformers eager Llama, all keys kept, evicted ones masked by {self.policy.strategy}{once}"
         AttentionInterface.register(ATTENTION_NAME, _attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, _mask)
         self.model = AutoModelForCausalLM.from_pretrained(
             spec.path, dtype=spec.dtype, attn_implementation=ATTENTION_NAME).to(spec.device).eval()
+        arch = type(self.model).__name__.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
+        config = self.model.config
+        self.sources = kv_sources(config)  # KV-sharing layer -> its source (Gemma3n/Gemma4; none elsewhere)
+        self.rope = None
+        if getattr(self.policy, "positions", "original") == "shifted":
+            rotary = next((m for name, m in self.model.named_modules() if name.endswith("rotary_emb")), None)
+            if rotary is None:
+                raise ModelNotSupported(f"positions='shifted' re-rotates keys: {arch} has no rotary embedding")
+            types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
+            self.rope = {i: getattr(rotary, f"{kind}_inv_freq") if hasattr(rotary, f"{kind}_inv_freq")
+                         else rotary.inv_freq for i, kind in enumerate(types)}  # per layer type (Gemma) or one
+        once = " (once, after prefill)" if self.policy.prefill_only else ""
+        self.source = f"transformers eager {arch}, all keys kept, evicted ones masked by {self.policy.strategy}{once}"
+        self.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE.get(str(spec.dtype).removeprefix("torch."),
+                                                                 EVICTION_TIE_TOLERANCE["float32"])
         self._memo: dict[tuple[tuple[int, ...], int], tuple[Reference, _Masks]] = {}
+        self._forced: dict[tuple, Forced] = {}
 
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"
@@ -336,24 +516,84 @@ class EvictionOracle:
         return self.run(prompt, max_new_tokens)[0]
 
     def kept(self, prompt, max_new_tokens: int) -> list[torch.Tensor]:
-        """Per layer: the positions each KV head still holds after the run, [kv_heads, budget or fewer], sorted
-        (for a prefill-only policy: n_kept + steps - 1)."""
+        """Per layer with a cache of its own (KV-sharing layers have none): the positions each KV head still holds
+        after the run, [kv_heads, budget or fewer], sorted (for a prefill-only policy: n_kept + steps - 1)."""
         masks = self.run(prompt, max_new_tokens)[1]
         return [torch.stack([a.nonzero()[:, 0] for a in alive[0]]) for _, alive in sorted(masks.alive.items())]
 
-    @torch.inference_mode()
-    def run(self, prompt, steps: int) -> tuple[Reference, _Masks]:
+    def evicted(self, prompt, max_new_tokens: int) -> int:
+        """How many entries the greedy run evicted in all, over layers (with a cache of their own) and KV heads."""
+        return sum(int((~alive).sum()) for alive in self.run(prompt, max_new_tokens)[1].alive.values())
+
+    def _start(self, tolerance: float | None = None) -> _Branch:
         from transformers import DynamicCache
 
+        # A cache of full layers, config-free: every key of every layer stays, sliding windows come from the mask.
+        return _Branch(DynamicCache(), _Masks(self.policy, self.sources, self.rope, tolerance))
+
+    def _step(self, branch: _Branch, inputs) -> torch.Tensor:
+        """Feed `inputs` (token ids) to the branch: the last position's logits, fp32 on CPU."""
+        branch.masks.ties = []
+        ids = torch.tensor([list(inputs)], device=self.spec.device)
+        logits = self.model(input_ids=ids, past_key_values=branch.cache, use_cache=True, eviction=branch.masks)
+        return logits.logits[0, -1].float().cpu()
+
+    @torch.inference_mode()
+    def run(self, prompt, steps: int) -> tuple[Reference, _Masks]:
+        """The greedy run (one path: at a near tie the rule's own choice, never a fork), memoized."""
         key = (tuple(prompt), steps)
         if key not in self._memo:
-            masks, cache = _Masks(self.policy), DynamicCache(config=self.model.config)
-            inputs = torch.tensor([key[0]], device=self.spec.device)
-            tokens, rows = [], []
+            branch, inputs, tokens, rows = self._start(), key[0], [], []
             for _ in range(steps):
-                logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True, eviction=masks).logits[0, -1]
-                rows.append(logits.float().cpu())
-                tokens.append(int(logits.argmax()))
-                inputs = torch.tensor([[tokens[-1]]], device=self.spec.device)
-            self._memo[key] = Reference(key[0], tuple(tokens), torch.stack(rows), self.source), masks
+                rows.append(self._step(branch, inputs))
+                tokens.append(int(rows[-1].argmax()))
+                inputs = tokens[-1:]
+            logits = torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
+            ref = Reference(key[0], tuple(tokens), logits, self.source,
+                            forced=lambda got, tol, p=key[0]: self.teacher_forced(p, got, tol))
+            self._memo[key] = ref, branch.masks
         return self._memo[key]
+
+    def teacher_forced(self, prompt, tokens, tie_tolerance: float) -> torch.Tensor:
+        """Logits [len(tokens), vocab] (fp32, CPU): row i predicts tokens[i] after prompt + tokens[:i], the given
+        tokens fed (not the oracle's argmax), evicting step by step as `run` does, near-tied cuts forked
+        (`teacher_forced_run`)."""
+        return self.teacher_forced_run(prompt, tokens, tie_tolerance).logits
+
+    @torch.inference_mode()
+    def teacher_forced_run(self, prompt, tokens, tie_tolerance: float) -> Forced:
+        """`teacher_forced` with its bookkeeping, memoized.
+
+        At each step every live alternative is fed the given input; one whose row puts the given token more than
+        `tie_tolerance` behind its best is pruned; each survivor forks at this step's near-tied cuts (module
+        docstring). The cap: at most MAX_STATES alternatives live, those with the smallest summed gap of the given
+        tokens (then the fewest non-default choices); forks are made single flips first. Row i is the row of the
+        live alternative with the smallest gap for tokens[i]. If every alternative is pruned at step k, the one
+        with the smallest gap there goes on alone (no pruning, no forks) to fill the rows after k.
+        """
+        tokens = tuple(int(t) for t in tokens)
+        key = (tuple(prompt), tokens, float(tie_tolerance), self.eviction_tie_tolerance)
+        if key in self._forced:
+            return self._forced[key]
+        live, rows, states, capped, pruned_at = [self._start(self.eviction_tie_tolerance)], [], 1, False, None
+        for i, token in enumerate(tokens):
+            out = [self._step(b, tokens[i - 1:i] if i else key[0]) for b in live]
+            gaps = [float(row.max() - row[token]) for row in out]
+            best = min(range(len(live)), key=gaps.__getitem__)
+            rows.append(out[best])
+            if pruned_at is not None:
+                continue
+            survivors = [b for b, gap in zip(live, gaps) if gap <= tie_tolerance]
+            if not survivors:
+                pruned_at, live = i, [live[best]]
+                live[0].masks.tolerance = None
+                continue
+            for b, gap in zip(live, gaps):
+                b.gap += gap
+            children = sorted((c for b in survivors for c in b.forks(MAX_STATES)), key=lambda b: (b.gap, b.flips))
+            capped |= len(children) > MAX_STATES
+            live = children[:MAX_STATES]
+            states = max(states, len(live))
+        logits = torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
+        self._forced[key] = Forced(logits, states, capped, pruned_at)
+        return self._forced[key]

@@ -2,7 +2,8 @@
 
 The rules live in `reference_impls/eviction.py` (last_recent, streaming_llm, h2o, tova); this
 module is the cache. Per layer and KV head a fixed buffer of `budget` slots holds keys and
-values (after RoPE: never re-rotated), each slot's original position (-1 = empty) and its score.
+values (after RoPE: never re-rotated; but see `StreamingLLMShifted` below), each slot's original
+position (-1 = empty) and its score.
 
 - prefill (batch and prompt length dynamic, `mark_unbacked`): full causal attention over the
   prompt with explicit weights (no SDPA: the policy needs the weights), then the first `budget`
@@ -15,6 +16,10 @@ So each engine compiles twice, once per function, and never again: the buffer's 
 changes. Batches are left-padded; pads get position -1 (never attended, never kept) and their
 queries add nothing to the scores. The model pieces and weight loading are those of
 `reference_impls/compiled_dynamic.py`.
+
+`StreamingLLMShifted` (``streaming_llm(..., positions="shifted")``, the paper's pos-shift) stores keys BEFORE
+RoPE and rotates them at attention time by their rank among the step's candidates (kept slots + new, by
+original position; empty slots and pads excluded); each query is rotated by its own key's rank.
 """
 
 from __future__ import annotations
@@ -31,6 +36,13 @@ from reference_impls.eviction import EMPTY, Policy, keep, order, policy_for
 
 def _rope(x, cos, sin):
     return x * cos + rotate_half(x) * sin
+
+
+def _cos_sin(pos, rope, dtype):
+    """RoPE tables at positions `pos` [...] (clamped at 0): cos, sin [..., d] in `dtype`; rope = (inv_freq, scaling)."""
+    freqs = pos.clamp(min=0)[..., None].float() * rope[0]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * rope[1]).to(dtype), (emb.sin() * rope[1]).to(dtype)
 
 
 def _attention(q, keys, values, visible):
@@ -50,16 +62,17 @@ def _forward(model, policy: Policy, rope, tokens, pos, cache, evict):
     buffer. rope = (inv_freq fp32, scaling). Returns the last position's logits [b, vocab] and the new buffers."""
     b, t = tokens.shape
     x = model.model.embed_tokens(tokens)
-    freqs = pos.clamp(min=0)[..., None].float() * rope[0]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]  # [b, 1, t, d]
-    cos, sin = (emb.cos() * rope[1]).to(x.dtype), (emb.sin() * rope[1]).to(x.dtype)
+    shifted = getattr(policy, "positions", "original") == "shifted"
+    cos, sin = _cos_sin(pos[:, None], rope, x.dtype)  # [b, 1, t, d]
     newest = pos[:, -1, None, None]  # left padding: the last token of every row is real
     real_query = (pos >= 0)[:, None, None, :, None]
     new_cache = []
     for layer, (keys, values, slot_pos, score) in zip(model.model.layers, cache):
         attn, h = layer.self_attn, layer.input_layernorm(x)
-        q = _rope(attn.q_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2), cos, sin)
-        k = _rope(attn.k_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2), cos, sin)
+        q = attn.q_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2)
+        k = attn.k_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2)
+        if not shifted:  # keys cached after RoPE at their original positions
+            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
         v = attn.v_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2)
         kv_heads, slots = k.size(1), keys.size(2)
         keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
@@ -67,7 +80,15 @@ def _forward(model, policy: Policy, rope, tokens, pos, cache, evict):
         idx = torch.arange(cand.size(-1), device=cand.device)
         own = idx == slots + torch.arange(t, device=cand.device)[:, None]  # every query sees itself
         visible = ((cand[:, :, None] >= 0) & (cand[:, :, None] <= pos[:, None, :, None])) | own
-        out, weights = _attention(q, keys, values, visible[:, :, None])
+        if shifted:  # pos-shift: rotate by rank among the real candidates, each query by its own key's rank
+            rank = ((cand[:, :, None, :] >= 0) & (cand[:, :, None, :] < cand[..., None])).sum(-1)
+            k_cos, k_sin = _cos_sin(rank, rope, x.dtype)  # [b, kv_heads, slots + t, d]
+            group = q.size(1) // kv_heads
+            q = _rope(q.view(b, kv_heads, group, t, -1), k_cos[:, :, None, slots:], k_sin[:, :, None, slots:])
+            q, attend_keys = q.view(b, kv_heads * group, t, -1), _rope(keys, k_cos, k_sin)
+        else:
+            attend_keys = keys
+        out, weights = _attention(q, attend_keys, values, visible[:, :, None])
         score = policy.score(F.pad(score, (0, t)), weights * real_query, cand)
         x = x + attn.o_proj(out)
         x = x + layer.mlp(layer.post_attention_layernorm(x))
@@ -104,7 +125,7 @@ def _evict_one(policy: Policy, entries, newest):
 
 def prefill(model, policy, rope, tokens, valid):
     b, t = tokens.shape
-    torch._check(t >= 1)
+    torch._check(t >= 2)  # one pad column at least (`_prefill`): see there
     torch._check(valid.size(0) == b)
     torch._check(valid.size(1) == t)
     pos = torch.where(valid, valid.long().cumsum(-1) - 1, EMPTY)
@@ -147,7 +168,9 @@ class EvictionEngine:
     def _prefill(self, prompts: list[list[int]]):
         if not all(prompts):
             raise ValueError("every prompt needs at least one token")
-        width, device = max(map(len, prompts)), self.spec.device
+        # One extra pad column, so the compiled prefill never sees a 1-column batch: inductor's CPU bmm lowering
+        # asks whether an unbacked size equals 1 and cannot answer (GuardOnDataDependentSymNode, torch 2.13).
+        width, device = max(map(len, prompts)) + 1, self.spec.device
         tokens = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
         valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
         for x in (tokens, valid):
@@ -217,3 +240,8 @@ class H2O(EvictionEngine):
 
 class TOVA(EvictionEngine):
     kv_declaration = _declaration(Strategy.of("tova", budget=16), "TOVA, evicts the least attended token")
+
+
+class StreamingLLMShifted(EvictionEngine):
+    kv_declaration = _declaration(Strategy.of("streaming_llm", sinks=4, recent=12, positions="shifted"),
+                                  "StreamingLLM sinks + recent, positions re-assigned in the cache (pos-shift)")

@@ -33,6 +33,7 @@ import torch
 from torch._dynamo.decorators import mark_unbacked
 
 from pytest_kvcompile.engine import Declaration, ModelSpec
+from pytest_kvcompile.memory import KVLayout
 from pytest_kvcompile.zoo import sliding_layers
 from reference_impls.compiled_dynamic import (
     FULL, SLIDING, CompiledDynamicCache, UnsupportedModel, attention_mask, compile_fresh, left_pad, load_model,
@@ -121,6 +122,7 @@ class SlidingWindowCache(CompiledDynamicCache):
         batching=True,
         scoring=True,
         kv_cache_bytes=True,
+        kv_layout=KVLayout("dynamic", extra_positions=1),  # W-slot rings; full layers hold one pad key (`_empty`)
         compiled=True,
         description="reference: sliding layers in fixed W-slot ring buffers (memory bounded by the window), "
         "full layers growing; one torch.compile graph",

@@ -1,6 +1,12 @@
-"""KV memory: ``kv_cache_bytes()`` equals the exact footprint of the engine's declared ``KVLayout``
-(pytest_kvcompile/memory.py: dynamic, static, eviction budget; sliding and KV-sharing layers), alone
-and in a padded batch; and repeating one ``generate()`` call does not grow memory."""
+"""KV memory, reported and measured.
+
+- ``kv_cache_bytes()`` equals the exact footprint of the engine's declared ``KVLayout`` (pytest_kvcompile/memory.py:
+  dynamic, static, eviction budget; sliding and KV-sharing layers), alone and in a padded batch.
+- What the engine object really holds after ``generate()`` (``memory.held_by``: tensors reachable from it that are
+  not its weights; on CUDA also the growth of ``torch.cuda.memory_allocated`` since before it was built) is at most
+  HELD_FACTOR x what it reports and what its layout declares, plus HELD_SLACK for small buffers (RoPE tables,
+  masks, positions): an engine holding 16x what it reports fails with both numbers.
+- Calls of the same shapes with different prompts do not grow memory (a leak, a memo keyed by prompt)."""
 
 from __future__ import annotations
 
@@ -11,9 +17,12 @@ from functools import partial
 import pytest
 import torch
 
-from pytest_kvcompile.memory import expected_kv_bytes, format_bytes, live_tensor_bytes
+from pytest_kvcompile.harness import cuda_allocated
+from pytest_kvcompile.memory import expected_kv_bytes, format_bytes, held_by, live_tensor_bytes
+from pytest_kvcompile.prompts import variant
 
 WARMUP_CALLS, REPEATS = 1, 3
+HELD_FACTOR, HELD_SLACK = 1.5, 64 * 1024
 
 
 def _reported(kv_engine) -> int:
@@ -93,29 +102,75 @@ def _measures(kv_engine) -> dict[str, int]:
     return found
 
 
+def _call(kv_engine, kv_prompts, kv_batch):
+    return kv_batch if kv_engine.ref.declaration.batching else [max((p for p in kv_prompts if len(p) <= 64), key=len)]
+
+
+def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record):
+    """The engine object's measured state after generate() against what it reports and declares (module rule)."""
+    call = _call(kv_engine, kv_prompts, kv_batch)
+    kv_engine.generate(call)
+    held = held_by(kv_engine.engine)
+    state, measure = held.state, "tensors reachable from the engine object that are not parameters (pytest_kvcompile." \
+                                 "memory.held_by), distinct storages"
+    now = cuda_allocated(kv_engine.spec.device)
+    if now is not None and kv_engine.cuda_allocated_before is not None:  # allocations held only from C++ count too
+        grown = now - kv_engine.cuda_allocated_before - held.weights
+        if grown > state:
+            state, measure = grown, ("growth of torch.cuda.memory_allocated() since before the engine was built, "
+                                     "minus its parameters")
+    held = dataclasses.replace(held, state=state)
+    declared, spec = kv_engine.ref.declaration, kv_engine.spec
+    expected = declared.kv_layout and expected_kv_bytes(declared.kv_layout, spec.config, spec.dtype, len(call),
+                                                        max(map(len, call)), kv_engine.max_new_tokens).total
+    reported = _reported(kv_engine) if declared.kv_cache_bytes else None
+    kv_record.metric(kv_bytes={"expected": expected, "measured": reported if reported is not None else held.state,
+                               "held": held.state})
+    claims = {f"kv_cache_bytes() = {format_bytes(reported)}": reported} if reported is not None else {}
+    if expected:
+        claims[f"its declared {declared.kv_layout} = {format_bytes(expected)}"] = expected
+    if not claims:
+        pytest.skip(f"engine '{kv_engine.name}' holds {format_bytes(held.state)} besides its weights after "
+                    f"{_describe(call, kv_engine)}, but declares neither kv_cache_bytes nor a kv_layout to compare "
+                    "it with (recorded in the reports)")
+    over = {what: value for what, value in claims.items() if held.state > HELD_FACTOR * value + HELD_SLACK}
+    if over:
+        pytest.fail(
+            f"engine '{kv_engine.name}' on model '{spec.name}' holds {format_bytes(held.state)} besides its weights "
+            f"({format_bytes(held.weights)}) after {_describe(call, kv_engine)}, more than {HELD_FACTOR:g} x "
+            + " and ".join(over) + f" + {format_bytes(HELD_SLACK)}\n"
+            f"  measured: {measure}\n  hint: a cache preallocated larger than it reports (a static cache sized "
+            "for more rows or positions), earlier calls' caches kept, or a report that counts only part of the cache",
+            pytrace=False,
+        )
+
+
+def _describe(call, kv_engine) -> str:
+    return f"generate(<{len(call)} prompt(s) of lengths {[len(p) for p in call]}>, {kv_engine.max_new_tokens})"
+
+
 def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
-    """A leak grows memory at every repeated call; a one-off allocation (a lazily built buffer) grows once.
-    Rule: after WARMUP_CALLS identical calls, a measure that grows at each of REPEATS more calls is a leak;
-    kv_cache_bytes() must not change at all. Objects alive before the first call are frozen out of the
-    census (gc.freeze()), which makes it cheap; tensors created since are what can grow."""
-    call = kv_batch if kv_engine.ref.declaration.batching else [max(kv_prompts, key=len)]
+    """A leak grows memory at every call; a one-off allocation (a lazily built buffer) grows once. Rule: after
+    WARMUP_CALLS calls, a measure that grows at each of REPEATS more calls of the same shapes, each with other
+    prompts (a memo keyed by prompt grows too), is a leak; kv_cache_bytes() must not change at all. Objects alive
+    before the first call are frozen out of the census (gc.freeze()), which makes it cheap; tensors created since
+    are what can grow."""
+    base = _call(kv_engine, kv_prompts, kv_batch)
+    vocab = kv_engine.spec.vocab_size
+    calls = [[variant(p, vocab, salt=100 + i) for p in base] for i in range(WARMUP_CALLS + REPEATS)]
+    call = base
     gc.collect()
     gc.freeze()
     try:
-        for _ in range(WARMUP_CALLS):
+        for call in calls[:WARMUP_CALLS]:
             kv_engine.generate(call)
         history = [_measures(kv_engine)]
-        for _ in range(REPEATS):
+        for call in calls[WARMUP_CALLS:]:
             kv_engine.generate(call)
             history.append(_measures(kv_engine))
     finally:
         gc.unfreeze()
-    if "kv_cache_bytes()" in history[-1]:
-        layout, spec = kv_engine.ref.declaration.kv_layout, kv_engine.spec
-        expected = layout and expected_kv_bytes(layout, spec.config, spec.dtype, len(call), max(map(len, call)),
-                                                kv_engine.max_new_tokens).total
-        kv_record.metric(kv_bytes={"expected": expected, "measured": history[-1]["kv_cache_bytes()"]})
-    described = f"generate(<{len(call)} prompt(s) of lengths {[len(p) for p in call]}>, {kv_engine.max_new_tokens})"
+    described = f"{_describe(call, kv_engine)}, each call with other prompts of these lengths"
     problems = []
     for measure in history[0]:
         values = [h[measure] for h in history]
@@ -126,7 +181,7 @@ def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
     if problems:
         pytest.fail(
             f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': memory grows over {REPEATS} repeated "
-            f"identical calls {described}\n" + "\n".join(problems) + "\n  hint: generate() keeps something per call "
+            f"calls {described}\n" + "\n".join(problems) + "\n  hint: generate() keeps something per call "
             "(caches or outputs appended to a list, a memo keyed by prompt, a cache never reset): keep only the last "
             "call's cache",
             pytrace=False,

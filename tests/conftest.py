@@ -7,7 +7,7 @@ import pytest
 TESTS_DIR = Path(__file__).parent
 SUITES_DIR = TESTS_DIR.parent / "suites"
 #: -k expression selecting the token-level suites (identity, batch consistency, stale state, determinism)
-TOKEN_CHECKS = "token_identity or batch_consistency or stale_state or determinism"
+TOKEN_CHECKS = "token_identity or batch_consistency or stale_state or determinism or shared_prefixes"
 TIE = 1e-3  # fp32 near tie: a flip within this logit gap is numerics, not a bug
 
 

@@ -1,8 +1,9 @@
 """Eviction engines for the project's own tests (tests/test_eviction.py).
 
 The reference engines of reference_impls/eviction_engine.py on the "eager" compile backend
-(an import-path engine gets no --kv-compile-backend), and two that carry one bug each while
-declaring the correct strategy, so the suite must hold them to the right oracle and fail them.
+(an import-path engine gets no --kv-compile-backend), three that carry one bug each while
+declaring the correct strategy, so the suite must hold them to the right oracle and fail them,
+and TOVANudged, which breaks near-tied eviction choices the other way (correct by the near-tie rule).
 """
 
 from dataclasses import dataclass
@@ -51,3 +52,39 @@ class StreamingLLMWithoutSinks(StreamingLLM):
     def __init__(self, spec):
         super().__init__(spec)
         self.policy = eviction.LastRecent(self.policy.budget)
+
+
+class StreamingLLMShifted(_Eager, eviction_engine.StreamingLLMShifted):
+    pass
+
+
+NUDGE = 1e-2  # TOVANudged moves every score by NUDGE / 2 of itself
+
+
+@dataclass(frozen=True)
+class _Nudged(eviction.TOVA):
+    def score(self, prev, weights, pos, keys=None):
+        return super().score(prev, weights, pos) * (1 + NUDGE / 2 * (pos % 2 * 2 - 1))  # odd positions up, even down
+
+
+class TOVANudged(TOVA):
+    """Correct within the near-tie rule for a relative score tolerance of NUDGE: TOVA(16) with every score moved
+    by NUDGE / 2 of itself (odd positions up, even down), so cuts nearer than NUDGE may go the other way."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.policy = _Nudged(self.policy.budget)
+
+
+@dataclass(frozen=True)
+class _Inverted(eviction.TOVA):
+    def score(self, prev, weights, pos, keys=None):
+        return -super().score(prev, weights, pos)
+
+
+class TOVAEvictsTheMostAttended(TOVA):
+    """Bug: declares tova(budget=16) but evicts the HIGHEST score (the most attended token)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.policy = _Inverted(self.policy.budget)

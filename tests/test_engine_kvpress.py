@@ -44,7 +44,7 @@ def test_known_findings_follow_the_parameters():
     """kvpress fails on the 1-token prompt where it asserts n > n_sink or n > window_size, and in TOVAPress."""
     globs = ("*test_token_identity*len1*", "*test_stale_state*")
     for engine in (engines.StreamingLLM, engines.SnapKV, engines.TOVA):
-        assert tuple(g for g, _ in declaration_of(engine).known_findings) == globs
+        assert tuple(g for g, _, _ in declaration_of(engine).known_findings) == globs
     assert declaration_of(engines.KNorm).known_findings == ()
     assert declaration_of(engines.StreamingLLM.configure(n_sink=0)).known_findings == ()
 

@@ -9,6 +9,7 @@ Profiles: "ci" (default; fixed, derandomized, few examples) and "dev" (HYPOTHESI
 """
 
 import os
+import re
 
 import pytest
 import torch
@@ -18,7 +19,8 @@ from hypothesis import strategies as st
 
 from pytest_kvcompile.engine import Strategy
 from reference_impls.eviction import (EMPTY, H2O, TOVA, KNormPrefill, LastRecent, SnapKVPrefill, StreamingLLM,
-                                      StreamingLLMPrefill, TOVAPrefill, _Masks, keep, order, policy_for)
+                                      StreamingLLMPrefill, TOVAPrefill, _Masks, _rotate, _shift, keep, order,
+                                      policy_for)
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -159,20 +161,30 @@ def test_h2o_scores_add_up_over_chunks(heavy, recent, prompt, seed):
     (Strategy.of("streaming_llm", sinks=4, recent=12), StreamingLLM(4, 12)),
     (Strategy.of("h2o", heavy=8, recent=8), H2O(8, 8)),
     (Strategy.of("tova", budget=16), TOVA(16)),
+    (Strategy.of("streaming_llm", sinks=4, recent=12, positions="shifted"), StreamingLLM(4, 12, "shifted")),
 ])
 def test_strategies_name_their_policy(strategy, policy):
     assert policy_for(strategy) == policy and policy.strategy == strategy and policy.budget == 16
+
+
+def test_a_parameter_at_its_default_may_be_omitted():
+    explicit = Strategy.of("streaming_llm", sinks=4, recent=12, positions="original")
+    assert policy_for(explicit) == StreamingLLM(4, 12) and StreamingLLM(4, 12).strategy == Strategy.of(
+        "streaming_llm", sinks=4, recent=12)
 
 
 @pytest.mark.parametrize("strategy, message", [
     (Strategy.of("h2o", heavy=8), "needs exactly the parameters heavy, recent"),
     (Strategy.of("streaming_llm", sinks=4, recent=0), "recent=0 must be an int >= 1"),
     (Strategy.of("tova", budget=2.5), "budget=2.5 must be an int"),
+    (Strategy.of("streaming_llm", sinks=4, recent=12, positions="rotated"),
+     "positions='rotated' must be 'original' or 'shifted'"),
+    (Strategy.of("streaming_llm", sinks=4), "needs exactly the parameters sinks, recent (optional: positions)"),
     (Strategy.of("lru", budget=4), "unknown eviction strategy 'lru'; known: last_recent, streaming_llm, h2o, tova, "
      "streaming_llm_prefill, snapkv_prefill, tova_prefill, knorm_prefill"),
 ])
 def test_bad_strategies_say_what_to_write(strategy, message):
-    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+    with pytest.raises(ValueError, match=re.escape(message)):
         policy_for(strategy)
 
 
@@ -242,3 +254,81 @@ def test_prefill_policies_compress_once_to_the_top_of_their_score(policy, n, dec
         k = torch.cat((k, torch.randn(1, KV_HEADS, 1, d, generator=gen)), dim=2)
         masks.attend(0, torch.randn(1, heads, 1, d, generator=gen), k, torch.randn_like(k), 1.0)
     assert torch.equal(masks.alive[0][..., :n], prompt_kept) and masks.alive[0][..., n:].all()
+
+
+# --------------------------------------------------------------------------- the oracle's state (`_Masks`)
+
+
+def test_a_kv_sharing_layer_attends_over_its_source_candidates_and_keeps_no_cache():
+    """Layer 1 reads layer 0's keys: each step it sees layer 0's candidates (kept + new, before this step's
+    eviction), and neither scores nor evicts."""
+    gen = torch.Generator().manual_seed(0)
+    d, heads, n = 4, KV_HEADS * GROUP, 9
+    masks = _Masks(H2O(2, 2), sources={1: 0})
+    k, v = torch.randn(1, KV_HEADS, n, d, generator=gen), torch.randn(1, KV_HEADS, n, d, generator=gen)
+    for t, seen in ((6, 0), (1, 6), (1, 7), (1, 8)):  # prefill of 6, then 3 decode steps
+        keys, values = k[:, :, :seen + t], v[:, :, :seen + t]
+        masks.attend(0, torch.randn(1, heads, t, d, generator=gen), keys, values, 1.0)
+        candidates = masks.seen[0]
+        assert candidates.sum(-1).tolist() == [[min(seen, 4) + t] * KV_HEADS] if seen else [[6, 6]]
+        q = torch.randn(1, heads, t, d, generator=gen)
+        out = masks.attend(1, q, keys, values, 1.0)[0]
+        causal = torch.ones(t, seen + t, dtype=torch.bool).tril(seen)
+        logits = q.view(1, KV_HEADS, GROUP, t, d) @ keys[:, :, None].transpose(-1, -2)
+        logits = logits.masked_fill(~(candidates[:, :, None, None] & causal), -torch.inf)
+        want = (logits.softmax(-1) @ values[:, :, None]).reshape(1, heads, t, d).transpose(1, 2)
+        torch.testing.assert_close(out, want)
+        assert sorted(masks.alive) == [0] and sorted(masks.scores) == [0]
+
+
+@PROFILE
+@given(policy=st.one_of(st.builds(H2O, st.integers(1, 3), st.integers(1, 3)), st.builds(TOVA, st.integers(1, 6))),
+       n=st.integers(2, 12), tolerance=st.sampled_from([0.0, 0.1, 0.5]), seed=st.integers(0, 2**31 - 1))
+def test_near_ties_are_the_close_unprotected_cuts_and_a_fork_takes_the_other_side(policy, n, tolerance, seed):
+    gen = torch.Generator().manual_seed(seed)
+    d, heads = 4, KV_HEADS * GROUP
+    masks = _Masks(policy, tolerance=tolerance)
+    q, k, v = (torch.randn(1, h, n, d, generator=gen) for h in (heads, KV_HEADS, KV_HEADS))
+    masks.attend(0, q, k, v, 1.0)
+    score, alive = masks.scores[0][0], masks.alive[0][0]
+    protected = policy.protected(torch.arange(n), torch.tensor(n - 1))
+    for head in range(KV_HEADS):
+        kept = [p for p in range(n) if alive[head, p] and not protected[p]]
+        dropped = [p for p in range(n) if not alive[head, p]]
+        ties = [t for t in masks.ties if head in t[1]]
+        if not kept or not dropped:
+            assert not ties
+            continue
+        a, b = min(kept, key=lambda p: (score[head, p], -p)), max(dropped, key=lambda p: (score[head, p], -p))
+        s_a, s_b = float(score[head, a]), float(score[head, b])
+        close = s_a - s_b <= tolerance * max(abs(s_a), abs(s_b))
+        assert ties == ([(0, (head,) if policy.per_head else (0, 1), a, b)] if close else [])
+    for tie in masks.ties:
+        fork = masks.fork([tie])
+        _, tie_heads, a, b = tie
+        for head in range(KV_HEADS):
+            flipped = fork.alive[0][0, head]
+            if head in tie_heads:
+                assert not flipped[a] and flipped[b] and flipped.sum() == alive[head].sum()
+            else:
+                assert torch.equal(flipped, alive[head])
+        assert torch.equal(masks.alive[0][0], alive)  # the original is untouched
+
+
+def test_shifted_positions_put_each_key_at_its_rank_and_each_query_at_its_own():
+    """After RoPE at original positions, `_shift` gives the keys and queries RoPE would give at their ranks
+    among the candidates (evicted positions 1, 2 and 4 of 0..6 do not count)."""
+    gen = torch.Generator().manual_seed(0)
+    d, n, t = 8, 7, 2
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    raw_q = torch.randn(1, KV_HEADS, GROUP, t, d, generator=gen)
+    raw_k = torch.randn(1, KV_HEADS, 1, n, d, generator=gen)
+
+    def at(x, positions):  # RoPE at `positions`
+        return _rotate(x, torch.tensor(positions, dtype=torch.float)[:, None] * inv_freq)
+
+    alive = torch.tensor([True, False, False, True, False, True, True]).expand(1, KV_HEADS, n)
+    q, k = _shift(at(raw_q, [5, 6]), at(raw_k, list(range(n))), alive, inv_freq)
+    ranks = [0, 0, 0, 1, 1, 2, 3]  # evicted ones: the rank of the next kept one (masked anyway)
+    torch.testing.assert_close(q, at(raw_q, [2, 3]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(k[..., alive[0, 0], :], at(raw_k, ranks)[..., alive[0, 0], :], atol=1e-5, rtol=1e-5)

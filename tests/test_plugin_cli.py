@@ -149,11 +149,19 @@ def test_zoo_head_dim_builds_the_zoo_with_larger_heads(kvtester):
     result.assert_outcomes(passed=1)
 
 
-def test_no_engine_skips_with_how_to_choose_one(kvtester):
+def test_no_engine_is_a_usage_error_naming_how_to_choose_one(kvtester):
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("-rs", "--kv-zoo=llama")
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*no engine selected: pass --kv-engine=NAME (pytest --kv-list-engines lists them)*"])
+    result = kvtester.runpytest_subprocess("--kv-zoo=llama")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*no engine selected: pass --kv-engine=NAME (or the ini key kv_engines); pytest "
+                                 "--kv-list-engines lists the engines (1 collected test(s) need one)*"])
+
+
+def test_no_engine_under_xdist_errors_each_engine_test(kvtester):
+    kvtester.makepyfile(ENGINE_TEST)
+    result = kvtester.runpytest_subprocess("--kv-zoo=llama", "-n", "2")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*no engine selected: pass --kv-engine=NAME*"])
 
 
 def test_two_engines_parametrize_every_engine_test(kvtester):

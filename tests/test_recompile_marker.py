@@ -90,7 +90,7 @@ def test_over_budget_fails(kv_compile_recorder):
     f(torch.ones(2), 2)
 
 
-@pytest.mark.no_recompile(warmup=True)
+@pytest.mark.no_recompile(graph_breaks=True, warmup=True)
 def test_graph_break_allowed_passes(kv_compile_recorder):
     f = torch.compile(with_break, backend="eager")
     f(torch.ones(2))
@@ -98,7 +98,7 @@ def test_graph_break_allowed_passes(kv_compile_recorder):
     f(torch.ones(2))
 
 
-@pytest.mark.no_recompile(graph_breaks=False, warmup=True)
+@pytest.mark.no_recompile(warmup=True)
 def test_graph_break_forbidden_fails(kv_compile_recorder):
     f = torch.compile(with_break, backend="eager")
     f(torch.ones(2))
@@ -184,7 +184,7 @@ def test_marker_failure_under_xdist(tester):
 
 BAD_MARKERS = {  # marker -> the collection error naming the fix
     "no_recompile(max_recompile=1)": "got an unexpected keyword argument 'max_recompile'; write "
-                                     "@pytest.mark.no_recompile(max_recompiles=0, graph_breaks=True, warmup=False)",
+                                     "@pytest.mark.no_recompile(max_recompiles=0, graph_breaks=False, warmup=False)",
     "no_recompile(1)": "too many positional arguments; write *",
     "no_recompile(max_recompiles=-1)": "max_recompiles must be an int >= 0, got -1; *",
     "no_recompile(max_recompiles=True)": "max_recompiles must be an int >= 0, got True; *",

@@ -92,7 +92,7 @@ def _collector(device="cpu", scale=1.0):
     latency = {"prompt_len": 32, "decode_tokens": 8, "timer": "perf_counter"}
     found.add("hf-eager", "llama", tests={"passed": 3}, tokens={"identical": 3},
               latency={**latency, "prefill_ms": [2.0 * scale], "decode_ms_per_token": [1.0 * scale]})
-    found.add("my-engine", "llama", tests={"passed": 2, "failed": 1}, tokens={"identical": 1, "near_tie": 1},
+    found.add("my-engine", "llama", tests={"passed": 2, "failed": 1}, tokens={"identical": 1, "near_tie": 1}, near_tie_tokens=1,
               near_ties=["my-engine / llama / short7 (alone): near tie at step 2"],
               failures=[{"test": "suites/test_recompiles.py::x", "message": "recompiled after warmup"}],
               compiles={"warmup": 2, "after_warmup": 1, "reasons": ["recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7"]},

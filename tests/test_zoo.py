@@ -8,15 +8,16 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import dataclasses
 import statistics
 
 import pytest
 import torch
 import transformers
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from pytest_kvcompile import zoo
+from pytest_kvcompile import prompts, zoo
 
 NAMES = list(zoo.ZOO)
 WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared"]
@@ -26,6 +27,7 @@ LAYOUT = {
     "mistral-sw": ([0, 1], zoo.WINDOW, []),
     "gemma3-hybrid": ([0, 2], zoo.WINDOW, []),
     "gemma4-kvshared": ([0, 2], zoo.WINDOW, [2, 3]),
+    "gpt2-abspos": ([], None, []),
 }
 
 
@@ -47,7 +49,7 @@ def load(tmp_path_factory):
 
 
 def test_zoo_names_in_order():
-    assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared"]
+    assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos"]
     assert all(m.name == n and m.description and "\n" not in m.description for n, m in zoo.ZOO.items())
 
 
@@ -71,7 +73,7 @@ def test_checkpoint_is_cached_and_loads_cleanly(tmp_path, monkeypatch):
     assert path.name.startswith("gemma4-kvshared-") and f"seed{zoo.SEED}" in path.name
     assert path.name.endswith(f"-tf{transformers.__version__}")
 
-    def no_rebuild(config):
+    def no_rebuild(config, *gains):
         raise AssertionError("rebuilt a cached checkpoint")
 
     monkeypatch.setattr(zoo, "_build_model", no_rebuild)
@@ -100,17 +102,29 @@ def test_cache_key_changes_with_config_seed_and_version(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr("transformers.__version__", "0.0.0")
     assert zoo._cache_key("mistral-sw", config) != key
+    monkeypatch.undo()
+    monkeypatch.setitem(zoo.ZOO, "mistral-sw", dataclasses.replace(zoo.ZOO["mistral-sw"], head_gain=5.0))
+    assert zoo._cache_key("mistral-sw", config) != key
+
+
+def test_fan_in_per_module_type():
+    """nn.Linear [out, in] and GPT-2's Conv1D [in, out] both scale by their inputs; embeddings by shape[-1]."""
+    from transformers.pytorch_utils import Conv1D
+
+    linear, conv, embedding = torch.nn.Linear(64, 192), Conv1D(192, 64), torch.nn.Embedding(512, 64)
+    assert conv.weight.shape == (64, 192)
+    assert [zoo._fan_in(m, p) for m in (linear, conv, embedding) for p in m.parameters()] == [64, 64, 64, 64, 64]
 
 
 def test_concurrent_build_loser_discards_its_copy(tmp_path, monkeypatch):
     """Another worker renames its build into place while we build: we return its copy, leave nothing behind."""
     real_build = zoo._build_model
 
-    def racing_build(config):
+    def racing_build(config, *gains):
         monkeypatch.setattr(zoo, "_build_model", real_build)
         winner = zoo.checkpoint("llama", tmp_path)
         (winner / "built-by-winner").touch()
-        return real_build(config)
+        return real_build(config, *gains)
 
     monkeypatch.setattr(zoo, "_build_model", racing_build)
     path = zoo.checkpoint("llama", tmp_path)
@@ -122,7 +136,7 @@ def test_concurrent_build_loser_discards_its_copy(tmp_path, monkeypatch):
 def test_greedy_decoding_is_non_degenerate(load, name):
     """6 random prompts (lengths 1..40), 32 greedy tokens each.
 
-    Measured on transformers 5.2, 5.5 and 5.23 (all four models): >= 17 distinct tokens per
+    Measured on transformers 5.2, 5.5 and 5.23 (gpt2-abspos: 5.2 and 5.23): >= 17 distinct tokens per
     continuation, median top-1/top-2 logit gap 0.80-1.21, at most 1% of gaps below 1e-2.
     """
     model = load(name)
@@ -149,7 +163,8 @@ def test_layer_layout(load, name):
     assert zoo.sliding_layers(model.config) == sliding
     assert zoo.attention_window(model.config) == window
     assert zoo.shared_kv_layers(model.config) == shared
-    attns = [layer.self_attn for layer in model.model.layers]
+    attns = [m for n, m in model.named_modules() if n.endswith((".self_attn", ".attn"))]  # GPT-2: transformer.h.N.attn
+    assert len(attns) == model.config.num_hidden_layers
     assert [i for i, a in enumerate(attns) if getattr(a, "is_kv_shared_layer", False)] == shared
 
 
@@ -197,6 +212,33 @@ def test_first_layer_output_depends_exactly_on_the_window(load, name):
     base, visible, invisible = captured
     assert not torch.equal(base, visible)
     assert torch.equal(base, invisible)
+
+
+@torch.no_grad()
+def greedy(model, prompt, steps: int, shift: int = 0) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and logits [steps, vocab] with a DynamicCache, every position shifted by `shift`."""
+    cache, ids, tokens, rows = DynamicCache(config=model.config), torch.tensor([prompt]), [], []
+    for _ in range(steps):
+        pos = torch.arange(ids.size(1))[None] + cache.get_seq_length() + shift
+        rows.append(model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1])
+        tokens.append(int(rows[-1].argmax()))
+        ids = torch.tensor([[tokens[-1]]])
+    return tokens, torch.stack(rows)
+
+
+@pytest.mark.parametrize("name", ["gpt2-abspos", "llama"])
+def test_only_gpt2_sees_absolute_positions(load, name):
+    """position_ids + 7 on every standard prompt: learned position embeddings (GPT-2) change the greedy
+    tokens; RoPE (Llama) is relative, so logits stay equal up to rounding and tokens do not change."""
+    model = load(name)
+    for prompt in prompts.prompt_set(model.config.vocab_size, None):
+        tokens, logits = greedy(model, list(prompt.ids), 16)
+        shifted_tokens, shifted_logits = greedy(model, list(prompt.ids), 16, shift=7)
+        if name == "gpt2-abspos":
+            assert shifted_tokens != tokens, prompt
+        else:
+            assert shifted_tokens == tokens, prompt
+            torch.testing.assert_close(shifted_logits, logits, atol=1e-4, rtol=1e-4)
 
 
 def test_gemma4_falls_back_to_gemma3n(monkeypatch):

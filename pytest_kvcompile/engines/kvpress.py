@@ -123,7 +123,7 @@ def _declaration(strategy: Strategy, press: str) -> Declaration:
         known_findings=_findings(strategy))
 
 
-def _findings(strategy: Strategy) -> tuple[tuple[str, str], ...]:
+def _findings(strategy: Strategy) -> tuple[tuple[str, str, str], ...]:
     """What the suites find on kvpress 0.5.5 with these parameters (docs/engines/kvpress.md): the presses
     that fail on the suite's 1-token prompt (test_stale_state's shortest prompt is that one)."""
     params = dict(strategy.params)
@@ -134,7 +134,9 @@ def _findings(strategy: Strategy) -> tuple[tuple[str, str], ...]:
         "SnapKVPress asserts a prompt longer than window_size: a 1-token prompt raises AssertionError",
         "tova_prefill": "TOVAPress takes max() of the empty score tensor of a 1-token prompt: RuntimeError",
     }.get(strategy.kind)
-    return tuple((glob, reason) for glob in ("*test_token_identity*len1*", "*test_stale_state*")) if reason else ()
+    raised = "AssertionError" if strategy.kind != "tova_prefill" else "RuntimeError"
+    expected = rf"raised {raised} in generate\(<1 prompt\(s\) of lengths \[1\]>"
+    return tuple((glob, reason, expected) for glob in ("*test_token_identity*len1*", "*test_stale_state*")) if reason else ()
 
 
 def _engine(name: str, press: str, strategy: Strategy) -> type[KVPress]:

@@ -15,7 +15,11 @@ from typing import Any, Callable
 import pytest
 
 from .. import latency
-from ..results import COLLECTOR, WORKER_KEY, Collector, first_lines, merge, outcome, params, run_metadata
+from ..errors import NotApplicable
+from ..reference_store import OracleUnreliable
+from ..results import (COLLECTOR, WORKER_KEY, Collector, first_lines, merge, outcome, params, run_metadata, run_problems,
+                       skipped_everywhere)
+from ..session import SESSION
 from . import baseline as baseline_mod
 from . import html, json_file, markdown
 from .table import text_table
@@ -42,6 +46,7 @@ WRITERS: dict[str, Callable[[dict[str, Any], Any], str]] = {
     ".html": html.render,
     ".htm": html.render,
 }
+ORACLE_FIXTURES = {"kv_oracle", "kv_oracle_or_none"}  # a test using one is a token check
 _FORMAT = {REPORT_JSON: ".json", REPORT_MD: ".md", REPORT_HTML: ".html"}
 PLUGIN = pytest.StashKey["ResultsPlugin"]()
 
@@ -80,6 +85,8 @@ class ResultsPlugin:
         self.baseline = self.fail_on = self.changes = None
         self.notes: list[str] = []
         self.results: dict[str, Any] | None = None
+        self.problems: list[str] = []
+        self.skipped_everywhere: list[str] = []
         if hasattr(config, "workerinput"):
             return  # workers only collect: the controller validates, compares and writes
         path, spec = _value(config, BASELINE), _value(config, FAIL_ON)
@@ -102,12 +109,23 @@ class ResultsPlugin:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield  # outermost wrapper: sees the final outcome (xfail, no_recompile)
         found, decided = params(item), outcome(report)
+        oracle_error = []
+        if decided == "failed" and call.excinfo is not None and call.excinfo.errisinstance(OracleUnreliable):
+            decided, oracle_error = "error", [str(call.excinfo.value).split(". ")[0]]
         if found and decided:
-            failures = []
+            failures, declared, reason = [], [], ""
             if decided in ("failed", "error"):
                 crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
                 failures = [{"test": item.nodeid, "message": first_lines(crash or report.longreprtext)}]
-            self.collector.add(*found, tests={decided: 1}, failures=failures)
+            if decided == "skipped" and isinstance(report.longrepr, tuple):
+                reason = report.longrepr[2].removeprefix("Skipped: ")
+                if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable):
+                    declared, reason = [reason.removeprefix("pytest_kvcompile.errors.NotApplicable: ")], ""
+            ran = decided not in ("skipped", "error")
+            checks = {item.originalname: {"ran": int(ran), "skipped": int(decided == "skipped"), "reason": reason}}
+            self.collector.add(*found, tests={decided: 1}, failures=failures, declared_skips=declared, checks=checks,
+                               oracle_errors=oracle_error,
+                               token_checks=int(bool(ORACLE_FIXTURES & set(getattr(item, "fixturenames", ())))))
         return report
 
     @pytest.hookimpl(optionalhook=True)
@@ -123,6 +141,11 @@ class ResultsPlugin:
             return
         self.results = merge([self.collector.as_dict(), *self.workers])
         self.results["runs"] = [run_metadata(config)]
+        settings = config.stash[SESSION].settings
+        self.problems = run_problems(self.results["rows"], settings.max_near_tie_rate)
+        self.skipped_everywhere = skipped_everywhere(self.results["rows"])
+        if self.problems and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if self.baseline is not None:
             self.changes, self.notes = baseline_mod.compare(self.baseline, self.results, self.fail_on)
             if any(c.regressed for c in self.changes) and session.exitstatus == pytest.ExitCode.OK:
@@ -138,6 +161,21 @@ class ResultsPlugin:
             tr.write_sep("-", "kvcompile: results per engine and model")
             for line in text_table(self.results["rows"]):
                 tr.write_line(line)
+        declared = sorted({f"{r['engine']} / {r['model']}: {why}" for r in self.results["rows"]
+                           for why in r.get("declared_skips", [])})
+        if declared:
+            tr.write_sep("-", f"kvcompile: not checked, declared or known limitations ({len(declared)})")
+            for line in declared:
+                tr.write_line(line)
+        if self.skipped_everywhere:
+            tr.write_sep("-", f"kvcompile: checks skipped for every engine and model ({len(self.skipped_everywhere)})",
+                         yellow=True)
+            for line in self.skipped_everywhere:
+                tr.write_line(line)
+        if self.problems:
+            tr.write_sep("=", f"kvcompile: the run FAILS on {len(self.problems)} verdict rule(s)", red=True, bold=True)
+            for line in self.problems:
+                tr.write_line(line, red=True)
         if self.changes is not None:
             regressed = [c for c in self.changes if c.regressed]
             tr.write_sep("=" if regressed else "-", f"kvcompile: {len(regressed)} regression(s) vs baseline "
@@ -153,8 +191,6 @@ class ResultsPlugin:
 
 def register(config: pytest.Config) -> None:
     """Validate the options and add the results collector, reports and latency fixture to this run."""
-    from ..session import SESSION
-
     settings = config.stash[SESSION].settings
     latency.configure(config, lambda flag: _value(config, flag))
     collector = config.stash[COLLECTOR] = Collector(settings.device, settings.dtype)

@@ -8,15 +8,19 @@ Schema (``schema_version`` 1)::
                "device_name", "dtype", "engines", "compile_backend", "max_new_tokens", "options"}, ...],
      "rows": [{"engine", "model", "device", "dtype",
                "tests": {"passed": n, "failed": n, "skipped": n, "xfailed": n, "xpassed": n, "error": n},
-               "tokens": {"identical": n, "near_tie": n, "unverified": n, "mismatch": n},
+               "tokens": {"identical": n, "near_tie": n, "mismatch": n},  (sequences)
                "near_ties": [line], "failures": [{"test", "message"}],
+               "verified_tokens": n, "near_tie_tokens": n, "token_checks": n,
+               "declared_skips": [reason], "oracle_errors": [message],
+               "checks": {test function: {"ran": n, "skipped": n, "reason": str}},
                "compiles": null | {"build": n, "warmup": n, "after_warmup": n, "reasons": [line]},
                "kv_bytes": null | {"expected": n | null, "measured": n},
                "latency": null | {"prompt_len": n, "decode_tokens": n, "timer": str,
                                   "prefill_ms": [sample], "decode_ms_per_token": [sample],
                                   "prefill": {"median", "p90"}, "decode": {"median", "p90"}, "tokens_per_s": x}}]}
 
-``compiles.build`` (dynamo compiles while the engine was built) may be absent in older files (read as 0).
+``compiles.build`` (dynamo compiles while the engine was built) may be absent in older files (read as 0), and so
+may the keys from ``verified_tokens`` to ``checks`` (read as empty); older files' ``tokens.unverified`` is kept as read.
 ``latency.prefill``, ``latency.decode`` and ``latency.tokens_per_s`` are derived from the samples for
 readers' convenience and recomputed on load. A run with several ``--kv-engine`` has one row per engine
 and model; merged files list every source run.
@@ -99,7 +103,7 @@ def _row(row: Any, where: str) -> dict[str, Any]:
                    "near_ties": list, "failures": list}, where)
     for counts in ("tests", "tokens"):
         _require(row[counts], dict.fromkeys(template[counts], int), f"{where}.{counts}")
-    found = {key: row[key] for key in template}
+    found = {key: row.get(key, value) for key, value in template.items()}
     for field, spec in _NESTED.items():
         if found[field] is not None:
             _require(found[field], spec, f"{where}.{field}")

@@ -50,7 +50,7 @@ def cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ...]:
     tokens = row["tokens"]
     checked = sum(tokens.values())
     identical = f"{tokens['identical']}/{checked}" if checked else "-"
-    near = str(tokens["near_tie"] + tokens["unverified"]) if checked else "-"
+    near = str(row.get("near_tie_tokens", tokens["near_tie"])) if checked else "-"
     comp = row["compiles"]
     compiles = f"{comp.get('build', 0)} / {comp['warmup']} / {comp['after_warmup']}" if comp else "-"
     kv = row["kv_bytes"]

@@ -1,0 +1,205 @@
+"""The run's view of an oracle: references memoized in memory and on disk, and checked against an
+independent path before any engine is judged by them.
+
+Disk cache: every greedy reference and teacher-forced run is stored under ``<cache dir>/oracle/``,
+keyed by the oracle's fingerprint (oracle class and its source code, strategy, checkpoint contents,
+device, dtype, torch and transformers versions) and the call's tokens, so workers (``-n``) and later
+runs reuse them. Files are written to a temporary name and renamed (race-safe under xdist).
+
+Self-check (the oracle checks itself): the first time a prompt's reference is used, its tokens are
+replayed through an independent path in float64 (`independent`): for the ``exact`` strategy a full
+recompute without a cache (one forward over prompt + tokens); for other strategies, or models whose
+transformers code needs a cache to run correctly (KV-sharing layers), the same oracle in float64. If
+the oracle's token at some step is more than `ORACLE_CHECK_TOLERANCE` (per dtype) behind that path's best,
+the oracle is unreliable for this model: `OracleUnreliable` names transformers, model, prompt and step, and
+every token check on that model stops with that error: never a verdict on the engine.
+
+The tolerance is the oracle's own rounding, not the engine's tie tolerance: a bfloat16 oracle is up to ~0.2
+logits from float64 on the zoo (measured: 0.19 on gemma4-kvshared, 0.16 on gpt2-abspos), while a cache bug
+moves logits by whole units. float32: 1e-3 (measured differences ~1e-5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from .engine import ModelSpec, Strategy, dtype_name
+from .oracle import Reference, oracle_for
+from .zoo import shared_kv_layers
+
+
+#: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
+ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 0.5}
+
+
+class OracleUnreliable(Exception):
+    """The oracle disagrees with an independent path: its references cannot judge an engine."""
+
+
+class NoCacheRecompute:
+    """transformers eager, no cache, one forward over prompt + tokens (the exact strategy's independent path)."""
+
+    def __init__(self, spec: ModelSpec):
+        from transformers import AutoModelForCausalLM
+
+        self.spec = spec
+        self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+
+    @torch.inference_mode()
+    def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float = 0.0) -> torch.Tensor:
+        ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=self.spec.device)
+        logits = self.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:]
+        return logits.float().cpu()
+
+
+def independent(strategy: Strategy, spec: ModelSpec) -> tuple[Any, str]:
+    """The independent path for `strategy` on `spec`, and its name for messages. An eviction oracle's float64
+    replay accepts eviction near ties with the tolerance of the dtype being checked (its choices may differ
+    from float64's exactly where the scores are that close)."""
+    wide = dataclasses.replace(spec, dtype=torch.float64)
+    if strategy.kind == "exact" and not shared_kv_layers(spec.config):
+        return NoCacheRecompute(wide), "transformers eager in float64 without a cache (one full recompute)"
+    why = ("its KV-sharing layers compute their own K/V without a cache in some transformers versions"
+           if strategy.kind == "exact" else f"the '{strategy.kind}' oracle has no cache-free form")
+    path = oracle_for(strategy, wide)
+    if hasattr(path, "eviction_tie_tolerance"):
+        from reference_impls.eviction import EVICTION_TIE_TOLERANCE
+
+        path.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE[dtype_name(spec.dtype)]
+    return path, f"the same oracle in float64 (not cache-free: {why})"
+
+
+def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec) -> str:
+    from importlib.metadata import version
+
+    module = sys.modules[type(oracle).__module__]
+    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(spec.path).iterdir() if p.is_file())
+    parts = [type(oracle).__qualname__, inspect.getsource(module), str(strategy), str(Path(spec.path).resolve()),
+             repr(files), str(spec.device), dtype_name(spec.dtype), torch.__version__, version("transformers")]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+class DiskMemo:
+    """tensors by key under one directory; load() None when absent or unreadable."""
+
+    def __init__(self, root: Path | None):
+        self.root = root
+
+    def _path(self, key: tuple) -> Path:
+        return self.root / (hashlib.sha256(repr(key).encode()).hexdigest()[:32] + ".pt")
+
+    def load(self, key: tuple) -> Any:
+        if self.root is None:
+            return None
+        try:
+            return torch.load(self._path(key), weights_only=True)
+        except (OSError, RuntimeError, EOFError, ValueError):
+            return None
+
+    def save(self, key: tuple, value: Any) -> None:
+        if self.root is None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as out:
+                torch.save(value, out)
+            os.replace(tmp, self._path(key))
+        except OSError:
+            Path(tmp).unlink(missing_ok=True)
+
+
+class StoredOracle:
+    """An oracle as the run uses it: `reference` and `teacher_forced` memoized (memory and disk), and each
+    prompt's reference checked once against the independent path (module docstring)."""
+
+    def __init__(self, oracle: Any, strategy: Strategy, spec: ModelSpec, tie_tolerance: float,
+                 cache_root: Path | None, check: bool = True):
+        self.oracle, self.strategy, self.spec, self.tie_tolerance = oracle, strategy, spec, tie_tolerance
+        self.source = oracle.source
+        self._disk = DiskMemo(cache_root / _fingerprint(oracle, strategy, spec) if cache_root else None)
+        self._memo: dict[tuple, Any] = {}
+        self._check = check
+        self._independent: tuple[Any, str] | None = None
+        self._checked: set[tuple] = set()
+        self.unreliable: str | None = None
+
+    def __repr__(self) -> str:
+        return f"<oracle: {self.source}, model '{self.spec.name}'>"
+
+    def __getattr__(self, name: str) -> Any:  # oracle-specific extras (kept(), evicted(), ...)
+        if name == "oracle":
+            raise AttributeError(name)
+        return getattr(self.oracle, name)
+
+    def _cached(self, key: tuple, compute) -> Any:
+        if key not in self._memo:
+            found = self._disk.load(key)
+            if found is None:
+                found = compute()
+                self._disk.save(key, found)
+            self._memo[key] = found
+        return self._memo[key]
+
+    def reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference:
+        """The oracle's greedy reference, after the self-check of this prompt (OracleUnreliable if it fails)."""
+        prompt = tuple(int(t) for t in prompt)
+
+        def compute():
+            ref = self.oracle.reference(prompt, max_new_tokens)
+            evicted = getattr(self.oracle, "evicted", None)
+            return {"tokens": torch.tensor(ref.tokens, dtype=torch.long), "logits": ref.logits,
+                    "evicted": -1 if evicted is None else int(evicted(prompt, max_new_tokens))}
+
+        found = self._cached(("reference", prompt, max_new_tokens), compute)
+        ref = Reference(prompt, tuple(found["tokens"].tolist()), found["logits"], self.source,
+                        lambda got, tol: self.teacher_forced(prompt, got, tol),
+                        None if found["evicted"] < 0 else found["evicted"])
+        self.self_check(ref)
+        return ref
+
+    def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
+        prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
+        return self._cached(("forced", prompt, tokens, tie_tolerance),
+                            lambda: self.oracle.teacher_forced(prompt, tokens, tie_tolerance))
+
+    def self_check(self, ref: Reference) -> None:
+        """Raise OracleUnreliable if the independent path rejects one of the oracle's tokens."""
+        if self.unreliable:
+            raise OracleUnreliable(self.unreliable)
+        key = (ref.prompt, ref.tokens)
+        if not self._check or key in self._checked or not ref.tokens:
+            return
+        if self._independent is None:
+            self._independent = independent(self.strategy, self.spec)
+        path, name = self._independent
+        tolerance = ORACLE_CHECK_TOLERANCE[dtype_name(self.spec.dtype)]
+        rows = self._cached(("independent", ref.prompt, ref.tokens, tolerance),
+                            lambda: path.teacher_forced(ref.prompt, ref.tokens, tolerance))
+        for step, token in enumerate(ref.tokens):
+            best = int(rows[step].argmax())
+            gap = float(rows[step][best] - rows[step][token])
+            if gap > tolerance:
+                from importlib.metadata import version
+
+                self.unreliable = (
+                    f"oracle unreliable: transformers {version('transformers')}, torch {torch.__version__}, model "
+                    f"'{self.spec.name}' ({dtype_name(self.spec.dtype)}, {self.spec.device}), prompt of length "
+                    f"{len(ref.prompt)} ...{list(ref.prompt[-4:])}, step {step}: the oracle ({self.source}) chose "
+                    f"{token}, but {name} prefers {best} by {gap:.4g} > {tolerance:g} (the oracle's rounding allowance in "
+                    f"{dtype_name(self.spec.dtype)}). The "
+                    "oracle's references cannot judge an engine on this model, so its token checks stop here "
+                    "(this is not a verdict on the engine). Check the model's transformers implementation (cache "
+                    "bugs ship in released versions), or run another transformers version"
+                )
+                raise OracleUnreliable(self.unreliable)
+        self._checked.add(key)

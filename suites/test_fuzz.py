@@ -1,0 +1,28 @@
+"""Fuzzing (``--kv-fuzz=N``, off by default): hypothesis draws call sequences against one engine object and
+shrinks a failure to the shortest sequence that still fails (pytest_kvcompile/fuzz.py for the rules and
+profiles). Every row is judged by the oracle under the verdict rules (without an oracle: an exact repeat must
+give the same tokens); an engine that ran compiled code must compile nothing after the warmup calls."""
+
+import pytest
+
+from pytest_kvcompile import fuzz
+from pytest_kvcompile.models import max_positions
+from pytest_kvcompile.oracle import budget_of
+
+
+def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record):
+    settings = kv_settings.fuzz
+    if settings is None:  # deselected by the plugin; reached only when run by node id
+        pytest.skip("fuzzing is off: pass --kv-fuzz=N")
+    by_len = {len(p): p for p in kv_prompts}
+    warmup = [[by_len[7]], [by_len[48]]] + ([[by_len[7], by_len[48]]] if kv_engine.ref.declaration.batching else [])
+    for call in warmup:  # the compiled code (if any) now exists: it must serve every fuzz call without compiling
+        kv_engine.generate(call, 32)
+    budget = budget_of(kv_engine.ref.declaration.strategy)
+    limit = (max_positions(kv_engine.spec.config) or 512) - max(fuzz.NEW_TOKENS)
+    lengths = fuzz.lengths_for(kv_engine.window, (budget,) if budget else (), limit)
+    key = f"{kv_engine.name}|{kv_engine.spec.name}|{kv_settings.dtype}|{kv_settings.device}"
+    examples = fuzz.run(kv_engine, kv_oracle_or_none, lengths, kv_engine.compiled_observed, settings, by_len[7],
+                        kv_settings.cache_dir / "fuzz-db", key, kv_record)
+    kv_record("fuzz", f"{kv_engine.name} / {kv_engine.spec.name}: {examples} example(s) of up to "
+              f"{8 if settings.profile == 'ci' else 24} calls, profile {settings.profile}, no failure")

@@ -1,0 +1,349 @@
+"""Engines for the verdict rules (tests/test_verdicts.py, issue 10): correct engines the suite must pass, and one
+engine per class of bug that fooled an earlier suite, each written only against the public engine contract."""
+
+import torch
+from transformers import DynamicCache
+
+from kv_test_engines import Greedy, StaleCache, _last_logits
+from kv_test_engines_memory import DynamicBytes
+from pytest_kvcompile import Declaration, Strategy
+
+
+# --- correct engines --------------------------------------------------------------------------------------------
+class Recompute(Greedy):
+    """Correct: no cache at all, every step recomputes the whole sequence (in the run's dtype)."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, description="test engine: no cache, full recompute")
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        ids, tokens, rows = list(prompt), [], []
+        for step in range(steps):
+            logits = self.model(input_ids=torch.tensor([ids]), use_cache=False).logits[0, -1]
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            ids.append(tokens[-1])
+        return tokens, torch.stack(rows)
+
+
+class TinyNoise(Greedy):
+    """Correct up to numerics: logits perturbed by noise far below the tie tolerance."""
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        gen = torch.Generator().manual_seed(len(prompt))
+        for step in range(steps):
+            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = logits + 1e-6 * torch.randn(logits.shape, generator=gen, dtype=logits.dtype)
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+# --- 1. nothing after a near tie goes unverified ------------------------------------------------------------------
+class FlipThenGarbage(Greedy):
+    """Bug: takes the runner-up at step 2 (a near tie under a wide tolerance), then every later token is off by one."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: one flip, then garbage (no scoring)")
+
+    def generate(self, prompts, max_new_tokens):
+        out = []
+        for p in prompts:
+            _, logits = self._run(p, 3, forced=None)
+            head = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[2].topk(2).indices[1])]
+            rest = self._run(list(p) + head, max_new_tokens - 3, forced=None)[0] if max_new_tokens > 3 else []
+            out.append((head + [(t + 1) % self.spec.vocab_size for t in rest])[:max_new_tokens])
+        return out
+
+
+class FlipsAtEveryCloseCall(Greedy):
+    """Bug (numerics drift): takes the runner-up whenever it is within 5 logits of the best."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: flips at every close call")
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        for step in range(steps):
+            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            rows.append(logits)
+            top = logits.topk(2)
+            close = float(top.values[0] - top.values[1]) < 5
+            tokens.append(int(top.indices[1] if close else top.indices[0]) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+class ScoreOffByOne(Greedy):
+    """Bug: generate() is right, but score() returns logits shifted by one step (row i predicts token i+1)."""
+
+    def score(self, prompt, continuation):
+        rows = super().score(prompt, continuation)
+        return torch.cat((rows[1:], rows[-1:]))
+
+
+class ScoreLogSoftmax(Greedy):
+    """Bug: score() returns log-probabilities, not logits (argmax agrees, rows do not)."""
+
+    def score(self, prompt, continuation):
+        return super().score(prompt, continuation).log_softmax(-1)
+
+
+# --- 2. compiles are observed, not declared -----------------------------------------------------------------------
+class CompiledUndeclared(Greedy):
+    """Bug: torch.compile(dynamic=False) around the step and no compiled=True: recompiles on every new length."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.last = torch.compile(_last_logits, backend="eager", dynamic=False)
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        for step in range(steps):
+            logits = self.last(self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits)[0]
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+class EagerOnRecompile(CompiledUndeclared):
+    """Bug: the same, hidden after its first calls by torch.compiler.set_stance("eager_on_recompile"): new shapes
+    then run eagerly and nothing recompiles."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, compiled=True, description="test engine: eager on recompile")
+    calls = 0
+
+    def generate(self, prompts, max_new_tokens):
+        self.calls += 1
+        if self.calls <= 3:
+            return super().generate(prompts, max_new_tokens)
+        with torch.compiler.set_stance("eager_on_recompile"):
+            return super().generate(prompts, max_new_tokens)
+
+
+def _item_step(logits):
+    torch._dynamo.graph_break()  # a graph break (an error under fullgraph=True)
+    return logits[:, -1]
+
+
+class SwallowsCompileErrors(Greedy):
+    """Bug: compiles with fullgraph=True, which fails on a graph break, and silently falls back to eager."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, compiled=True, description="test engine: swallows errors")
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.step = torch.compile(_item_step, backend="eager", fullgraph=True)
+
+    def last(self, logits):
+        try:
+            return self.step(logits)
+        except Exception:
+            return _last_logits(logits)
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        for step in range(steps):
+            logits = self.last(self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits)[0]
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+class GraphBreaks(SwallowsCompileErrors):
+    """Bug (speed): the compiled step graph-breaks in every call."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, compiled=True, description="test engine: graph break")
+
+    def __init__(self, spec):
+        Greedy.__init__(self, spec)
+        self.step = torch.compile(_item_step, backend="eager", dynamic=True)
+
+
+class StopsCompiling(SwallowsCompileErrors):
+    """Bug: after a few calls the engine serves every call under torch.compiler.set_stance("force_eager")."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, compiled=True, description="test engine: stops compiling")
+
+    def __init__(self, spec):
+        Greedy.__init__(self, spec)
+        self.step = torch.compile(_last_logits, backend="eager", dynamic=True)
+        self.calls = 0
+
+    def generate(self, prompts, max_new_tokens):
+        self.calls += 1
+        if self.calls <= 3:
+            return super().generate(prompts, max_new_tokens)
+        with torch.compiler.set_stance("force_eager"):
+            return super().generate(prompts, max_new_tokens)
+
+
+# --- 3. lengths and prefixes that exercise the cache --------------------------------------------------------------
+class KeepsLast256(Greedy):
+    """Bug: the cache silently keeps only the last 256 positions (a 256-slot ring sized for 'enough')."""
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        for step in range(steps):
+            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys[:, :, -255:], layer.values[:, :, -255:]
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+class PrefixCacheBug(Greedy):
+    """Bug: a prefix cache keyed by a prompt's first 16 tokens; a later prompt with the same first 16 tokens
+    reuses the earlier prompt's KV up to the shorter length - 1, not just the 16 shared tokens (equivalently:
+    it computes as if those positions held the earlier prompt's tokens)."""
+
+    kv_declaration = Declaration(description="test engine: prefix cache keyed by 16 tokens")
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.prefixes = {}
+
+    def generate(self, prompts, max_new_tokens):
+        out = []
+        for p in map(list, prompts):
+            old = self.prefixes.get(tuple(p[:16])) if len(p) > 16 else None
+            start = min(len(old), len(p)) - 1 if old else 0
+            effective = (old[:start] if old else []) + p[start:]
+            out.append(self._run(effective, max_new_tokens, forced=None)[0])
+            if len(p) > 16:
+                self.prefixes[tuple(p[:16])] = p
+        return out
+
+
+class NeverEvicts(Greedy):
+    """Bug (vacuous): declares last_recent with a budget no prompt of the run reaches, and never evicts."""
+
+    kv_declaration = Declaration(strategy=Strategy.of("last_recent", budget=600),
+                                 description="test engine: budget 600, never evicts")
+
+
+# --- 4. absolute positions are visible ----------------------------------------------------------------------------
+class ContinuesPositions(Greedy):
+    """Bug: positions continue from the previous call (a position counter never reset); invisible under RoPE."""
+
+    kv_declaration = Declaration(description="test engine: positions carried across calls")
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.offset = 0
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens = DynamicCache(config=self.model.config), torch.tensor([prompt]), []
+        pos = self.offset
+        for _ in range(steps):
+            positions = torch.arange(pos, pos + inputs.size(1))[None]
+            logits = self.model(input_ids=inputs, past_key_values=cache, position_ids=positions).logits[0, -1]
+            pos += inputs.size(1)
+            tokens.append(int(logits.argmax()))
+            inputs = torch.tensor([[tokens[-1]]])
+        self.offset = pos
+        return tokens, None
+
+
+class PadPositions(Greedy):
+    """Bug: a left-padded row's positions start at the pad count (position ids not derived from the mask)."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: positions ignore left padding")
+
+    @torch.inference_mode()
+    def generate(self, prompts, max_new_tokens):
+        width = max(map(len, prompts))
+        inputs = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        cache, out = DynamicCache(config=self.model.config), [[] for _ in prompts]
+        for step in range(max_new_tokens):
+            positions = torch.arange(width + step - inputs.size(1), width + step)[None].expand(len(prompts), -1)
+            logits = self.model(input_ids=inputs, attention_mask=mask, past_key_values=cache,
+                                position_ids=positions).logits[:, -1]
+            nxt = logits.argmax(-1)
+            for row, tok in zip(out, nxt.tolist()):
+                row.append(tok)
+            inputs, mask = nxt[:, None], torch.cat((mask, torch.ones(len(prompts), 1, dtype=mask.dtype)), dim=1)
+        return out
+
+
+# --- 5. memory is measured, not only self-reported ----------------------------------------------------------------
+class PreallocatesSixteenX(DynamicBytes):
+    """Bug: reports its dynamic cache exactly, but preallocates a buffer 16x the largest cache it served."""
+
+    def generate(self, prompts, max_new_tokens):
+        out = super().generate(prompts, max_new_tokens)
+        self.arena = torch.empty(16 * max(1, self.kv_cache_bytes()), dtype=torch.uint8)
+        return out
+
+
+class MemoByPrompt(Greedy):
+    """Bug: memoizes every prompt's cache (a 'prefix cache' that is never evicted): grows with new prompts only."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.memo = {}
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache = DynamicCache(config=self.model.config)
+        self.memo[tuple(prompt)] = cache
+        return super()._run(prompt, steps, forced, cache=cache)
+
+
+# --- 6. nothing vacuous -------------------------------------------------------------------------------------------
+class UnknownStrategy(Greedy):
+    kv_declaration = Declaration(strategy=Strategy.of("h20", heavy=8, recent=8), description="test engine: typo")
+
+
+class WithoutOracle(Greedy):
+    """Correct, declaring a strategy no oracle covers: only the oracle-free checks can judge it."""
+
+    kv_declaration = Declaration(batching=True, strategy=Strategy.of("without_oracle", name="quantized-kv"),
+                                 description="test engine: no oracle")
+
+
+class StaleWithoutOracle(StaleCache):
+    """Bug: a cache never reset, declaring a strategy no oracle covers: the oracle-free checks must catch it."""
+
+    kv_declaration = Declaration(batching=True, strategy=Strategy.of("without_oracle", name="quantized-kv"),
+                                 description="test engine: stale cache, no oracle")
+
+
+class SkipsEverything(Greedy):
+    """Bug (vacuous): generate() skips the test (pytest.skip) instead of running."""
+
+    def generate(self, prompts, max_new_tokens):
+        import pytest
+
+        pytest.skip("not today")
+
+
+# --- fuzzing: a bug that needs a specific combination of calls ----------------------------------------------------
+class LeaksAfterBatchOfThree(Greedy):
+    """Bug: a single prompt right after a batch of exactly three, shorter than that batch's longest prompt, is
+    left-padded to the old width without a mask (row state of the 3-row batch left behind). Every fixed suite
+    check passes: none of them makes that call right after a batch of three."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: leaks after a batch of three")
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.last = (0, 0)
+
+    def generate(self, prompts, max_new_tokens):
+        rows, width = self.last
+        self.last = (len(prompts), max(map(len, prompts), default=0))
+        if rows == 3 and len(prompts) == 1 and len(prompts[0]) < width:
+            return [self._run([0] * (width - len(prompts[0])) + list(prompts[0]), max_new_tokens, forced=None)[0]]
+        return super().generate(prompts, max_new_tokens)

@@ -1,0 +1,223 @@
+"""The verdict rules (issue 10): for each class of bug that once fooled the suite, an engine written only against
+the public contract that must now FAIL, with a message naming the class; and correct engines that must PASS.
+Real pytest runs of suites/ (pytester), engines in tests/kv_test_engines_verdicts.py."""
+
+import json
+
+import pytest
+
+from conftest import TOKEN_CHECKS, run_suites
+
+E = "--kv-engine=kv_test_engines_verdicts:"
+
+
+# --- correct engines pass -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("engine, dtype", [("Recompute", "float32"), ("Recompute", "bfloat16"),
+                                           ("TinyNoise", "float32")])
+def test_correct_engines_pass_every_token_check(kvtester, engine, dtype):
+    result = run_suites(kvtester, E + engine, f"--kv-dtype={dtype}", "--kv-zoo=llama,gemma3-hybrid,gpt2-abspos",
+                        "-k", TOKEN_CHECKS)
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    assert "failed" not in result.parseoutcomes()
+
+
+# --- 1. nothing after a near tie goes unverified ------------------------------------------------------------------
+def test_a_flip_then_garbage_fails_on_the_first_garbage_token(kvtester):
+    result = run_suites(kvtester, E + "FlipThenGarbage", "--kv-tie-tolerance=5", "-k", "token_identity and short7")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*diverges from the oracle on model 'llama', prompt 'short7' (length 7), alone: step 3 of 16 (given the "
+        "engine's own tokens before it, which left the oracle's path at an earlier near tie)*",
+        "*earlier near tie at step 2:*",
+    ])
+
+
+def test_flipping_at_every_close_call_is_numerics_drift(kvtester):
+    result = run_suites(kvtester, E + "FlipsAtEveryCloseCall", "--kv-tie-tolerance=5",
+                        "-k", "token_identity and long48 and not batched")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*drifts from the oracle on model 'llama', prompt 'long48' (length 48), alone: * near "
+                                 "ties in one sequence of 16 steps, more than the 2 allowed (--kv-max-near-ties)*"])
+
+
+@pytest.mark.parametrize("engine", ["ScoreOffByOne", "ScoreLogSoftmax"])
+def test_a_declared_score_that_is_not_the_generate_path_fails(kvtester, engine):
+    result = run_suites(kvtester, E + engine, "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*score() is not the oracle's logits on model 'llama', prompt 'short7'*",
+                                 "*its logits differ from the oracle's by up to * > score tolerance 0.01*"])
+
+
+# --- 2. compiles are observed, not declared -----------------------------------------------------------------------
+@pytest.mark.parametrize("engine, message", [
+    ("CompiledUndeclared", "*: * dynamo compile(s) after warmup, 0 allowed*"),
+    ("EagerOnRecompile", "*frame run(s) after warmup ran EAGERLY after failing their guards*"),
+    ("SwallowsCompileErrors", "*a compile of _item_step * FAILED (*"),
+    ("GraphBreaks", "*graph break(s) in the engine's compiled code, none allowed*"),
+    ("StopsCompiling", "*compiled code stopped running: warmup ran compiled code, but * unseen call(s) entered no "
+                       "compiled frame*"),
+])
+def test_compile_problems_are_observed(kvtester, engine, message):
+    result = run_suites(kvtester, E + engine, "-k", "recompiles")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([message])
+
+
+def test_graph_breaks_can_be_allowed(kvtester):
+    result = run_suites(kvtester, E + "GraphBreaks", "--kv-allow-graph-breaks", "-k", "recompiles")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*GraphBreaks / llama: * graph break(s)*"])
+
+
+# --- 3. lengths and prefixes that exercise the cache --------------------------------------------------------------
+def test_a_cache_that_keeps_only_256_positions_fails_past_256(kvtester):
+    result = run_suites(kvtester, E + "KeepsLast256", "-k", "token_identity and not batched")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines(["*prompt 'long250' (length 250), alone: step *"])
+
+
+def test_a_prefix_cache_keyed_by_16_tokens_fails_the_shared_prefix_check_only(kvtester):
+    fixed = run_suites(kvtester, E + "PrefixCacheBug", "-k", "token_identity or stale_state or determinism")
+    assert fixed.ret == 0, fixed.stdout.str()[-3000:]
+    result = run_suites(kvtester, E + "PrefixCacheBug", "-k", "shared_prefixes")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*prompt 'shared16+b' (length 24), call 10 of 41 on one engine object, after prompts "
+                                 "?shared15+b, shared15+a, shared16+a? (shared-prefix check): step 0*"])
+
+
+def test_a_strategy_that_never_evicts_fails_the_run_as_vacuous(kvtester):
+    result = run_suites(kvtester, E + "NeverEvicts", "-k", "token_identity and not batched")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    assert "failed" not in result.parseoutcomes()
+    result.stdout.fnmatch_lines(["*the run FAILS on 1 verdict rule(s)*",
+                                 "*its eviction strategy evicted nothing on any of the * verified sequence(s)*"])
+
+
+# --- 4. absolute positions are visible ----------------------------------------------------------------------------
+def test_positions_carried_across_calls_fail_on_the_absolute_position_model_only(kvtester):
+    relative = run_suites(kvtester, E + "ContinuesPositions", "-k", "stale_state")
+    assert relative.ret == 0, relative.stdout.str()[-3000:]  # invisible under RoPE: why the zoo has gpt2-abspos
+    result = run_suites(kvtester, E + "ContinuesPositions", "--kv-zoo=gpt2-abspos", "-k", "stale_state")
+    result.assert_outcomes(failed=1, skipped=1)  # test_stale_state_batched: the engine does not batch
+    result.stdout.fnmatch_lines(["*diverges from the oracle on model 'gpt2-abspos', prompt *, call 2 of 6*"])
+
+
+def test_positions_that_ignore_left_padding_fail_batched_on_the_absolute_position_model(kvtester):
+    result = run_suites(kvtester, E + "PadPositions", "--kv-zoo=llama,gpt2-abspos", "-k", "token_identity_batched")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["FAILED *test_token_identity_batched*PadPositions-gpt2-abspos*"])
+
+
+# --- 5. memory is measured, not only self-reported ----------------------------------------------------------------
+def test_an_engine_holding_16x_what_it_reports_fails(kvtester):
+    result = run_suites(kvtester, E + "PreallocatesSixteenX", "-k", "memory_held")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*holds * besides its weights (*) after generate(<*>, 16), more than 1.5 x "
+                                 "kv_cache_bytes() = * and its declared KVLayout('dynamic') = * + 65,536 B*"])
+
+
+def test_a_memo_keyed_by_prompt_fails_the_growth_check(kvtester):
+    result = run_suites(kvtester, E + "MemoByPrompt", "-k", "memory_growth")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*memory grows over 3 repeated calls generate(*), each call with other prompts*"])
+
+
+# --- 6. nothing vacuous -------------------------------------------------------------------------------------------
+def test_an_unknown_strategy_is_a_usage_error(kvtester):
+    result = run_suites(kvtester, E + "UnknownStrategy")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*strategy kind 'h20' is unknown; known: *h2o*without_oracle*"])
+
+
+@pytest.mark.parametrize("args", [(), ("--kv-engine=",), ("-n", "2")])
+def test_no_engine_is_a_usage_error(kvtester, args):
+    result = run_suites(kvtester, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-engine*"])
+
+
+def test_cuda_without_cuda_is_one_usage_error(kvtester):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = run_suites(kvtester, "--kv-engine=hf-eager", "--kv-device=cuda")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-device=cuda: *"])
+
+
+def test_a_known_finding_absorbs_only_the_failure_it_names(kvtester):
+    other = ("kv_test_engines_verdicts:KeepsLast256 | test_token_identity* | cache too short | "
+             "raised ValueError")  # expects an exception, but the engine gives wrong tokens
+    result = run_suites(kvtester, E + "KeepsLast256", f"--kv-known-finding={other}",
+                        "-k", "token_identity and long250 and not batched")
+    result.assert_outcomes(failed=1)
+    named = other.replace("raised ValueError", "TokenMismatch: .*diverges from the oracle")
+    result = run_suites(kvtester, E + "KeepsLast256", f"--kv-known-finding={named}",
+                        "-k", "token_identity and long250 and not batched")
+    result.assert_outcomes(xfailed=1)
+
+
+def test_a_strategy_without_oracle_gets_the_oracle_free_checks(kvtester):
+    good = run_suites(kvtester, E + "WithoutOracle", "-k", TOKEN_CHECKS, "-rs")
+    assert good.ret == 0, good.stdout.str()[-3000:]
+    good.stdout.fnmatch_lines(["*declares no oracle*the oracle-free checks still run*"])
+    bad = run_suites(kvtester, E + "StaleWithoutOracle", "-k", "stale_state and not batched")
+    bad.assert_outcomes(failed=1)
+    bad.stdout.fnmatch_lines(["*gave * on call 1 but * on call 4 of 6 on one engine object*state leaks*"])
+
+
+def test_an_engine_on_which_no_token_was_checked_fails_the_run(kvtester):
+    result = run_suites(kvtester, E + "SkipsEverything", "-k", "token_identity")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*token check(s) ran but no token was verified*skips: not today*"])
+
+
+def test_verdicts_do_not_depend_on_test_order(kvtester):
+    """A cache kept across calls, on sliding-window models where long prompts hide it: which tests fail depends on
+    the calls the engine object served before. Each engine x model runs in one worker, in collection order
+    (loadgroup), so the object serves the same calls serial and with -n 2: the same rows, test for test."""
+    rows = {}
+    for workers in ("0", "2"):
+        report = kvtester.path / f"report-{workers}.json"
+        run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "--kv-zoo=mistral-sw,gemma3-hybrid",
+                   "-n", workers, "-k", TOKEN_CHECKS, f"--kv-report-json={report}")
+        found = json.loads(report.read_text())["rows"]
+        rows[workers] = {(r["engine"], r["model"]): (r["tests"], sorted(f["test"] for f in r["failures"])) for r in found}
+    assert rows["0"] == rows["2"]
+    mistral = rows["0"][("kv_test_engines:StaleCache", "mistral-sw")][0]
+    assert mistral["passed"] and mistral["failed"], mistral  # a mix: the order could have mattered
+
+
+# --- 8. the oracle checks itself ----------------------------------------------------------------------------------
+CORRUPT_ORACLE = '''
+import pytest
+from pytest_kvcompile import oracle
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    original = oracle.HFEagerOracle._run
+
+    def corrupted(self, prompt, steps, forced):  # a transformers cache bug: step 5 of the greedy run is the runner-up
+        tokens, rows = original(self, prompt, steps, forced)
+        if forced is None and steps > 5:
+            second = int(rows[5].topk(2).indices[1])
+            tokens = tokens[:5] + (second,) + original(self, prompt + tokens[:5] + (second,), steps - 6, None)[0]
+            rows = original(self, prompt, steps, tokens)[1]
+        return tokens, rows
+
+    oracle.HFEagerOracle._run = corrupted
+'''
+
+
+def test_an_oracle_that_fails_its_self_check_stops_the_model_with_an_error_not_a_verdict(kvtester):
+    kvtester.makepyfile(corrupt_oracle=CORRUPT_ORACLE)  # a plugin (-p): suites/ is outside the test dir
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "-p", "corrupt_oracle",
+                        f"--kv-cache-dir={kvtester.path / 'private-cache'}",  # keep the corrupted references private
+                        "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(errors=1)
+    result.stdout.fnmatch_lines(["*oracle unreliable: transformers *, model 'llama' (float32, cpu), prompt of length *, "
+                                 "step 5: the oracle (transformers eager greedy, full DynamicCache) chose *, but "
+                                 "transformers eager in float64 without a cache (one full recompute) prefers * by *"
+                                 "(this is not a verdict on the engine)*"])
