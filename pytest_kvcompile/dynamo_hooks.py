@@ -26,6 +26,11 @@ Private torch APIs used, and why (checked against torch 2.13):
   eagerly (no compile record follows). This is how "did compiled code run?" is observed, not declared.
   One hook slot: the tap chains to the hook it found and restores it.
 
+- ``torch.cuda.graphs.CUDAGraph.capture_begin`` (public class, patched): every CUDA graph capture goes through
+  it, an engine's own ``torch.cuda.graph(...)`` and inductor's cudagraph trees (``mode="reduce-overhead"``)
+  alike. A capture after warmup is a re-capture (a new graph for an unseen shape), which dynamo never
+  reports: the tap counts captures, with the engine code that asked for one.
+
 Not used: the ``torch._dynamo.guards.__recompiles`` logger only fires when TORCH_LOGS
 enables it (torch checks its own log state, not the logger's level), so a handler alone
 there silently sees nothing; ``config.error_on_recompile`` raises at the first recompile
@@ -39,6 +44,7 @@ import importlib
 import json
 import logging
 import re
+import sys
 from typing import Any
 
 import torch
@@ -48,6 +54,7 @@ FRAME_COMPILE = "compilation_metrics"  # trace record per frame compile (bwd/run
 RECOMPILE_REASONS = "recompile_reasons"
 GRAPH_BREAK = "dynamo_graph_break_reason"
 GUARDS = "guard_complete"  # our own record: one per guard evaluation of a frame with compiled code
+CAPTURE = "cuda_graph_capture"  # our own record: one per CUDA graph capture (capture_begin)
 
 #: Every private name this module resolves; `check_private_apis()` tries them all.
 PRIVATE_APIS = (
@@ -57,6 +64,7 @@ PRIVATE_APIS = (
     "torch._dynamo.config.accumulated_recompile_limit",
     "torch._dynamo.reset",
     "torch._C._dynamo.eval_frame.set_guard_complete_hook",
+    "torch.cuda.graphs.CUDAGraph",
 )
 _METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type", "fail_reason")
 
@@ -106,6 +114,51 @@ def _frame_metrics() -> list[Any]:
     return [m for m in metrics if getattr(m, "is_forward", None) is not False and not getattr(m, "is_runtime", False)]
 
 
+_CAPTURING: list[CompileTap] = []  # taps started and not stopped, oldest first
+_CAPTURE_BEGIN: Any = None  # CUDAGraph.capture_begin as torch defines it, while patched
+
+
+def _capture_site() -> str:
+    """Who asked for a CUDA graph capture: the innermost two frames outside torch (the engine's code), and whether
+    inductor's cudagraph trees made it."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
+    frame, trees, user = sys._getframe(2), False, []
+    while frame is not None and len(user) < 2:
+        code = frame.f_code
+        if code.co_filename.startswith(torch_dir):
+            trees = trees or "cudagraph_trees" in code.co_filename
+        else:
+            user.append(f"{getattr(code, 'co_qualname', code.co_name)} ({code.co_filename}:{frame.f_lineno})")
+        frame = frame.f_back
+    where = " called from ".join(user) or "(no frame outside torch)"
+    if trees:
+        return f"cudagraph trees (torch.compile mode='reduce-overhead') recording for {where}"
+    return f"torch.cuda.CUDAGraph capture in {where}"
+
+
+def _capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
+    if _CAPTURING:
+        site = _capture_site()
+        for tap in _CAPTURING:
+            tap._raw.append((CAPTURE, site))
+    return _CAPTURE_BEGIN(graph, *args, **kwargs)
+
+
+def _watch_captures(tap: CompileTap, on: bool) -> None:
+    """Add/remove a tap from the capture watchers; patch capture_begin while any is watching."""
+    global _CAPTURE_BEGIN
+    graph_class = resolve("torch.cuda.graphs.CUDAGraph")
+    if on:
+        if not _CAPTURING:
+            _CAPTURE_BEGIN = graph_class.capture_begin
+            graph_class.capture_begin = _capture_begin
+        _CAPTURING.append(tap)
+    elif tap in _CAPTURING:
+        _CAPTURING.remove(tap)
+        if not _CAPTURING and graph_class.capture_begin is _capture_begin:
+            graph_class.capture_begin = _CAPTURE_BEGIN
+
+
 class CompileTap(logging.Handler):
     """Collects every dynamo frame compilation while attached (`start()` ... `stop()`).
 
@@ -132,6 +185,7 @@ class CompileTap(logging.Handler):
         logger.addHandler(self)
         self._hooked = True
         self._hook_before = resolve("torch._C._dynamo.eval_frame.set_guard_complete_hook")(self._guard_complete)
+        _watch_captures(self, True)
 
     def _guard_complete(self, hit: bool) -> bool:
         """dynamo's guard hook: record whether compiled code matched, pass the result on unchanged."""
@@ -146,6 +200,7 @@ class CompileTap(logging.Handler):
         logger.removeHandler(self)
         logger.propagate = self._propagate
         self._hooked = False  # a tap started later and still running keeps chaining through us, inertly
+        _watch_captures(self, False)
         set_hook = resolve("torch._C._dynamo.eval_frame.set_guard_complete_hook")
         current = set_hook(self._hook_before)
         if current is not None and current != self._guard_complete:  # not ours on top: put it back
@@ -169,6 +224,10 @@ class CompileTap(logging.Handler):
     def count(self) -> int:
         """Frame compilations seen so far."""
         return sum(kind == FRAME_COMPILE for kind, _ in self._raw)
+
+    def captures(self) -> list[str]:
+        """One line per CUDA graph capture seen so far: who asked for it (`_capture_site`)."""
+        return [data for kind, data in self._raw if kind == CAPTURE]
 
     def guards(self) -> tuple[int, int]:
         """(hits, eager misses): guard evaluations where compiled code matched and ran, and misses that no
@@ -195,7 +254,7 @@ class CompileTap(logging.Handler):
         reasons: list[str] = []
         breaks: list[str] = []
         for kind, data in self._raw:
-            if kind == GUARDS:
+            if kind in (GUARDS, CAPTURE):
                 continue
             if kind == RECOMPILE_REASONS:
                 reasons = _reasons(data)

@@ -28,12 +28,20 @@ FRESH_ENGINE = "--kv-fresh-engine"
 
 
 def cuda_allocated(device: str) -> int | None:
-    """torch.cuda.memory_allocated() of `device` after a synchronize, or None off CUDA."""
+    """torch.cuda.memory_allocated() of `device` after a synchronize, without cuBLAS workspaces, or None off CUDA.
+
+    cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB each on Hopper), made by
+    whichever code runs the first matmul on a stream: process state, not an engine's. They are cleared
+    before reading, as torch's own CUDA leak check does (``torch._C._cuda_clearCublasWorkspaces``); a graph
+    captured with one keeps it in its private pool, which still counts."""
     import torch
 
     if torch.device(device).type != "cuda":
         return None
     torch.cuda.synchronize(device)
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None:
+        clear()
     return torch.cuda.memory_allocated(device)
 
 
@@ -46,6 +54,7 @@ class Call:
     compiles: tuple[CompileEvent, ...] = ()
     guard_hits: int = 0  # frames entered whose compiled code matched its guards and ran
     eager_runs: int = 0  # frames whose guards failed and that then ran eagerly (no compile followed)
+    captures: tuple[str, ...] = ()  # CUDA graph captures during the call: who asked (recompiles.CompileRecorder)
 
     def __str__(self) -> str:
         return f"generate(<{len(self.lengths)} prompt(s) of lengths {list(self.lengths)}>, {self.max_new_tokens})"
@@ -65,9 +74,11 @@ class EngineUnderTest:
     tie_tolerance: float
     window: int | None
     build_compiles: tuple[CompileEvent, ...] = ()  # dynamo compiles while the factory ran
+    build_captures: tuple[str, ...] = ()  # CUDA graph captures while the factory ran
     max_near_ties: int | None = None
     score_tolerance: float = 0.0
-    cuda_allocated_before: int | None = None  # torch.cuda.memory_allocated() before the factory ran (CUDA only)
+    cuda_grown: int | None = None  # growth of torch.cuda.memory_allocated() while the factory ran and during every
+    # call since (CUDA only): what the engine holds, allocations made only from C++ included, and nothing else
     history: list[Call] = field(default_factory=list)
 
     def __repr__(self) -> str:
@@ -79,19 +90,25 @@ class EngineUnderTest:
 
     @property
     def compiled_observed(self) -> bool:
-        """Dynamo compiled something for this engine (at build or in a call) or its compiled code ran."""
-        return bool(self.build_compiles) or any(c.compiles or c.guard_hits for c in self.history)
+        """Dynamo compiled something for this engine (at build or in a call), its compiled code ran, or it captured a
+    CUDA graph."""
+        return bool(self.build_compiles or self.build_captures) or any(
+            c.compiles or c.guard_hits or c.captures for c in self.history)
 
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int | None = None) -> list[list[int]]:
         """engine.generate over these prompts (one call), validated and recorded in `history`."""
         n = max_new_tokens or self.max_new_tokens
         recorder = CompileRecorder()
+        allocated = cuda_allocated(self.spec.device)
         try:
             with recorder:
                 return engine_io.generate(self.ref, self.engine, [p.ids for p in prompts], n, self.spec.vocab_size)
         finally:
+            if allocated is not None and self.cuda_grown is not None:
+                self.cuda_grown += cuda_allocated(self.spec.device) - allocated
             hits, eager = recorder.guards
-            self.history.append(Call(tuple(len(p) for p in prompts), n, tuple(recorder.events), hits, eager))
+            self.history.append(Call(tuple(len(p) for p in prompts), n, tuple(recorder.events), hits, eager,
+                                     tuple(recorder.captures)))
 
     def served(self, before: int | None = None) -> str:
         """What this engine object served before call number `before` (default: all), for failure messages."""

@@ -186,7 +186,11 @@ def check(budget: Budget, got: Latency, reference: Latency | None, enforce_absol
     over = []
     for what, limit, value in (("prefill", budget.prefill_ms, got.prefill["median"]),
                                ("decode", budget.decode_ms_per_token, got.decode["median"])):
-        if limit is not None and value > limit:
+        if limit is not None and value <= 0:  # noise larger than the signal: never a pass
+            over.append(f"{what} median {value:.3f} ms{'/token' if what == 'decode' else ''} is not a time (the "
+                        f"difference T(1 + K) - T(1) was lost in noise) against budget {limit:g}: raise "
+                        f"{REPEATS}, run on an idle device")
+        elif limit is not None and value > limit:
             unit = "ms" if what == "prefill" else "ms/token"
             over.append(f"{what} median {value:.3f} {unit} > budget {limit:g} {unit}")
     relative = []
@@ -238,7 +242,7 @@ class Probe:
         if failures:
             pytest.fail(
                 f"{at} is over its latency budget:\n" + "\n".join(f"  {line}" for line in failures)
-                + f"\n  (medians of {config.stash[REPEAT_COUNT]} repeats, prompt of {PROMPT_LEN} tokens, decode over "
+                + f"\n  (medians of {config.stash[REPEAT_COUNT]} repeats timed with {measured[0].timer}, prompt of {PROMPT_LEN} tokens, decode over "
                 f"{DECODE_TOKENS} tokens; {DEVICE}={session.settings.device}; see pytest_kvcompile.latency)",
                 pytrace=False,
             )

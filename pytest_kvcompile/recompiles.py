@@ -4,7 +4,9 @@ Rule: after warmup, a compiled engine compiles nothing. Every dynamo frame compi
 counts, recompiles and first compiles alike (a frame first compiled after warmup is a code
 path warmup missed), on any backend (inductor adds stride recompiles the eager backend
 never makes). Hitting dynamo's recompile limit always fails: past it dynamo silently runs
-that frame in eager.
+that frame in eager. CUDA graph captures count too: a capture after warmup (an engine's own
+``torch.cuda.graph`` or inductor's cudagraph trees) is a re-capture for an unseen shape, which
+dynamo does not report as a recompile.
 
     with expect_no_recompiles(warmup=True) as rec:
         engine.generate(prompts, 2)          # warmup: compiles are expected here
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import re
 import textwrap
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -73,6 +75,7 @@ class CompileRecorder:
     def __init__(self) -> None:
         self._tap: dynamo_hooks.CompileTap | None = None
         self._warmup_count: int | None = None
+        self._warmup_captures = 0
 
     def __enter__(self) -> CompileRecorder:
         if self._tap is not None:
@@ -95,6 +98,7 @@ class CompileRecorder:
     def mark_warmup_done(self) -> None:
         """Compiles from here on are post-warmup."""
         self._warmup_count = self._started().count()
+        self._warmup_captures = len(self._started().captures())
 
     @property
     def warmup_done(self) -> bool:
@@ -111,6 +115,15 @@ class CompileRecorder:
     @property
     def post_warmup_events(self) -> list[CompileEvent]:
         return self.events[self._warmup_count or 0 :]
+
+    @property
+    def captures(self) -> list[str]:
+        """Every CUDA graph capture while recording, in order: who asked for it (dynamo_hooks._capture_site)."""
+        return self._started().captures()
+
+    @property
+    def post_warmup_captures(self) -> list[str]:
+        return self.captures[self._warmup_captures if self.warmup_done else 0:]
 
     @property
     def guards(self) -> tuple[int, int]:
@@ -201,8 +214,11 @@ def hints(event: CompileEvent, *, after_warmup: bool = True) -> list[str]:
 
 def _problems(
     post: list[CompileEvent], warmup: list[CompileEvent], max_recompiles: int, allow_graph_breaks: bool,
+    captures: Sequence[str] = (),
 ) -> list[str]:
     problems: list[str] = []
+    if captures:
+        problems.append(f"{len(captures)} CUDA graph capture(s) after warmup, 0 allowed")
     hit = next((event for event in warmup + post if event.limit_hit), None)
     if hit:
         problems.append(f"dynamo hit {hit.limit_hit} compiling {hit.frame} and fell back to eager")
@@ -225,16 +241,29 @@ def _blocks(events: Iterable[CompileEvent], start: int = 1, after_warmup: bool =
     return lines
 
 
+def capture_lines(captures: Iterable[str]) -> list[str]:
+    """Failure-message lines for CUDA graph captures after warmup, with what to try."""
+    lines = [f"CUDA graph capture after warmup: {site}" for site in captures]
+    if lines:
+        lines.append("  HINT: a graph is captured per static shape: pad batches and lengths to the buckets warmup "
+                     "captured (vLLM's cudagraph_capture_sizes), capture every bucket during warmup, and reuse "
+                     "graphs by shape; under mode='reduce-overhead' mark the varying dims dynamic or pad them")
+    return lines
+
+
 def explain(
     events: Iterable[CompileEvent], *, max_recompiles: int = 0, allow_graph_breaks: bool = False,
-    warmup_events: Iterable[CompileEvent] = (),
+    warmup_events: Iterable[CompileEvent] = (), captures: Iterable[str] = (),
 ) -> str:
     """The failure message: a one-line summary, then each post-warmup compile (`events`) with
-    its frame, guard failures and HINTs; then warmup compiles that still fail the check
-    (limit hits; graph breaks when not allowed)."""
-    post, warm = list(events), list(warmup_events)
-    summary = _problems(post, warm, max_recompiles, allow_graph_breaks) or [f"{len(post)} dynamo compile(s) after warmup"]
+    its frame, guard failures and HINTs, and each CUDA graph capture after warmup; then warmup
+    compiles that still fail the check (limit hits; graph breaks when not allowed)."""
+    post, warm, captures = list(events), list(warmup_events), list(captures)
+    summary = (_problems(post, warm, max_recompiles, allow_graph_breaks, captures)
+               or [f"{len(post)} dynamo compile(s) after warmup"])
     lines = ["; ".join(summary), *_blocks(post)]
+    if captures:
+        lines += ["", *capture_lines(captures)]
     warm_bad = [e for e in warm if e.limit_hit or e.failed or (e.graph_breaks and not allow_graph_breaks)]
     if warm_bad:
         lines += ["", "during warmup:", *_blocks(warm_bad, len(post) + 1, after_warmup=False)[1:]]
@@ -251,10 +280,11 @@ def verdict(
     if not warmup and recorder.warmup_done:
         return ("mark_warmup_done() was called but warmup=False counts every compile: pass warmup=True to "
                 "declare the warmup phase")
-    post, warm = recorder.post_warmup_events, recorder.warmup_events
-    if not _problems(post, warm, max_recompiles, allow_graph_breaks):
+    post, warm, captures = recorder.post_warmup_events, recorder.warmup_events, recorder.post_warmup_captures
+    if not _problems(post, warm, max_recompiles, allow_graph_breaks, captures):
         return None
-    return explain(post, max_recompiles=max_recompiles, allow_graph_breaks=allow_graph_breaks, warmup_events=warm)
+    return explain(post, max_recompiles=max_recompiles, allow_graph_breaks=allow_graph_breaks, warmup_events=warm,
+                   captures=captures)
 
 
 def _validate(max_recompiles: object, flags: dict[str, object]) -> None:
@@ -270,7 +300,7 @@ def expect_no_recompiles(
     *, max_recompiles: int = 0, allow_graph_breaks: bool = False, warmup: bool = False,
 ) -> Iterator[CompileRecorder]:
     """Record the block; on a clean exit raise `RecompileError` (with `explain`'s message) if more
-    than `max_recompiles` compiles happened after warmup, a compile failed or hit a recompile limit, or (unless
+    than `max_recompiles` compiles happened after warmup, a CUDA graph was captured after warmup, a compile failed or hit a recompile limit, or (unless
     `allow_graph_breaks`) any graph break was seen. `warmup=True`: the block calls
     ``rec.mark_warmup_done()``; otherwise every compile in the block counts."""
     _validate(max_recompiles, {"allow_graph_breaks": allow_graph_breaks, "warmup": warmup})

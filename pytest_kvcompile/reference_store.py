@@ -38,7 +38,9 @@ from .zoo import shared_kv_layers
 
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
-ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 0.5}
+#: bfloat16 from data: the bfloat16 oracle's own tokens trailed its float64 path by up to 0.766 (H100,
+#: docs/gpu-results.md).
+ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 1.0}
 
 
 class OracleUnreliable(Exception):

@@ -80,11 +80,13 @@ class Session:
         except pytest.skip.Exception:
             del self._built[key]
             raise
+        after = cuda_allocated(spec.device)
+        grown = None if allocated_before is None else after - allocated_before
         settings = self.settings
         self._built[key] = EngineUnderTest(
             ref, spec, instance, settings.max_new_tokens, settings.tie_tolerance, self.models[model].window,
-            build_compiles=tuple(recorder.events), max_near_ties=settings.max_near_ties,
-            score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype], cuda_allocated_before=allocated_before,
+            build_compiles=tuple(recorder.events), build_captures=tuple(recorder.captures), max_near_ties=settings.max_near_ties,
+            score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype], cuda_grown=grown,
         )
         return self._built[key]
 

@@ -8,6 +8,8 @@ and ran. If dynamo compiled nothing and no compiled code ran, the check has noth
 for an engine that does not declare ``compiled``, and FAILS one that declares it. Otherwise it fails on:
 
 - a compile after warmup (a recompile, or a first compile of a path warmup missed);
+- a CUDA graph capture after warmup (a re-capture for an unseen batch size or length: an engine's own
+  ``torch.cuda.graph`` or inductor's cudagraph trees), named with the call that caused it;
 - a compile that failed, or hit dynamo's recompile limit, in any phase (building included);
 - a frame that ran eagerly after its guards failed (``set_stance("eager_on_recompile")``, the recompile limit),
   or an unseen call in which no compiled code ran at all although warmup ran compiled code;
@@ -20,7 +22,7 @@ during generate() (an engine compiling at build time, as vLLM does: later recomp
 import pytest
 
 from pytest_kvcompile.prompts import Prompt, of_length
-from pytest_kvcompile.recompiles import explain, isolate
+from pytest_kvcompile.recompiles import capture_lines, explain, isolate
 
 DECODE_STEPS = 32
 UNSEEN_LENGTHS = (1, 2, 3, 13, 33, 100)
@@ -63,9 +65,11 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
     after = [e for c in after_calls for e in c.compiles]
     everything = build + warm + after
     breaks = [gb for e in everything for gb in e.graph_breaks]
+    captured = (len(kv_engine.build_captures), sum(len(c.captures) for c in warm_calls),
+                sum(len(c.captures) for c in after_calls))
     at = f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}'"
 
-    if not everything and not any(c.guard_hits for c in warm_calls + after_calls):
+    if not everything and not any(captured) and not any(c.guard_hits for c in warm_calls + after_calls):
         if declared.compiled:
             pytest.fail(f"{at} declares compiled=True but no compiled code ran: dynamo compiled nothing while it was "
                         f"built or in {len(warm_calls) + len(after_calls)} generate() calls, and no compiled frame was "
@@ -77,7 +81,9 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
 
     line = (f"{kv_engine.name} / {kv_engine.spec.name}: {len(build)} compile(s) while building, {len(warm)} warmup "
             f"compile(s) over {len(warm_calls)} call(s), {len(after)} after warmup over {len(after_calls)} call(s)"
-            + (f", {len(breaks)} graph break(s)" if breaks else ""))
+            + (f", {len(breaks)} graph break(s)" if breaks else "")
+            + (f"; CUDA graph captures: {captured[0]} while building, {captured[1]} in warmup, {captured[2]} after"
+               if any(captured) else ""))
     if not any(c.ran_compiled for c in warm_calls + after_calls) and build:
         line += (" -- no compiled code seen running during generate(): the engine runs what it compiled while "
                  "building outside dynamo's frame evaluation; recompiles it makes there are not seen")
@@ -86,12 +92,21 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
         "reasons": [f"{c}: {_reason(e)}" for c in after_calls for e in c.compiles],
         "graph_breaks": list(dict.fromkeys(breaks)),
         "eager_runs": sum(c.eager_runs for c in after_calls),
+        "cuda_graph_captures": {"build": captured[0], "warmup": captured[1], "after_warmup": captured[2]},
     })
 
     problems = []
     culprits = [f"  {c}: {len(c.compiles)} compile(s)" for c in after_calls if c.compiles]
+    for c in after_calls:
+        culprits += [f"  {c}: {line}" for line in capture_lines(c.captures)[:-1]]
+    if captured[2]:
+        culprits.append(capture_lines(["-"])[-1])
     if after:
         problems.append(f"{len(after)} dynamo compile(s) after warmup, 0 allowed")
+    if captured[2]:
+        problems.append(f"{captured[2]} CUDA graph capture(s) after warmup, 0 allowed: a new graph was recorded for a "
+                        "shape warmup did not capture (" + "; ".join(str(c) for c in after_calls if c.captures)[:300]
+                        + ")")
     for event in everything:
         if event.limit_hit:
             problems.append(f"dynamo hit {event.limit_hit} compiling {event.frame} and fell back to eager")

@@ -72,3 +72,45 @@ class LeakyGraph(StaticCacheCudaGraph):
         self.old_graphs.append((self.graph, self.static_tokens, self.static_logits))
         self._capture(warmup=1)
         return super()._prefill(prompts, steps)
+
+
+# --- CUDA graphs: broken twins of StaticCacheCudaGraph (GPU only; tests/test_gpu.py) ------------------------------
+class RecapturePerBatch(StaticCacheCudaGraph):
+    """Bug: keeps one decode graph per batch size and captures it on first use, so a batch size warmup did not
+    see captures a new graph after warmup (a dynamo-silent re-capture)."""
+
+    def __init__(self, spec, compile_backend="inductor"):
+        super().__init__(spec, compile_backend=compile_backend)
+        self.graphs = {}
+
+    def _prefill(self, prompts, steps):
+        n = len(prompts)
+        if n not in self.graphs:
+            self._capture(warmup=1)
+            self.graphs[n] = (self.graph, self.static_tokens, self.static_cache_pos, self.static_logits)
+        self.graph, self.static_tokens, self.static_cache_pos, self.static_logits = self.graphs[n]
+        return super()._prefill(prompts, steps)
+
+
+class StaleGraphOutput(StaticCacheCudaGraph):
+    """Bug: copies the graph's output buffer before replaying, so each decode step returns the previous replay's
+    logits."""
+
+    def _decode(self, tokens, cache_pos):
+        out = self.static_logits.clone()
+        self.static_tokens.copy_(tokens[:, None])
+        self.static_cache_pos.copy_(cache_pos)
+        self.graph.replay()
+        return out
+
+
+_WORKSPACES = []  # module-level: not reachable from the engine object
+
+
+class HiddenWorkspace(StaticCacheCudaGraph):
+    """Bug: reports its K/V buffers exactly, but allocates a workspace 16x their size in a module-level list (as
+    kernels' global workspaces do), which no attribute of the engine reaches: only the CUDA allocator sees it."""
+
+    def __init__(self, spec, compile_backend="inductor"):
+        super().__init__(spec, compile_backend=compile_backend)
+        _WORKSPACES.append(torch.empty(16 * self.kv_cache_bytes(), dtype=torch.uint8, device=spec.device))

@@ -4,7 +4,7 @@ engine per class of bug that fooled an earlier suite, each written only against 
 import torch
 from transformers import DynamicCache
 
-from kv_test_engines import Greedy, StaleCache, _last_logits
+from kv_test_engines import CompiledGreedy, Greedy, StaleCache, _last_logits
 from kv_test_engines_memory import DynamicBytes
 from pytest_kvcompile import Declaration, Strategy
 
@@ -92,22 +92,14 @@ class ScoreLogSoftmax(Greedy):
 
 
 # --- 2. compiles are observed, not declared -----------------------------------------------------------------------
-class CompiledUndeclared(Greedy):
+class CompiledUndeclared(CompiledGreedy):
     """Bug: torch.compile(dynamic=False) around the step and no compiled=True: recompiles on every new length."""
+
+    kv_declaration = Greedy.kv_declaration
 
     def __init__(self, spec):
         super().__init__(spec)
         self.last = torch.compile(_last_logits, backend="eager", dynamic=False)
-
-    @torch.inference_mode()
-    def _run(self, prompt, steps, forced, cache=None):
-        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
-        for step in range(steps):
-            logits = self.last(self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits)[0]
-            rows.append(logits)
-            tokens.append(int(logits.argmax()) if forced is None else forced[step])
-            inputs = torch.tensor([[tokens[-1]]])
-        return tokens, torch.stack(rows)
 
 
 class EagerOnRecompile(CompiledUndeclared):
@@ -130,7 +122,7 @@ def _item_step(logits):
     return logits[:, -1]
 
 
-class SwallowsCompileErrors(Greedy):
+class SwallowsCompileErrors(CompiledGreedy):
     """Bug: compiles with fullgraph=True, which fails on a graph break, and silently falls back to eager."""
 
     kv_declaration = Declaration(batching=True, scoring=True, compiled=True, description="test engine: swallows errors")
@@ -138,22 +130,13 @@ class SwallowsCompileErrors(Greedy):
     def __init__(self, spec):
         super().__init__(spec)
         self.step = torch.compile(_item_step, backend="eager", fullgraph=True)
+        self.last = self.step_or_eager
 
-    def last(self, logits):
+    def step_or_eager(self, logits):
         try:
             return self.step(logits)
         except Exception:
             return _last_logits(logits)
-
-    @torch.inference_mode()
-    def _run(self, prompt, steps, forced, cache=None):
-        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
-        for step in range(steps):
-            logits = self.last(self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits)[0]
-            rows.append(logits)
-            tokens.append(int(logits.argmax()) if forced is None else forced[step])
-            inputs = torch.tensor([[tokens[-1]]])
-        return tokens, torch.stack(rows)
 
 
 class GraphBreaks(SwallowsCompileErrors):
@@ -164,6 +147,7 @@ class GraphBreaks(SwallowsCompileErrors):
     def __init__(self, spec):
         Greedy.__init__(self, spec)
         self.step = torch.compile(_item_step, backend="eager", dynamic=True)
+        self.last = self.step_or_eager
 
 
 class StopsCompiling(SwallowsCompileErrors):
@@ -174,6 +158,7 @@ class StopsCompiling(SwallowsCompileErrors):
     def __init__(self, spec):
         Greedy.__init__(self, spec)
         self.step = torch.compile(_last_logits, backend="eager", dynamic=True)
+        self.last = self.step_or_eager
         self.calls = 0
 
     def generate(self, prompts, max_new_tokens):

@@ -188,8 +188,8 @@ def test_memory_suite_passes_correct_and_fails_broken_engines(kvtester):
         "count storages with pytest_kvcompile.memory.held_bytes, not tensor.nbytes*",
     ], consecutive=True)
     result.stdout.fnmatch_lines([
-        "engine 'kv_test_engines_memory:KeepsEveryCache' on model 'mistral-sw': memory grows over 3 repeated identical "
-        "calls generate(<1 prompt(s) of lengths [[]48[]]>, 16)",
+        "engine 'kv_test_engines_memory:KeepsEveryCache' on model 'mistral-sw': memory grows over 3 repeated calls "
+        "generate(<1 prompt(s) of lengths [[]48[]]>, 16), each call with other prompts of these lengths",
         "  live tensor bytes: 4,112 B (4.0 KiB) after 1 warmup call(s), then +4,112 B, +4,112 B, +4,112 B per call",
         "  hint: generate() keeps something per call (caches or outputs appended to a list*",
     ], consecutive=True)

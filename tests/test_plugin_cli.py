@@ -1,9 +1,12 @@
 """The plugin's command line: options and help, engine resolution in all three forms,
 usage errors that name the fix, and the entry point switch."""
 
+import re
 import textwrap
 
 import pytest
+
+from conftest import run_suites
 
 ENGINE_TEST = """
 def test_engine(kv_engine):
@@ -207,3 +210,18 @@ def test_kv_model_adds_a_local_checkpoint(kvtester, zoo_cache):
                                            f"--kv-model={local}", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([f"*test_model?kv_test_engines:Greedy-{local.name}? PASSED*"])
+
+
+def test_xdist_runs_each_engine_and_model_in_one_worker(kvtester):
+    """--dist load becomes loadgroup, one group per engine x model, on the controller AND the workers (which parse
+    the original --dist load): an engine object is built, compiled and called in one worker, as in a serial run."""
+    result = run_suites(kvtester, "--kv-engine=hf-eager", "--kv-zoo=llama,gpt2-abspos", "-n", "2", "-v",
+                        "-k", "token_identity or stale_state")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    workers: dict[str, set[str]] = {}
+    for line in result.stdout.lines:
+        found = re.search(r"\[(gw\d)\] .*(?:PASSED|SKIPPED).*\[hf-eager-(llama|gpt2-abspos)", line)
+        if found:
+            workers.setdefault(found[2], set()).add(found[1])
+    assert set(workers) == {"llama", "gpt2-abspos"} and all(len(w) == 1 for w in workers.values()), workers
+    assert "@kv:hf-eager:llama" in result.stdout.str()  # xdist's group suffix on the node ids

@@ -11,6 +11,7 @@ import torch._dynamo.utils
 from pytest_kvcompile import dynamo_hooks
 from pytest_kvcompile.recompiles import (
     CompileEvent, CompileRecorder, DynamoHooksBroken, RecompileError, expect_no_recompiles, explain, hints, isolate,
+    verdict,
 )
 
 
@@ -220,3 +221,35 @@ def test_a_changed_trace_record_breaks_loudly():
     tap.emit(record)
     with pytest.raises(DynamoHooksBroken, match="lacks some of"):
         tap.compiles()
+
+
+def test_cuda_graph_captures_are_recorded_split_at_warmup_and_unhooked_after():
+    """CPU stand-in for tests/test_gpu.py: capture_begin is patched only while recording (nested recorders
+    included), each capture names the code that asked for it, and one after warmup fails the verdict."""
+    graph_class = torch.cuda.graphs.CUDAGraph
+    original = graph_class.capture_begin
+
+    def capture():  # what an engine's torch.cuda.graph(...) does first
+        graph_class.capture_begin(object())
+
+    with CompileRecorder() as outer:
+        assert graph_class.capture_begin is not original
+        real, dynamo_hooks._CAPTURE_BEGIN = dynamo_hooks._CAPTURE_BEGIN, lambda *args, **kwargs: None
+        try:
+            capture()
+            outer.mark_warmup_done()
+            with CompileRecorder() as inner:
+                capture()
+            assert graph_class.capture_begin is not original  # the outer recorder still watches
+        finally:
+            dynamo_hooks._CAPTURE_BEGIN = real
+    assert graph_class.capture_begin is original
+    assert len(outer.captures) == 2 and len(inner.captures) == 1
+    assert outer.captures[0].startswith("torch.cuda.CUDAGraph capture in test_cuda_graph_captures_are_recorded_split_at_"
+                                        "warmup_and_unhooked_after.<locals>.capture (")
+    assert "test_recompiles.py" in outer.captures[0]
+    assert len(outer.post_warmup_captures) == 1
+    message = verdict(outer, warmup=True)
+    assert message.startswith("1 CUDA graph capture(s) after warmup, 0 allowed")
+    assert "CUDA graph capture after warmup: torch.cuda.CUDAGraph capture in test_cuda_graph_captures" in message
+    assert verdict(inner).startswith("1 CUDA graph capture(s) after warmup")  # no warmup: every capture counts

@@ -210,7 +210,7 @@ def allocation_growth(engine) -> tuple[int, bool]:
     for lengths in [(48,), (1, 7), (23, 5, 2)]:
         engine.generate([prompt(n) for n in lengths], NEW)
     torch.cuda.synchronize()
-    moved = (engine.static_tokens, engine.static_logits) != buffers
+    moved = any(now is not then for now, then in zip((engine.static_tokens, engine.static_logits), buffers))
     return torch.cuda.memory_allocated() - before, moved
 
 

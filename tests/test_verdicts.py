@@ -80,7 +80,7 @@ def test_a_prefix_cache_keyed_by_16_tokens_fails_the_shared_prefix_check_only(kv
     fixed = run_suites(kvtester, E + "PrefixCacheBug", "-k", "token_identity or stale_state or determinism")
     assert fixed.ret == 0, fixed.stdout.str()[-3000:]
     result = run_suites(kvtester, E + "PrefixCacheBug", "-k", "shared_prefixes")
-    result.assert_outcomes(failed=1)
+    result.assert_outcomes(failed=1, skipped=1)  # the batched variant: PrefixCacheBug does not batch
     result.stdout.fnmatch_lines(["*prompt 'shared16+b' (length 24), call 10 of 41 on one engine object, after prompts "
                                  "?shared15+b, shared15+a, shared16+a? (shared-prefix check): step 0*"])
 
