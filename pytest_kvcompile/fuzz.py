@@ -177,9 +177,26 @@ def run(kv_engine, oracle, lengths, check_compiles, settings: FuzzSettings, neut
     try:
         run_state_machine_as_test(factory, settings=hypothesis_settings(settings, database_dir))
     except BaseException as exc:
+        exc = _unflaky(exc)
         if "found" in stats and hasattr(exc, "add_note"):
             example, when = stats["found"]
             exc.add_note(f"fuzz: first failure in example {example}, {when - started:.1f} s in; shrunk in "
                          f"{time.monotonic() - when:.1f} s ({stats['examples']} examples run in all)")
-        raise
+        raise exc from None
     return stats["examples"]
+
+
+def _unflaky(exc: BaseException) -> BaseException:
+    """hypothesis' FlakyFailure (an exception group: the failure did not replay identically, because the one
+    engine object carries state from call to call and example to example, as it does for a user) -> its first
+    inner failure, noted as such; anything else unchanged."""
+    from hypothesis.errors import FlakyFailure
+
+    if not isinstance(exc, FlakyFailure):
+        return exc
+    inner = next((e for e in exc.exceptions if isinstance(e, AssertionError)), exc.exceptions[0] if exc.exceptions else exc)
+    if hasattr(inner, "add_note"):
+        inner.add_note("fuzz: hypothesis could not replay this failure identically (the engine object keeps state "
+                       "across calls and examples), so it is the failing sequence as first found, shrunk as far as "
+                       "replays allowed")
+    return inner

@@ -37,6 +37,9 @@ def kvtester(pytester: pytest.Pytester, zoo_cache: Path, monkeypatch) -> pytest.
     transformers' lazy modules and re-registers torch kernels.
     """
     monkeypatch.setenv("KVCOMPILE_CACHE_DIR", str(zoo_cache))
+    # One torch thread per run: under `pytest -n 2` two runs share the 2 cores, and OpenMP threads spinning against
+    # each other cost more than the tiny models gain from a second thread.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("PYTHONPATH", str(TESTS_DIR), prepend=":")
     return pytester
 
