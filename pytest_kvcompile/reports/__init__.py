@@ -116,7 +116,8 @@ class ResultsPlugin:
             failures, declared, reason = [], [], ""
             if decided in ("failed", "error"):
                 crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
-                failures = [{"test": item.nodeid, "message": first_lines(crash or report.longreprtext)}]
+                test = item.nodeid.partition("@kv:")[0]  # without xdist's loadgroup suffix: the same name serial or -n
+                failures = [{"test": test, "message": first_lines(crash or report.longreprtext)}]
             if decided == "skipped" and isinstance(report.longrepr, tuple):
                 reason = report.longrepr[2].removeprefix("Skipped: ")
                 if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable):
