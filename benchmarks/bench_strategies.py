@@ -897,12 +897,18 @@ def write(result: dict, args, t0: float) -> str:
     result["anchors"] = anchors(result)
     result["wall_s"] = time.perf_counter() - t0
     text = markdown(result)
-    for path, content in ((args.json, lambda: json.dumps(result, indent=1, default=str)), (args.md, lambda: text)):
+    write_outputs(result, text, args.json, args.md)
+    return text
+
+
+def write_outputs(result: dict, text: str, json_path: Path | None, md_path: Path | None) -> None:
+    """The JSON and Markdown files (those asked for), each replaced atomically: a run killed mid-write keeps the
+    previous complete file."""
+    for path, content in ((json_path, lambda: json.dumps(result, indent=1, default=str)), (md_path, lambda: text)):
         if path:
             tmp = path.with_name(path.name + ".tmp")
             tmp.write_text(content())
             os.replace(tmp, path)
-    return text
 
 
 def main(argv=None) -> None:

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import math
 import os
 import shlex
@@ -57,7 +56,7 @@ sys.path.insert(0, str(HERE))
 
 import torch
 import transformers
-from bench_strategies import DTYPES, device_problem, machine, release, synchronize
+from bench_strategies import DTYPES, device_problem, machine, release, synchronize, write_outputs
 
 from pytest_kvcompile import recompiles, registry, zoo
 from pytest_kvcompile.engine import (
@@ -341,11 +340,7 @@ def write(result: dict, args, t0: float) -> str:
     result["summary"] = summarize(result["groups"], args.suspect_gap)
     result["wall_s"] = time.perf_counter() - t0
     text = markdown(result)
-    for path, content in ((args.json, lambda: json.dumps(result, indent=1, default=str)), (args.md, lambda: text)):
-        if path:
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text(content())
-            os.replace(tmp, path)
+    write_outputs(result, text, args.json, args.md)
     return text
 
 

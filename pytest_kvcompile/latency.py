@@ -13,6 +13,7 @@ rank) over the repeats are reported and budgets are checked against the median. 
 events around the call on a CUDA device, ``time.perf_counter`` on CPU. Engines measured side by
 side (a relative budget) alternate call by call within each repeat, so load changes hit both.
 
+A median <= 0 (the difference lost in noise) never meets an absolute budget.
 Budgets: absolute ones (``prefill_ms``, ``decode_ms_per_token``) are enforced on CUDA; on CPU
 they are recorded and listed in the terminal summary but enforced only with
 ``--kv-enforce-latency`` (shared CPU runners are too noisy for absolute numbers). Relative ones

@@ -241,14 +241,15 @@ def _blocks(events: Iterable[CompileEvent], start: int = 1, after_warmup: bool =
     return lines
 
 
+CAPTURE_HINT = ("  HINT: a graph is captured per static shape: pad batches and lengths to the buckets warmup captured "
+                "(vLLM's cudagraph_capture_sizes), capture every bucket during warmup, and reuse graphs by shape; "
+                "under mode='reduce-overhead' mark the varying dims dynamic or pad them")
+
+
 def capture_lines(captures: Iterable[str]) -> list[str]:
     """Failure-message lines for CUDA graph captures after warmup, with what to try."""
     lines = [f"CUDA graph capture after warmup: {site}" for site in captures]
-    if lines:
-        lines.append("  HINT: a graph is captured per static shape: pad batches and lengths to the buckets warmup "
-                     "captured (vLLM's cudagraph_capture_sizes), capture every bucket during warmup, and reuse "
-                     "graphs by shape; under mode='reduce-overhead' mark the varying dims dynamic or pad them")
-    return lines
+    return [*lines, CAPTURE_HINT] if lines else []
 
 
 def explain(

@@ -105,8 +105,12 @@ class SecondBest(Greedy):
             _, logits = self._run(p, 3, forced=None)
             head = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[2].topk(2).indices[1])]
             rest = self._run(list(p) + head, max_new_tokens - 3, forced=None)[0] if max_new_tokens > 3 else []
-            out.append((head + rest)[:max_new_tokens])
+            out.append((head + self.after_flip(rest))[:max_new_tokens])
         return out
+
+    def after_flip(self, rest):
+        """The greedy tokens after the flip, as returned (subclasses break them)."""
+        return rest
 
 
 class SecondBestBadScore(SecondBest):

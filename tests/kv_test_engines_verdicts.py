@@ -4,7 +4,7 @@ engine per class of bug that fooled an earlier suite, each written only against 
 import torch
 from transformers import DynamicCache
 
-from kv_test_engines import CompiledGreedy, Greedy, StaleCache, _last_logits
+from kv_test_engines import CompiledGreedy, Greedy, SecondBest, StaleCache, _last_logits
 from kv_test_engines_memory import DynamicBytes
 from pytest_kvcompile import Declaration, Strategy
 
@@ -43,19 +43,13 @@ class TinyNoise(Greedy):
 
 
 # --- 1. nothing after a near tie goes unverified ------------------------------------------------------------------
-class FlipThenGarbage(Greedy):
+class FlipThenGarbage(SecondBest):
     """Bug: takes the runner-up at step 2 (a near tie under a wide tolerance), then every later token is off by one."""
 
     kv_declaration = Declaration(batching=True, description="test engine: one flip, then garbage (no scoring)")
 
-    def generate(self, prompts, max_new_tokens):
-        out = []
-        for p in prompts:
-            _, logits = self._run(p, 3, forced=None)
-            head = [int(logits[0].argmax()), int(logits[1].argmax()), int(logits[2].topk(2).indices[1])]
-            rest = self._run(list(p) + head, max_new_tokens - 3, forced=None)[0] if max_new_tokens > 3 else []
-            out.append((head + [(t + 1) % self.spec.vocab_size for t in rest])[:max_new_tokens])
-        return out
+    def after_flip(self, rest):
+        return [(t + 1) % self.spec.vocab_size for t in rest]
 
 
 class FlipsAtEveryCloseCall(Greedy):
