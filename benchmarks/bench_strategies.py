@@ -5,7 +5,7 @@ eviction engines; Mistral, every layer sliding: ref-sliding-window; Gemma4 text 
 layers: ref-kv-shared; ref-compiled-dynamic also runs on the last two, as the same model without
 the strategy), the family's engines plus hf-eager and hf-static-compile are built on the SAME
 checkpoint and timed interleaved, call by call, so machine load hits all alike (the engine order
-rotates every repeat). Two sizes per family: the tiny zoo model (`pytest_kvcompile/zoo.py`, Python
+rotates every repeat). Two sizes per family: the tiny zoo model (`pytest_kvcompile/models/zoo.py`, Python
 overhead dominates) and a larger random model built here from a config (`--hidden`, `--layers`,
 `--vocab`, `--window`; zoo weights rule, saved with save_pretrained to a temporary dir).
 
@@ -13,7 +13,7 @@ Per engine, model, batch and prompt length (the prompts: random ids, all of the 
 
 - prefill ms    = median of time(generate(n=1))
 - decode tok/s  = batch x K / median of (time(generate(n=1+K)) - time(generate(n=1))), both calls
-                  in the same repeat (pytest_kvcompile/latency.py's rule), K = --new-tokens
+                  in the same repeat (pytest_kvcompile/latency/marker.py's rule), K = --new-tokens
 - compile s     = time of the first generate() (batch 1, prompt 64, 8 new tokens) minus a steady
                   one, in a fresh process with TORCHINDUCTOR_CACHE_DIR an empty temporary dir (cold),
                   then again with the same dir (warm), large models only (`--compile-sizes`); weights
@@ -99,15 +99,17 @@ import torch
 import transformers
 from transformers import AutoConfig
 
-from pytest_kvcompile import recompiles, registry, zoo
-from pytest_kvcompile.engine import (
+from pytest_kvcompile.recompiles import recorder as recompiles
+from pytest_kvcompile.contract import registry
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
     ModelSpec,
     declaration_of,
     missing_capability,
 )
-from pytest_kvcompile.memory import held_by
-from pytest_kvcompile.recompiles import CompileRecorder
+from pytest_kvcompile.memory.measure import held_by
+from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
 BASELINES = ("hf-eager", "hf-static-compile")
 EAGER = "hf-eager"

@@ -1,11 +1,11 @@
 """Calibrate the `auto` tie tolerances: the oracle's logit gaps where CORRECT engines diverge, per dtype.
 
 The plugin judges an engine's greedy token at each step by the oracle's logits given the engine's own prefix
-(pytest_kvcompile/token_match.py): the oracle's best there, a near tie when the best beats it by at most the
+(pytest_kvcompile/oracles/token_match.py): the oracle's best there, a near tie when the best beats it by at most the
 tie tolerance (`DEFAULT_TIE_TOLERANCE` per dtype, `--kv-tie-tolerance auto`), else a mismatch. This script
 measures those gaps on engines that are right, so `auto` can be set from data:
 
-For each dtype (--dtypes), zoo model (--models; pytest_kvcompile/zoo.py) and engine (--engines; every engine
+For each dtype (--dtypes), zoo model (--models; pytest_kvcompile/models/zoo.py) and engine (--engines; every engine
 held to the exact strategy), N prompts (--prompts; random ids, lengths cycling through `LENGTHS`, one built
 engine serves them all, one prompt per generate call): engine.generate([prompt], K) (--new-tokens), then the
 oracle (`HFEagerOracle`, same device and dtype) teacher-forced on prompt + the engine's tokens
@@ -58,17 +58,19 @@ import torch
 import transformers
 from bench_strategies import DTYPES, device_problem, machine, release, synchronize, write_outputs
 
-from pytest_kvcompile import recompiles, registry, zoo
-from pytest_kvcompile.engine import (
+from pytest_kvcompile.recompiles import recorder as recompiles
+from pytest_kvcompile.contract import registry
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
     ModelSpec,
     Strategy,
     missing_capability,
 )
 from pytest_kvcompile.errors import EngineResolutionError
-from pytest_kvcompile.oracle import HFEagerOracle
-from pytest_kvcompile.reference_store import ORACLE_CHECK_TOLERANCE, independent
-from pytest_kvcompile.token_match import (
+from pytest_kvcompile.oracles.hf import HFEagerOracle
+from pytest_kvcompile.oracles.store import ORACLE_CHECK_TOLERANCE, independent
+from pytest_kvcompile.oracles.token_match import (
     DEFAULT_MAX_NEAR_TIE_RATE,
     DEFAULT_MAX_NEAR_TIES,
     DEFAULT_TIE_TOLERANCE,

@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .engine_envs import RECIPES, Recipe
+from pytest_kvcompile.engine_envs import RECIPES, Recipe
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 

@@ -14,10 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import check_engine
-from .reports import WRITERS, write
-from .reports.json_file import ResultsFileError, load
-from .results import MergeError, merge
+from pytest_kvcompile import check_engine
+from pytest_kvcompile.reports import WRITERS, write
+from pytest_kvcompile.reports.json_file import ResultsFileError, load
+from pytest_kvcompile.reports.results import MergeError, merge
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -13,11 +13,16 @@ from pathlib import Path
 
 import pytest
 
-from . import fixtures, memory_marker, options, recompile_marker, registry, reports
-from .engine import BATCHING, COMPILED, KV_CACHE_BYTES, SCORING
-from .marker_checks import validated_at_collection
-from .oracle import check_strategy
-from .session import SESSION, Session
+from pytest_kvcompile import reports
+from pytest_kvcompile.run import fixtures
+from pytest_kvcompile.memory import marker as memory_marker
+from pytest_kvcompile.run import options
+from pytest_kvcompile.recompiles import marker as recompile_marker
+from pytest_kvcompile.contract import registry
+from pytest_kvcompile.contract.engine import BATCHING, COMPILED, KV_CACHE_BYTES, SCORING
+from pytest_kvcompile.run.markers import validated_at_collection
+from pytest_kvcompile.oracles.hf import check_strategy
+from pytest_kvcompile.run.session import SESSION, Session
 
 CAPABILITIES = (BATCHING, SCORING, KV_CACHE_BYTES, COMPILED)
 NOTE = "kvcompile"  # user_properties key of run notes: (category, line)

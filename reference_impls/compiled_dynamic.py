@@ -49,9 +49,9 @@ from safetensors.torch import load_file
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked  # not re-exported by torch._dynamo in 2.13
 
-from pytest_kvcompile.engine import Declaration, ModelNotSupported, ModelSpec
-from pytest_kvcompile.memory import KVLayout
-from pytest_kvcompile.zoo import sliding_layers
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.memory.measure import KVLayout
+from pytest_kvcompile.models.zoo import sliding_layers
 
 class UnsupportedModel(ModelNotSupported):
     """The checkpoint's architecture or options are outside what this engine implements."""

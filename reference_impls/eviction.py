@@ -115,8 +115,8 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, Strategy
-from pytest_kvcompile.oracle import Reference
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
+from pytest_kvcompile.oracles.hf import Reference
 
 EMPTY = -1  # position of an empty cache slot
 

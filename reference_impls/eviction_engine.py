@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.decorators import mark_unbacked
 
-from pytest_kvcompile.engine import Declaration, ModelNotSupported, ModelSpec, Strategy, declaration_of
-from pytest_kvcompile.memory import KVLayout
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, Strategy, declaration_of
+from pytest_kvcompile.memory.measure import KVLayout
 from reference_impls.compiled_dynamic import compile_fresh, load_model, rope_inv_freq, rotate_half
 from reference_impls.eviction import EMPTY, Policy, keep, order, policy_for
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec
-from pytest_kvcompile.zoo import shared_kv_layers
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec
+from pytest_kvcompile.models.zoo import shared_kv_layers
 from reference_impls.compiled_dynamic import CompiledDynamicCache
 
 

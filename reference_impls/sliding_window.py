@@ -32,9 +32,9 @@ from typing import NamedTuple
 import torch
 from torch._dynamo.decorators import mark_unbacked
 
-from pytest_kvcompile.engine import Declaration, ModelSpec
-from pytest_kvcompile.memory import KVLayout
-from pytest_kvcompile.zoo import sliding_layers
+from pytest_kvcompile.contract.engine import Declaration, ModelSpec
+from pytest_kvcompile.memory.measure import KVLayout
+from pytest_kvcompile.models.zoo import sliding_layers
 from reference_impls.compiled_dynamic import (
     FULL, SLIDING, CompiledDynamicCache, UnsupportedModel, attention_mask, compile_fresh, left_pad, load_model,
 )

@@ -39,8 +39,8 @@ import torch
 from torch import nn
 from torch._dynamo.decorators import mark_unbacked
 
-from pytest_kvcompile.engine import Declaration, ModelSpec
-from pytest_kvcompile.memory import KVLayout
+from pytest_kvcompile.contract.engine import Declaration, ModelSpec
+from pytest_kvcompile.memory.measure import KVLayout
 from reference_impls.compiled_dynamic import Attention, UnsupportedModel, compile_fresh, load_model, rotate_half
 
 MAX_CACHE_LEN, MAX_BATCH_SIZE = 512, 4  # defaults, as declared in kv_layout (512: the suites' prompts reach 266 positions)

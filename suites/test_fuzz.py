@@ -1,13 +1,13 @@
 """Fuzzing (``--kv-fuzz=N``, off by default): hypothesis draws call sequences against one engine object and
-shrinks a failure to the shortest sequence that still fails (pytest_kvcompile/fuzz.py for the rules and
+shrinks a failure to the shortest sequence that still fails (pytest_kvcompile/run/fuzz.py for the rules and
 profiles). Every row is judged by the oracle under the verdict rules (without an oracle: an exact repeat must
 give the same tokens); an engine that ran compiled code must compile nothing after the warmup calls."""
 
 import pytest
 
-from pytest_kvcompile import fuzz
-from pytest_kvcompile.models import max_positions
-from pytest_kvcompile.oracle import budget_of
+from pytest_kvcompile.run import fuzz
+from pytest_kvcompile.models.checkpoints import max_positions
+from pytest_kvcompile.oracles.hf import budget_of
 
 
 def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record):

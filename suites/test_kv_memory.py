@@ -1,6 +1,6 @@
 """KV memory, reported and measured.
 
-- ``kv_cache_bytes()`` equals the exact footprint of the engine's declared ``KVLayout`` (pytest_kvcompile/memory.py:
+- ``kv_cache_bytes()`` equals the exact footprint of the engine's declared ``KVLayout`` (pytest_kvcompile/memory/measure.py:
   dynamic, static, eviction budget; sliding and KV-sharing layers), alone and in a padded batch.
 - What the engine object really holds after ``generate()`` (``memory.held_by``: tensors reachable from it that are
   not its weights; on CUDA also the growth of ``torch.cuda.memory_allocated`` while it was built and during its
@@ -18,8 +18,8 @@ from functools import partial
 import pytest
 import torch
 
-from pytest_kvcompile.memory import expected_kv_bytes, format_bytes, held_by, live_tensor_bytes
-from pytest_kvcompile.prompts import variant
+from pytest_kvcompile.memory.measure import expected_kv_bytes, format_bytes, held_by, live_tensor_bytes
+from pytest_kvcompile.models.prompts import variant
 
 WARMUP_CALLS, REPEATS = 1, 3
 HELD_FACTOR, HELD_SLACK = 1.5, 64 * 1024
@@ -41,7 +41,7 @@ def _hint(footprint, got: int, footprint_of) -> str:
         held, declared = (("W-1", "W") if other_offset.window_offset else ("W", "W-1"))
         return (f"the count matches {other_offset}, sliding layers holding {held} positions, not {declared}. A W-1 "
                 "view of a W-position buffer (transformers' dynamic sliding layer) holds W: count storages with "
-                "pytest_kvcompile.memory.held_bytes, not tensor.nbytes; if the engine really holds "
+                "pytest_kvcompile.memory.measure.held_bytes, not tensor.nbytes; if the engine really holds "
                 f"{held}, declare {other_offset}")
     written = footprint.width + footprint.new_tokens - 1
     unbounded = sum((dataclasses.replace(t, positions=written) if t.kind == "sliding" else t).bytes(
@@ -53,7 +53,7 @@ def _hint(footprint, got: int, footprint_of) -> str:
         return "the count is exactly half the footprint: are keys or values left out?"
     if footprint.rows > 1 and got * footprint.rows == footprint.total:
         return "the count is one row's: a batch cache holds one row per prompt"
-    return ("count what is held, pytest_kvcompile.memory.held_bytes(tensors) (untyped_storage().nbytes() of distinct "
+    return ("count what is held, pytest_kvcompile.memory.measure.held_bytes(tensors) (untyped_storage().nbytes() of distinct "
             "storages; a view holds its whole base, a shared storage counts once), or declare the layout the engine has")
 
 
@@ -61,7 +61,7 @@ def _check_footprint(kv_engine, prompts, what: str) -> None:
     layout = kv_engine.ref.declaration.kv_layout
     if layout is None:
         pytest.skip(f"engine '{kv_engine.name}' declares kv_cache_bytes but no kv_layout: declare "
-                    "Declaration(kv_layout=pytest_kvcompile.memory.KVLayout(...)) to check its footprint")
+                    "Declaration(kv_layout=pytest_kvcompile.memory.measure.KVLayout(...)) to check its footprint")
     new_tokens = kv_engine.max_new_tokens
     if new_tokens < 2:
         pytest.skip("the footprint is checked after at least one decode step; run with --kv-max-new-tokens >= 2")

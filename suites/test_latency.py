@@ -1,5 +1,5 @@
 """Latency: prefill and decode per token of every engine on every model, recorded for the run's
-reports (the rule: ``pytest_kvcompile.latency``); ``--kv-latency-budget`` applies, e.g.
+reports (the rule: ``pytest_kvcompile.latency.marker``); ``--kv-latency-budget`` applies, e.g.
 ``relative_to=hf-eager,factor=1.1``. With pytest-benchmark installed and enabled: prefill and decode
 benchmarks, with engine, model, device, dtype and versions in ``extra_info``."""
 
@@ -8,9 +8,9 @@ from importlib.metadata import version
 import pytest
 import torch
 
-from pytest_kvcompile.engine import dtype_name
-from pytest_kvcompile.latency import DECODE_TOKENS, PROMPT_LEN, REPEAT_COUNT, WARMUP
-from pytest_kvcompile.prompts import of_length
+from pytest_kvcompile.contract.engine import dtype_name
+from pytest_kvcompile.latency.marker import DECODE_TOKENS, PROMPT_LEN, REPEAT_COUNT, WARMUP
+from pytest_kvcompile.models.prompts import of_length
 
 
 def test_latency(kv_engine, kv_latency):
@@ -30,7 +30,7 @@ def _benchmark(request: pytest.FixtureRequest):
 @pytest.mark.parametrize("step", ["prefill", "decode"])
 def test_benchmark(request, kv_engine, step):
     """prefill: generate([prompt], 1); decode: generate([prompt], 1 + K), so decode ms/token =
-    (decode - prefill) / K (see pytest_kvcompile.latency)."""
+    (decode - prefill) / K (see pytest_kvcompile.latency.marker)."""
     benchmark = _benchmark(request)
     spec = kv_engine.spec
     prompt = of_length(PROMPT_LEN, spec.vocab_size, salt=5)

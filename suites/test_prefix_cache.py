@@ -9,7 +9,7 @@ tokens every time it is served)."""
 
 import pytest
 
-from pytest_kvcompile.prompts import Prompt, of_length
+from pytest_kvcompile.models.prompts import Prompt, of_length
 
 SHARED = (1, 15, 16, 17, 31, 32, 33, 63, 64, 65)
 TAIL = 8

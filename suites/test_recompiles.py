@@ -3,7 +3,7 @@
 Every engine runs this check: it is warmed up on prompt lengths 7 and 48 (and a batch of both if it batches),
 then given unseen lengths (1, 2, 3, 13, 33, 100 and the model's sliding-window lengths W-1, W, W+1, 2W+3),
 batch sizes 1..4 and 32-step decodes (which cross the window). Every call runs under the compile recorder
-(pytest_kvcompile/harness.py), which sees what dynamo compiled and whether compiled code matched its guards
+(pytest_kvcompile/run/harness.py), which sees what dynamo compiled and whether compiled code matched its guards
 and ran. If dynamo compiled nothing and no compiled code ran, the check has nothing to judge: it is skipped
 for an engine that does not declare ``compiled``, and FAILS one that declares it. Otherwise it fails on:
 
@@ -21,8 +21,8 @@ during generate() (an engine compiling at build time, as vLLM does: later recomp
 
 import pytest
 
-from pytest_kvcompile.prompts import Prompt, of_length
-from pytest_kvcompile.recompiles import CAPTURE_HINT, explain, isolate
+from pytest_kvcompile.models.prompts import Prompt, of_length
+from pytest_kvcompile.recompiles.recorder import CAPTURE_HINT, explain, isolate
 
 DECODE_STEPS = 32
 UNSEEN_LENGTHS = (1, 2, 3, 13, 33, 100)

@@ -7,7 +7,7 @@ oracle-free: each prompt must give the same tokens both times."""
 
 import pytest
 
-from pytest_kvcompile.prompts import variant
+from pytest_kvcompile.models.prompts import variant
 
 
 def test_stale_state(kv_engine, kv_oracle_or_none, kv_prompts, kv_record):

@@ -5,7 +5,7 @@ from transformers import DynamicCache
 
 from kv_test_engines import Greedy
 from pytest_kvcompile import Declaration
-from pytest_kvcompile.memory import KVLayout, cache_tensors, held_bytes
+from pytest_kvcompile.memory.measure import KVLayout, cache_tensors, held_bytes
 
 
 class DynamicBytes(Greedy):

@@ -125,7 +125,7 @@ def test_weights_built_on_the_device_are_the_zoos(bench, tmp_path):
     """On cpu, build_random draws exactly zoo._build_model's weights (same generator, order and gains)."""
     from safetensors.torch import load_file
 
-    from pytest_kvcompile import zoo
+    from pytest_kvcompile.models import zoo
 
     config = zoo.ZOO["llama"].build_config()
     bench.build_random(config, tmp_path / "m", "cpu", torch.float32)
@@ -139,8 +139,8 @@ def test_weights_built_on_the_device_are_the_zoos(bench, tmp_path):
 def test_time_budget_spent_builds_nothing(bench, zoo_cache, monkeypatch):
     from transformers import AutoConfig
 
-    from pytest_kvcompile import zoo
-    from pytest_kvcompile.engine import ModelSpec
+    from pytest_kvcompile.models import zoo
+    from pytest_kvcompile.contract.engine import ModelSpec
 
     monkeypatch.setattr(bench.recompiles, "isolate", lambda: None)  # keep this process's dynamo as it is
     path = zoo.checkpoint("llama", zoo_cache)

@@ -12,11 +12,11 @@ import torch
 
 from pytest_kvcompile import cli
 from pytest_kvcompile.engine_envs import RECIPES
-from pytest_kvcompile.registry import BUILTIN_ENGINES
+from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
 
 def test_every_third_party_builtin_engine_has_a_recipe_and_declares_its_packages():
-    from pytest_kvcompile.registry import _import_target, declaration_of
+    from pytest_kvcompile.contract.registry import _import_target, declaration_of
 
     for name, recipe in RECIPES.items():
         assert name in BUILTIN_ENGINES
@@ -27,7 +27,7 @@ def test_every_third_party_builtin_engine_has_a_recipe_and_declares_its_packages
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_a_missing_engine_package_is_a_usage_error_naming_the_install(kvtester, name):
-    from pytest_kvcompile.registry import _import_target, declaration_of
+    from pytest_kvcompile.contract.registry import _import_target, declaration_of
 
     (module, pip), = declaration_of(_import_target(name, BUILTIN_ENGINES[name])).requires
     if importlib.util.find_spec(module) is not None:

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of
 from pytest_kvcompile.engines import kvpress as engines
-from pytest_kvcompile.oracle import ORACLES
+from pytest_kvcompile.oracles.hf import ORACLES
 from reference_impls.eviction import (TOVA, KNormPrefill, SnapKVPrefill, StreamingLLMPrefill, TOVAPrefill, keep,
                                       policy_for)
 

@@ -6,11 +6,11 @@ from fnmatch import fnmatch
 import pytest
 import torch
 
-from pytest_kvcompile import zoo
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, declaration_of
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of
 from pytest_kvcompile.engines import litgpt as adapter
-from pytest_kvcompile.memory import KVLayout
-from pytest_kvcompile.registry import _accepts_backend
+from pytest_kvcompile.memory.measure import KVLayout
+from pytest_kvcompile.contract.registry import _accepts_backend
 
 
 def test_declarations():
@@ -111,7 +111,7 @@ def test_score_is_teacher_forced_through_the_cache(llama):
 
 
 def test_compiled_engine_matches_eager(llama):
-    from pytest_kvcompile.recompiles import isolate
+    from pytest_kvcompile.recompiles.recorder import isolate
 
     isolate()
     prompts = [[5, 17, 200], [1] * 12]

@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, declaration_of
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of
 from pytest_kvcompile.engines import vllm as engines
-from pytest_kvcompile.registry import BUILTIN_ENGINES
+from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HEADS = [32, 64, 128]  # a part of vLLM 0.32's CPUAttentionBackend.get_supported_head_sizes()

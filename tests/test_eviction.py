@@ -24,10 +24,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa:
 
 import kv_test_engines_eviction as engines  # noqa: E402
 from conftest import run_suites  # noqa: E402
-from pytest_kvcompile import zoo  # noqa: E402
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of  # noqa: E402
-from pytest_kvcompile.oracle import HFEagerOracle, oracle_for  # noqa: E402
-from pytest_kvcompile.token_match import assert_tokens_match  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of  # noqa: E402
+from pytest_kvcompile.oracles.hf import HFEagerOracle, oracle_for  # noqa: E402
+from pytest_kvcompile.oracles.token_match import assert_tokens_match  # noqa: E402
 from reference_impls import eviction_engine  # noqa: E402
 from reference_impls.eviction import EvictionOracle  # noqa: E402
 

@@ -14,9 +14,9 @@ import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from conftest import run_suites  # noqa: E402
-from pytest_kvcompile import zoo  # noqa: E402
-from pytest_kvcompile.engine import ModelSpec  # noqa: E402
-from pytest_kvcompile.recompiles import CompileRecorder, RecompileError, expect_no_recompiles  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.contract.engine import ModelSpec  # noqa: E402
+from pytest_kvcompile.recompiles.recorder import CompileRecorder, RecompileError, expect_no_recompiles  # noqa: E402
 from reference_impls.static_cache import StaticCacheCudaGraph  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),

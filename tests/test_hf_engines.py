@@ -4,9 +4,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
-from pytest_kvcompile.engine import ModelSpec, declaration_of
+from pytest_kvcompile.contract.engine import ModelSpec, declaration_of
 from pytest_kvcompile.engines.hf import HFDynamicCompile, HFEager, HFStaticCompile
-from pytest_kvcompile.recompiles import isolate
+from pytest_kvcompile.recompiles.recorder import isolate
 
 ENGINES = [HFEager, HFStaticCompile, HFDynamicCompile]
 PROMPTS = [[5, 17, 200], [9, 3, 3, 140, 77, 21, 60], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]

@@ -5,9 +5,9 @@ No wall-clock absolutes: only side-by-side comparisons of engines whose speed di
 import pytest
 import torch
 
-from pytest_kvcompile import latency
-from pytest_kvcompile.latency import Budget, Latency, check, parse_spec, validate
-from pytest_kvcompile.results import stats
+from pytest_kvcompile.latency import marker as latency
+from pytest_kvcompile.latency.marker import Budget, Latency, check, parse_spec, validate
+from pytest_kvcompile.reports.results import stats
 
 INSTANT = "kv_test_engines_latency:Instant"
 SLEEPY = "kv_test_engines_latency:Sleepy"

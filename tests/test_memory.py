@@ -1,4 +1,4 @@
-"""pytest_kvcompile.memory: held bytes, the KVLayout footprint formulas against transformers' own caches,
+"""pytest_kvcompile.memory.measure: held bytes, the KVLayout footprint formulas against transformers' own caches,
 and the memory suite (suites/test_kv_memory.py) failing broken engines (tests/kv_test_engines_memory.py)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from conftest import run_suites
-from pytest_kvcompile import zoo
-from pytest_kvcompile.memory import KVLayout, cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.memory.measure import KVLayout, cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
 
 NEW_TOKENS = 5
 MAX_CACHE_LEN = 40
@@ -185,7 +185,7 @@ def test_memory_suite_passes_correct_and_fails_broken_engines(kvtester):
         "  layer 1 (sliding): 1 x 8 [min(T=63, W=8)] x 2 x 2 x 16 x 4 = 2048",
         "  total: 4096",
         "  hint: the count matches KVLayout('dynamic', window_offset=-1), sliding layers holding W-1 positions, not W.*"
-        "count storages with pytest_kvcompile.memory.held_bytes, not tensor.nbytes*",
+        "count storages with pytest_kvcompile.memory.measure.held_bytes, not tensor.nbytes*",
     ], consecutive=True)
     result.stdout.fnmatch_lines([
         "engine 'kv_test_engines_memory:KeepsEveryCache' on model 'mistral-sw': memory grows over 3 repeated calls "

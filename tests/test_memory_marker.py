@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvcompile import memory_marker
-from pytest_kvcompile.memory_marker import parse_size
+from pytest_kvcompile.memory import marker as memory_marker
+from pytest_kvcompile.memory.marker import parse_size
 
 OPTS = ("-p", "no:cacheprovider", "-p", "no:benchmark", "-v")
 

@@ -199,7 +199,7 @@ def test_strict_markers_clean_and_bad_kv_requires_rejected(kvtester):
 
 
 def test_kv_model_adds_a_local_checkpoint(kvtester, zoo_cache):
-    from pytest_kvcompile import zoo
+    from pytest_kvcompile.models import zoo
 
     local = zoo.checkpoint("llama", zoo_cache / "zoo")
     kvtester.makepyfile("""

@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CONFTEST = """
-from pytest_kvcompile import recompile_marker
+from pytest_kvcompile.recompiles import marker as recompile_marker
 
 
 def pytest_configure(config):

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch._dynamo.utils
 
-from pytest_kvcompile import dynamo_hooks
-from pytest_kvcompile.recompiles import (
+from pytest_kvcompile.recompiles import hooks as dynamo_hooks
+from pytest_kvcompile.recompiles.recorder import (
     CompileEvent, CompileRecorder, DynamoHooksBroken, RecompileError, expect_no_recompiles, explain, hints, isolate,
     verdict,
 )
@@ -201,7 +201,7 @@ def test_private_apis_resolve():
 
 def test_a_missing_private_api_breaks_loudly(monkeypatch):
     monkeypatch.setattr(dynamo_hooks, "PRIVATE_APIS", (*dynamo_hooks.PRIVATE_APIS, "torch._dynamo.utils.gone_in_torch_3"))
-    with pytest.raises(DynamoHooksBroken, match=r"torch\._dynamo\.utils\.gone_in_torch_3 is missing .*dynamo_hooks\.py"):
+    with pytest.raises(DynamoHooksBroken, match=r"torch\._dynamo\.utils\.gone_in_torch_3 is missing .*recompiles/hooks\.py"):
         with CompileRecorder():
             pass
 

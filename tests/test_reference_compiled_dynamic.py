@@ -16,9 +16,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config  # noqa: E402
 
-from pytest_kvcompile import zoo  # noqa: E402
-from pytest_kvcompile.engine import Declaration, ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
-from pytest_kvcompile.recompiles import CompileRecorder  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
+from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.compiled_dynamic import CompiledDynamicCache, UnsupportedModel  # noqa: E402
 
 from conftest import assert_matches_oracle  # noqa: E402

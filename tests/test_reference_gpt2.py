@@ -12,9 +12,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config  # noqa: E402
 
-from pytest_kvcompile import zoo  # noqa: E402
-from pytest_kvcompile.engine import ModelSpec  # noqa: E402
-from pytest_kvcompile.recompiles import CompileRecorder  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.contract.engine import ModelSpec  # noqa: E402
+from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.compiled_dynamic import CompiledDynamicCache, left_pad, load_model  # noqa: E402
 
 from conftest import assert_matches_oracle  # noqa: E402

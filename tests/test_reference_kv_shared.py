@@ -17,8 +17,8 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from pytest_kvcompile import zoo  # noqa: E402
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec  # noqa: E402
 from reference_impls.compiled_dynamic import left_pad, load_model  # noqa: E402
 from reference_impls.gemma4 import kv_sources  # noqa: E402
 from reference_impls.kv_shared import KVSharedPrefillSkip  # noqa: E402

@@ -17,11 +17,11 @@ from transformers import AutoConfig, MistralConfig  # noqa: E402
 
 from conftest import run_suites  # noqa: E402
 from kv_test_engines_static import LeakyGraph, NoZero, StaleValid  # noqa: E402
-from pytest_kvcompile import zoo  # noqa: E402
-from pytest_kvcompile.engine import ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
-from pytest_kvcompile.oracle import HFEagerOracle  # noqa: E402
-from pytest_kvcompile.recompiles import CompileRecorder  # noqa: E402
-from pytest_kvcompile.token_match import TokenMismatch, assert_tokens_match  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
+from pytest_kvcompile.oracles.hf import HFEagerOracle  # noqa: E402
+from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
+from pytest_kvcompile.oracles.token_match import TokenMismatch, assert_tokens_match  # noqa: E402
 from reference_impls.static_cache import StaticCache, StaticCacheCudaGraph, UnsupportedModel  # noqa: E402
 
 NEW = 16

@@ -12,7 +12,7 @@ from conftest import run_suites
 from pytest_kvcompile import cli
 from pytest_kvcompile.reports import baseline, html, json_file, markdown
 from pytest_kvcompile.reports.json_file import SCHEMA_VERSION, ResultsFileError
-from pytest_kvcompile.results import Collector, merge
+from pytest_kvcompile.reports.results import Collector, merge
 
 GREEDY = "kv_test_engines:Greedy"
 INSTANT = "kv_test_engines_latency:Instant"

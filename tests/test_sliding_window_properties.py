@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from pytest_kvcompile import zoo
-from pytest_kvcompile.engine import ModelSpec
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.contract.engine import ModelSpec
 from reference_impls.compiled_dynamic import CompiledDynamicCache, attention_mask
 from reference_impls.sliding_window import SlidingWindowCache, gather_ring, ring_sources
 

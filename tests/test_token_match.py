@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from pytest_kvcompile import Reference, TokenMismatch, assert_tokens_match
-from pytest_kvcompile.token_match import assert_score_matches, compare
+from pytest_kvcompile.oracles.token_match import assert_score_matches, compare
 
 ROWS = [[3.0, 0.0, 0.0], [1.0, 0.9999, -2.0], [0.0, 5.0, 0.0], [0.0, 0.0, 2.0]]
 

@@ -192,7 +192,7 @@ def test_verdicts_do_not_depend_on_test_order(kvtester):
 # --- 8. the oracle checks itself ----------------------------------------------------------------------------------
 CORRUPT_ORACLE = '''
 import pytest
-from pytest_kvcompile import oracle
+from pytest_kvcompile.oracles import hf as oracle
 
 
 @pytest.hookimpl(tryfirst=True)

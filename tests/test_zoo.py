@@ -1,4 +1,4 @@
-"""Tests of the tiny model zoo (pytest_kvcompile.zoo).
+"""Tests of the tiny model zoo (pytest_kvcompile.models.zoo).
 
 transformers may swap the module object in sys.modules (seen after from_pretrained in 5.23),
 so patches name the target as a string, which resolves the current module.
@@ -17,7 +17,8 @@ import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from pytest_kvcompile import prompts, zoo
+from pytest_kvcompile.models import prompts
+from pytest_kvcompile.models import zoo
 
 NAMES = list(zoo.ZOO)
 WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared"]

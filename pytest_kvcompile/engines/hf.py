@@ -14,9 +14,9 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, LogitsProcessor, StaticCache
 
-from ..engine import Declaration, ModelSpec
-from ..memory import KVLayout, cache_tensors, held_bytes
-from ..recompiles import CompileRecorder
+from pytest_kvcompile.contract.engine import Declaration, ModelSpec
+from pytest_kvcompile.memory.measure import KVLayout, cache_tensors, held_bytes
+from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
 _PAD_ID = 0  # left padding value; padded positions are masked, so any id works
 MAX_CACHE_LEN = 512  # hf-static-compile's fixed StaticCache length (the suites' prompts reach 266 positions)
@@ -106,7 +106,7 @@ class _CompiledMixin:
                 "engine ran compiled code. Either transformers skipped compilation (its warning 'unable to "
                 "meet the criteria for compilation'), or dynamo reused code compiled earlier in this process "
                 "for an identical model, or its recompile limit was already hit on transformers' shared "
-                "forward wrapper; call pytest_kvcompile.recompiles.isolate() before the engine's first generate()"
+                "forward wrapper; call pytest_kvcompile.recompiles.recorder.isolate() before the engine's first generate()"
             )
         return tokens
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import Declaration, ModelNotSupported, ModelSpec, Strategy, declaration_of
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, Strategy, declaration_of
 
 REQUIRES = (("kvpress", "kvpress==0.5.5"),)
 

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..engine import Declaration, ModelNotSupported, ModelSpec
-from ..memory import KVLayout, held_bytes
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.memory.measure import KVLayout, held_bytes
 
 MAX_SEQ_LENGTH = 512  # KV-cache positions allocated per engine (prompt + new tokens must fit: the suites reach 266)
 REQUIRES = (("litgpt", "litgpt==0.5.13"),)

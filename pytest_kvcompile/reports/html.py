@@ -10,8 +10,8 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .baseline import Change
-from .table import HEADERS, cells, latency_stats
+from pytest_kvcompile.reports.baseline import Change
+from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:.3em .6em;font-size:.9em;text-align:left}th{background:#f3f3f3}

@@ -32,8 +32,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..results import new_row
-from .table import latency_stats, tokens_per_s
+from pytest_kvcompile.reports.results import new_row
+from pytest_kvcompile.reports.table import latency_stats, tokens_per_s
 
 SCHEMA_VERSION = 1
 KIND = "pytest-kvcompile-results"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from .baseline import Change
-from .table import HEADERS, cells
+from pytest_kvcompile.reports.baseline import Change
+from pytest_kvcompile.reports.table import HEADERS, cells
 
 
 def _escape(cell: str) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..results import stats
+from pytest_kvcompile.reports.results import stats
 
 REFERENCE_ENGINE = "hf-eager"  # latency ratios are given against it when it ran on the same model, device, dtype
 HEADERS = ("engine", "model", "device", "tests", "tokens identical", "near ties", "compiles (build / warmup / after)",

@@ -131,7 +131,7 @@ def stats(samples: list[float] | tuple[float, ...]) -> dict[str, float]:
 
 def run_metadata(config: pytest.Config) -> dict[str, Any]:
     """Versions, device and options of this run."""
-    from .session import SESSION
+    from pytest_kvcompile.run.session import SESSION
 
     settings = config.stash[SESSION].settings
     import torch
@@ -215,7 +215,7 @@ class Recorder:
         self.item = item
 
     def __call__(self, category: str, line: str, **metrics: Any) -> None:
-        from .plugin import NOTE
+        from pytest_kvcompile.plugin import NOTE
 
         self.item.user_properties.append((NOTE, (category, line)))
         self.metric(**metrics)

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from .marker_checks import bind, validated_at_collection, written
-from .memory import format_bytes
+from pytest_kvcompile.run.markers import bind, validated_at_collection, written
+from pytest_kvcompile.memory.measure import format_bytes
 
 MARKER = "limit_memory"
 SECTION = f"{MARKER}: memory report"

@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from .oracle import Reference
+from pytest_kvcompile.oracles.hf import Reference
 
 #: Default tie tolerance (max logit gap that counts as a near tie) per dtype. bfloat16 from data (docs/gpu-results.md,
 #: benchmarks/calibrate_ties.py): correct engines diverged from the oracle at gaps up to 0.5 (hf-static-compile, H100)

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from .marker_checks import bind, validated_at_collection, written
-from .recompiles import CompileRecorder, isolate, verdict
+from pytest_kvcompile.run.markers import bind, validated_at_collection, written
+from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate, verdict
 
 MARKER = "no_recompile"
 FIXTURE = "kv_compile_recorder"

@@ -8,18 +8,19 @@ from typing import Any
 
 import pytest
 
-from . import engine_io, models
-from .engine import ModelNotSupported, ModelSpec, missing_capability
-from .errors import NotApplicable
-from .harness import EngineUnderTest, cuda_allocated
-from .models import ModelEntry
-from .options import Settings
-from .oracle import NoOracle, exercising_lengths, oracle_for
-from .prompts import Prompt, prompt_set
-from .recompiles import CompileRecorder, isolate
-from .reference_store import StoredOracle
-from .registry import EngineRef
-from .token_match import DEFAULT_SCORE_TOLERANCE
+from pytest_kvcompile.contract import engine_io
+from pytest_kvcompile.models import checkpoints as models
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, missing_capability
+from pytest_kvcompile.errors import NotApplicable
+from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
+from pytest_kvcompile.models.checkpoints import ModelEntry
+from pytest_kvcompile.run.options import Settings
+from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
+from pytest_kvcompile.models.prompts import Prompt, prompt_set
+from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
+from pytest_kvcompile.oracles.store import StoredOracle
+from pytest_kvcompile.contract.registry import EngineRef
+from pytest_kvcompile.oracles.token_match import DEFAULT_SCORE_TOLERANCE
 
 
 @dataclass

@@ -32,9 +32,9 @@ from typing import Any, Sequence
 
 import torch
 
-from .engine import ModelSpec, Strategy, dtype_name
-from .oracle import Reference, oracle_for
-from .zoo import shared_kv_layers
+from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
+from pytest_kvcompile.oracles.hf import Reference, oracle_for
+from pytest_kvcompile.models.zoo import shared_kv_layers
 
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).

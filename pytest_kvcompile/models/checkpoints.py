@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from . import zoo
-from .engine import ModelSpec
-from .options import MODEL, ZOO, Settings
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.run.options import MODEL, ZOO, Settings
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .zoo import shared_kv_layers, sliding_layers
+from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
 
 KINDS = ("dynamic", "static", "budget")
 

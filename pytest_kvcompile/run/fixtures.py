@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from .errors import NotApplicable
-from .harness import EngineUnderTest
-from .options import NO_ENGINE, Settings
-from .prompts import Prompt, batch
-from .reference_store import OracleUnreliable, StoredOracle
-from .results import Recorder
-from .session import SESSION
+from pytest_kvcompile.errors import NotApplicable
+from pytest_kvcompile.run.harness import EngineUnderTest
+from pytest_kvcompile.run.options import NO_ENGINE, Settings
+from pytest_kvcompile.models.prompts import Prompt, batch
+from pytest_kvcompile.oracles.store import OracleUnreliable, StoredOracle
+from pytest_kvcompile.reports.results import Recorder
+from pytest_kvcompile.run.session import SESSION
 
 UNAVAILABLE_PROMPT = Prompt("unavailable", ())
 

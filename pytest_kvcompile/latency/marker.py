@@ -31,10 +31,10 @@ from typing import Callable, Sequence
 import pytest
 import torch
 
-from .harness import EngineUnderTest
-from .marker_checks import bind, validated_at_collection, written
-from .prompts import of_length
-from .results import stats
+from pytest_kvcompile.run.harness import EngineUnderTest
+from pytest_kvcompile.run.markers import bind, validated_at_collection, written
+from pytest_kvcompile.models.prompts import of_length
+from pytest_kvcompile.reports.results import stats
 
 PROMPT_LEN = 32
 DECODE_TOKENS = 8
@@ -215,8 +215,8 @@ class Probe:
         self.request = request
 
     def measure(self, engine: EngineUnderTest | None = None) -> Latency:
-        from .options import DEVICE
-        from .session import SESSION
+        from pytest_kvcompile.run.options import DEVICE
+        from pytest_kvcompile.run.session import SESSION
 
         __tracebackhide__ = True
         request, config = self.request, self.request.config
@@ -244,7 +244,7 @@ class Probe:
             pytest.fail(
                 f"{at} is over its latency budget:\n" + "\n".join(f"  {line}" for line in failures)
                 + f"\n  (medians of {config.stash[REPEAT_COUNT]} repeats timed with {measured[0].timer}, prompt of {PROMPT_LEN} tokens, decode over "
-                f"{DECODE_TOKENS} tokens; {DEVICE}={session.settings.device}; see pytest_kvcompile.latency)",
+                f"{DECODE_TOKENS} tokens; {DEVICE}={session.settings.device}; see pytest_kvcompile.latency.marker)",
                 pytrace=False,
             )
         return measured[0]
@@ -252,8 +252,8 @@ class Probe:
     @staticmethod
     def _reference(session, name: str, model: str) -> EngineUnderTest:
         """The relative budget's engine, built for the same model (resolved now if the run did not select it)."""
-        from . import registry
-        from .errors import EngineResolutionError
+        from pytest_kvcompile.contract import registry
+        from pytest_kvcompile.errors import EngineResolutionError
 
         __tracebackhide__ = True
         if name not in session.engines:
@@ -280,7 +280,7 @@ class LatencyPlugin:
 
     @pytest.fixture
     def kv_latency(self, request: pytest.FixtureRequest) -> Probe:
-        """Measure the test's engine: ``kv_latency.measure()`` (see pytest_kvcompile.latency)."""
+        """Measure the test's engine: ``kv_latency.measure()`` (see pytest_kvcompile.latency.marker)."""
         return Probe(request)
 
 

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 if TYPE_CHECKING:
-    from .fuzz import FuzzSettings
+    from pytest_kvcompile.run.fuzz import FuzzSettings
 
 ENGINE = "--kv-engine"
 LIST_ENGINES = "--kv-list-engines"
@@ -167,7 +167,7 @@ class Settings:
 
 def read_settings(config: pytest.Config) -> Settings:
     """Validated settings; a bad value is a usage error naming the fix."""
-    from .token_match import DEFAULT_TIE_TOLERANCE
+    from pytest_kvcompile.oracles.token_match import DEFAULT_TIE_TOLERANCE
 
     dtype = _value(config, DTYPE)
     if dtype not in DTYPES:
@@ -194,7 +194,7 @@ def read_settings(config: pytest.Config) -> Settings:
     if given and not engines:
         raise pytest.UsageError(f"{ENGINE}= is empty: name an engine, e.g. {ENGINE}=hf-eager "
                                 f"(pytest {LIST_ENGINES} lists them)")
-    from .token_match import DEFAULT_MAX_NEAR_TIE_RATE, DEFAULT_MAX_NEAR_TIES
+    from pytest_kvcompile.oracles.token_match import DEFAULT_MAX_NEAR_TIE_RATE, DEFAULT_MAX_NEAR_TIES
 
     raw_ties = str(_value(config, MAX_NEAR_TIES))
     if raw_ties != "auto" and not raw_ties.isdigit():
@@ -233,7 +233,7 @@ def read_settings(config: pytest.Config) -> Settings:
 
 def _fuzz_settings(config: pytest.Config):
     """The --kv-fuzz* options (None: fuzzing off); a bad value is a usage error."""
-    from .fuzz import PROFILES, FuzzSettings
+    from pytest_kvcompile.run.fuzz import PROFILES, FuzzSettings
 
     raw = str(_value(config, FUZZ)).strip()
     if not raw.isdigit():

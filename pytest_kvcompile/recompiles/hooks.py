@@ -75,7 +75,7 @@ class DynamoHooksBroken(RuntimeError):
 
 def _broken(what: str) -> DynamoHooksBroken:
     return DynamoHooksBroken(
-        f"{what} (torch {torch.__version__}): pytest_kvcompile/dynamo_hooks.py must be updated for "
+        f"{what} (torch {torch.__version__}): pytest_kvcompile/recompiles/hooks.py must be updated for "
         "this torch before recompiles can be counted"
     )
 

@@ -24,8 +24,8 @@ from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from . import dynamo_hooks
-from .dynamo_hooks import DynamoHooksBroken
+from pytest_kvcompile.recompiles import hooks as dynamo_hooks
+from pytest_kvcompile.recompiles.hooks import DynamoHooksBroken
 
 __all__ = [
     "CompileEvent", "CompileRecorder", "DynamoHooksBroken", "RecompileError", "expect_no_recompiles", "explain",
@@ -163,7 +163,7 @@ def hints(event: CompileEvent, *, after_warmup: bool = True) -> list[str]:
         found.append(
             f"dynamo hit {event.limit_hit} on {event.frame} and now runs it in eager: fix the recompiles "
             "listed; if many models share this frame (transformers' forward wrapper), call "
-            "pytest_kvcompile.recompiles.isolate() between engines. Raising the limit only hides it."
+            "pytest_kvcompile.recompiles.recorder.isolate() between engines. Raising the limit only hides it."
         )
     if after_warmup and not event.is_recompile:
         found.append(

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from .prompts import Prompt, of_length
+from pytest_kvcompile.models.prompts import Prompt, of_length
 
 PROFILES = ("ci", "dev")
 BOUNDARIES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257)
@@ -69,7 +69,7 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, setting
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-    from .token_match import TokenMismatch
+    from pytest_kvcompile.oracles.token_match import TokenMismatch
 
     vocab, batch = kv_engine.spec.vocab_size, 4 if kv_engine.ref.declaration.batching else 1
     deadline = time.monotonic() + settings.budget_s

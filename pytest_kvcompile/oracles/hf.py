@@ -20,7 +20,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .engine import ModelSpec, Strategy
+from pytest_kvcompile.contract.engine import ModelSpec, Strategy
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ class NoOracle(LookupError):
 #: Strategy kind -> oracle factory ``module:attr``, called as ``factory(spec, strategy)``; the
 #: result has ``reference(prompt, max_new_tokens) -> Reference`` and ``source``. Imported lazily.
 ORACLES: dict[str, str] = {
-    "exact": "pytest_kvcompile.oracle:HFEagerOracle",
+    "exact": "pytest_kvcompile.oracles.hf:HFEagerOracle",
     "last_recent": "reference_impls.eviction:EvictionOracle",
     "streaming_llm": "reference_impls.eviction:EvictionOracle",
     "h2o": "reference_impls.eviction:EvictionOracle",

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 import pytest
 import torch
 
-from .engine import ModelNotSupported, ModelSpec
-from .errors import MalformedOutput, NotApplicable
-from .registry import EngineRef
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec
+from pytest_kvcompile.errors import MalformedOutput, NotApplicable
+from pytest_kvcompile.contract.registry import EngineRef
 
 
 def _engine_traceback(exc: BaseException) -> str:

@@ -17,7 +17,7 @@ from typing import Any, Callable, Protocol, runtime_checkable
 
 import torch
 
-from .memory import KVLayout
+from pytest_kvcompile.memory.measure import KVLayout
 
 #: Capability names, as they appear in skip reasons and in ``--kv-list-engines``.
 BATCHING = "batching"
@@ -89,7 +89,7 @@ class Declaration:
       on this engine. Matching tests become strict xfails that absorb only a failure whose
       ``"<exception type>: <message>"`` matches the regex `expected failure` (a different failure still
       fails; a fixed engine shows as XPASS(strict)).
-    - `kv_layout`: a ``pytest_kvcompile.memory.KVLayout`` saying how the cache stores positions
+    - `kv_layout`: a ``pytest_kvcompile.memory.measure.KVLayout`` saying how the cache stores positions
       (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
       `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
     - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,

@@ -11,16 +11,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Sequence
 
-from . import engine_io
-from .engine import ModelSpec
-from .oracle import Reference
-from .prompts import Prompt
-from .recompiles import CompileEvent, CompileRecorder
-from .registry import EngineRef
-from .token_match import TokenMismatch, Verdict, assert_score_matches, assert_tokens_match
+from pytest_kvcompile.contract import engine_io
+from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.oracles.hf import Reference
+from pytest_kvcompile.models.prompts import Prompt
+from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder
+from pytest_kvcompile.contract.registry import EngineRef
+from pytest_kvcompile.oracles.token_match import TokenMismatch, Verdict, assert_score_matches, assert_tokens_match
 
 if TYPE_CHECKING:
-    from .results import Recorder
+    from pytest_kvcompile.reports.results import Recorder
 
 
 NEAR_TIES = "near ties accepted as numerics"

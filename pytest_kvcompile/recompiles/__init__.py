@@ -1,0 +1,2 @@
+"""Compile recording and its marker: the torch adapter (`hooks`), the recorder and its verdict
+(`recorder`), and ``@pytest.mark.no_recompile`` with the ``kv_compile_recorder`` fixture (`marker`)."""
