@@ -70,7 +70,7 @@ from pytest_kvcompile.contract.engine import (
 from pytest_kvcompile.errors import EngineResolutionError
 from pytest_kvcompile.oracles.hf import HFEagerOracle
 from pytest_kvcompile.oracles.store import ORACLE_CHECK_TOLERANCE, independent
-from pytest_kvcompile.oracles.token_match import (
+from pytest_kvcompile.oracles.tolerances import (
     DEFAULT_MAX_NEAR_TIE_RATE,
     DEFAULT_MAX_NEAR_TIES,
     DEFAULT_TIE_TOLERANCE,

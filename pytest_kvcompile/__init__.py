@@ -1,21 +1,40 @@
 """pytest-kvcompile: check that a KV-cache + compile engine is right and stays fast.
 
-Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`) and
-the token oracle's assertion (`assert_tokens_match`). Heavy modules load lazily.
+Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`, `KVLayout`), the token
+oracle's assertion (`assert_tokens_match`) and the compile recorder (`CompileRecorder`,
+`expect_no_recompiles`). Each name loads its module on first use (PEP 562): importing the package, as pytest
+does through the entry point, imports neither torch nor transformers.
 """
 
-from pytest_kvcompile.contract.engine import (
-    BATCHING, EXACT, KV_CACHE_BYTES, SCORING, Declaration, Engine, EngineFactory, KVBytesEngine,
-    ModelNotSupported, ModelSpec, ScoringEngine, Strategy,
-)
-from pytest_kvcompile.memory.measure import KVLayout
-from pytest_kvcompile.oracles.hf import HFEagerOracle, Reference
-from pytest_kvcompile.oracles.token_match import DEFAULT_TIE_TOLERANCE, TokenMismatch, Verdict, assert_tokens_match
+from __future__ import annotations
+
+import importlib
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BATCHING", "EXACT", "KV_CACHE_BYTES", "SCORING", "Declaration", "Engine", "EngineFactory", "KVBytesEngine",
-    "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy", "HFEagerOracle", "KVLayout", "Reference", "DEFAULT_TIE_TOLERANCE",
-    "TokenMismatch", "Verdict", "assert_tokens_match",
-]
+_PUBLIC = {  # name -> module that defines it
+    **dict.fromkeys(["BATCHING", "EXACT", "KV_CACHE_BYTES", "SCORING", "Declaration", "Engine", "EngineFactory",
+                     "KVBytesEngine", "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy"],
+                    "pytest_kvcompile.contract.engine"),
+    "KVLayout": "pytest_kvcompile.memory.measure",
+    "HFEagerOracle": "pytest_kvcompile.oracles.hf",
+    "Reference": "pytest_kvcompile.oracles.hf",
+    "DEFAULT_TIE_TOLERANCE": "pytest_kvcompile.oracles.tolerances",
+    **dict.fromkeys(["TokenMismatch", "Verdict", "assert_tokens_match"], "pytest_kvcompile.oracles.token_match"),
+    **dict.fromkeys(["CompileRecorder", "RecompileError", "expect_no_recompiles"], "pytest_kvcompile.recompiles.recorder"),
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'pytest_kvcompile' has no attribute {name!r}")
+    found = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = found
+    return found
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_PUBLIC])

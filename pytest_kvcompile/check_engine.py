@@ -6,7 +6,7 @@ each gets its own venv. The steps, each printed before it runs:
 1. ``python -m venv VENV`` (kept and reused when it exists; ``--recreate`` starts afresh);
 2. ``pip install torch==<this environment's torch>`` first: another torch spec may pull CUDA wheels;
 3. ``pip install <the engine's packages> <this project>[test]`` in one resolver run (the recipe in
-   `engine_envs.py` for built-in engines, ``--install SPEC`` for any other);
+   beside each built-in adapter, ``RECIPE`` in pytest_kvcompile/engines/*.py, ``--install SPEC`` for any other);
 4. ``pip uninstall`` what the recipe says breaks the environment;
 5. ``pytest --pyargs pytest_kvcompile.suites --kv-engine=NAME ...`` with the recipe's environment
    and options (vLLM: ``--kv-zoo-head-dim=32``), then the user's (after ``--``), writing ``OUT/NAME.json`` and ``OUT/NAME.md``. The exit status is pytest's.
@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pytest_kvcompile.engine_envs import RECIPES, Recipe
+from pytest_kvcompile.engines.recipe import Recipe
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 
@@ -29,17 +29,34 @@ class CheckEngineError(Exception):
     """Bad arguments for check-engine; str(exc) names the fix."""
 
 
+def recipes() -> dict[str, Recipe]:
+    """Built-in engine NAME -> the RECIPE beside its adapter (engines/*.py), for the engines that have one."""
+    import importlib
+
+    from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
+
+    found = {}
+    for name, target in BUILTIN_ENGINES.items():
+        module = target.partition(":")[0]
+        if module.startswith("pytest_kvcompile.engines."):
+            recipe = getattr(importlib.import_module(module), "RECIPE", None)
+            if recipe is not None:
+                found[name] = recipe
+    return found
+
+
 def recipe_for(names: list[str], extra: list[str]) -> Recipe:
     """The one recipe all `names` share, plus `extra` packages; engines without a recipe need `extra`."""
-    recipes = {id(RECIPES.get(name)): RECIPES.get(name) for name in names}
-    if len(recipes) > 1:
+    known = recipes()
+    recipes_of = {id(known.get(name)): known.get(name) for name in names}
+    if len(recipes_of) > 1:
         raise CheckEngineError(
             f"engines {', '.join(names)} need different environments; check them one command each")
-    recipe = recipes.popitem()[1]
+    recipe = recipes_of.popitem()[1]
     if recipe is None:
         if not extra:
             raise CheckEngineError(
-                f"no install recipe for engine '{names[0]}' (recipes: {', '.join(sorted(RECIPES))}); "
+                f"no install recipe for engine '{names[0]}' (recipes: {', '.join(sorted(known))}); "
                 "name its packages with --install SPEC (repeatable), e.g. --install my-engine==1.0")
         return Recipe(packages=())
     return recipe

@@ -18,3 +18,7 @@ class NotApplicable(pytest.skip.Exception):
 
     def __init__(self, reason: str) -> None:
         super().__init__(reason, pytrace=False)
+
+
+class OracleUnreliable(Exception):
+    """The oracle disagrees with an independent path: its references cannot judge an engine."""

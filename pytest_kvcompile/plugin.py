@@ -1,6 +1,9 @@
-"""pytest-kvcompile's pytest hooks: options, engine resolution, parametrization, reports.
+"""pytest-kvcompile's pytest hooks: the one place that wires the plugin together.
 
-Loaded through the ``pytest11`` entry point ``kvcompile`` (``-p no:kvcompile`` disables it).
+Loaded through the ``pytest11`` entry point ``kvcompile`` (``-p no:kvcompile`` disables it). Importing it
+imports neither torch nor transformers: `pytest_configure` reads the options, registers the markers, fixtures
+and reports, and builds the run's `run.session.Session` (which loads torch) only when the run selects an
+engine or a test uses a ``kv_*`` fixture. Nothing below imports this module back.
 """
 
 from __future__ import annotations
@@ -9,66 +12,156 @@ import importlib.util
 import os
 import re
 from fnmatch import fnmatch
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from pytest_kvcompile import reports
-from pytest_kvcompile.run import fixtures
+from pytest_kvcompile.latency import marker as latency_marker
 from pytest_kvcompile.memory import marker as memory_marker
-from pytest_kvcompile.run import options
 from pytest_kvcompile.recompiles import marker as recompile_marker
-from pytest_kvcompile.contract import registry
-from pytest_kvcompile.contract.engine import BATCHING, COMPILED, KV_CACHE_BYTES, SCORING
-from pytest_kvcompile.run.markers import validated_at_collection
-from pytest_kvcompile.oracles.hf import check_strategy
-from pytest_kvcompile.run.session import SESSION, Session
+from pytest_kvcompile.reports.results import Collector
+from pytest_kvcompile.run import fixtures, fuzz, markers, options
 
-CAPABILITIES = (BATCHING, SCORING, KV_CACHE_BYTES, COMPILED)
-NOTE = "kvcompile"  # user_properties key of run notes: (category, line)
 NO_ENGINE = options.NO_ENGINE
-
-
-def kv_requires(*capabilities: str) -> None:
-    """kv_requires(*capabilities): skip the test, with a reason naming the capability, for an
-    engine whose Declaration does not declare each of them (batching, scoring, kv_cache_bytes, compiled)."""
+LOADGROUP = "kvcompile_loadgroup"
+OPTIONS = [*options.OPTIONS, *fuzz.OPTIONS, *latency_marker.OPTIONS, *reports.OPTIONS]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    options.add_options(parser)
-    reports.add_options(parser)
+    options.add(parser, OPTIONS)
+    parser.getgroup("kvcompile").addoption(
+        options.LIST_ENGINES, action="store_true", default=False,
+        help="list every resolvable engine with its strategy and capabilities, then exit")
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_cmdline_main(config: pytest.Config):
     if config.getoption(options.LIST_ENGINES):
+        from pytest_kvcompile.contract import registry
+
         for line in registry.listing():
             print(line)
         return 0
     return None
 
 
+class Run:
+    """The run's wiring: settings, the engines it selected, and the Session, built on first use. Provides the
+    ``kv_session`` fixture every kvcompile fixture gets its collaborators from, and the xdist/collection hooks."""
+
+    def __init__(self, config: pytest.Config, settings: options.Settings, latency: latency_marker.Settings) -> None:
+        self.config, self.settings, self.latency = config, settings, latency
+        self.collector = Collector(settings.device, settings.dtype)
+        self.engines: dict[str, Any] = {}
+        if settings.engines:
+            from pytest_kvcompile.contract import registry
+            from pytest_kvcompile.oracles.hf import check_strategy
+
+            self.engines = {name: registry.resolve(name) for name in settings.engines}
+            for name, ref in self.engines.items():
+                problem = check_strategy(ref.declaration.strategy)
+                if problem:
+                    raise pytest.UsageError(f"engine '{name}' declares strategy {ref.declaration.strategy}: {problem}")
+
+    @cached_property
+    def session(self):
+        from pytest_kvcompile.run.session import Session
+
+        return Session(self.settings, self.engines, self.collector, self.latency)
+
+    @pytest.fixture(scope="session")
+    def kv_session(self):
+        """The run's Session (run.session): settings, engines and oracles built so far, models, prompts."""
+        return self.session
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        """Parametrize engine, model and prompt per the run's options (ids: names)."""
+        names = metafunc.fixturenames
+        if "kv_engine_name" in names:
+            engines = list(self.engines) or [pytest.param(None, id="no-engine")]
+            metafunc.parametrize("kv_engine_name", engines, scope="session")
+        if "kv_prompt_name" in names:
+            session = self.session
+            pairs = [(m, p.name) for m in session.models for p in _prompts(session, m)]
+            metafunc.parametrize(("kv_model_name", "kv_prompt_name"), pairs, ids=[f"{m}-{p}" for m, p in pairs],
+                                 scope="session")
+        elif "kv_model_name" in names:
+            metafunc.parametrize("kv_model_name", list(self.session.models), scope="session")
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        _known_findings(config, self.engines, items)
+        if self.settings.fuzz is None:  # fuzzing is opt-in (--kv-fuzz=N): deselect, don't skip
+            fuzzing = [i for i in items if getattr(i, "originalname", "") == "test_fuzz" and "kv_engine" in i.fixturenames]
+            if fuzzing:
+                config.hook.pytest_deselected(items=fuzzing)
+                items[:] = [i for i in items if i not in fuzzing]
+        engine_tests = [i for i in items if getattr(i, "callspec", None) and "kv_engine_name" in i.callspec.params]
+        if not self.engines and engine_tests:
+            if hasattr(config, "workerinput"):  # a UsageError here would crash the xdist worker: the fixtures error
+                return
+            raise pytest.UsageError(NO_ENGINE + f" ({len(engine_tests)} collected test(s) need one)")
+        if getattr(config.option, "loadgroup", False):  # xdist worker in loadgroup mode: one group per engine x model
+            for item in engine_tests:
+                params = item.callspec.params
+                item.add_marker(pytest.mark.xdist_group(f"kv:{params['kv_engine_name']}:{params.get('kv_model_name', '')}"))
+
+    def declaration(self, item: pytest.Item):
+        """The Declaration of the item's engine, or None when the item is not parametrized by one."""
+        name = getattr(item, "callspec", None) and item.callspec.params.get("kv_engine_name")
+        return self.engines[name].declaration if name in self.engines else None
+
+
+def kv_requires(measured: None, *capabilities: str) -> None:
+    """skip the test, with a reason naming the capability, for an engine whose Declaration does not
+    declare each of them (batching, scoring, kv_cache_bytes, compiled)."""
+
+
+def _kv_requires_spec(run: Run) -> markers.Marker:
+    def validate(arguments: dict[str, Any], item: pytest.Item) -> dict[str, Any]:
+        from pytest_kvcompile.contract.engine import CAPABILITIES
+
+        capabilities = arguments.get("capabilities", ())
+        if not capabilities or any(c not in CAPABILITIES for c in capabilities):
+            raise ValueError(f"give one or more capability names as positional arguments: {', '.join(CAPABILITIES)}")
+        return arguments
+
+    def setup(arguments: dict[str, Any], item: pytest.Item) -> None:
+        declaration, engine = run.declaration(item), getattr(item, "callspec", None)
+        for capability in arguments["capabilities"] if declaration else ():
+            if not getattr(declaration, capability):
+                name = engine.params["kv_engine_name"]
+                markers.skip(f"engine '{name}' does not declare capability '{capability}' (declare it with "
+                            f"kv_declaration = Declaration({capability}=True) if it supports it)")
+
+    return markers.Marker(kv_requires, validate, setup)
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", f"kv_requires(*capabilities): {kv_requires.__doc__.split(':', 1)[1].strip()}")
-    settings = options.read_settings(config)
-    options.known_findings(config)  # validate now: a malformed line is a usage error
-    engines = {name: registry.resolve(name) for name in settings.engines}
-    for name, ref in engines.items():
-        problem = check_strategy(ref.declaration.strategy)
-        if problem:
-            raise pytest.UsageError(f"engine '{name}' declares strategy {ref.declaration.strategy}: {problem}")
-    if not engines and _runs_the_suites(config):
+    settings = options.read_settings(config, fuzz.read(config))
+    run = Run(config, settings, latency_marker.read(config))
+    if not run.engines and _runs_the_suites(config):
         raise pytest.UsageError(NO_ENGINE)
-    session = config.stash[SESSION] = Session(settings, engines)
     if settings.engines or settings.models:
-        session.models  # read configs now: a bad --kv-model/--kv-zoo is a usage error, not a collection error
-    _group_by_engine_and_model(config, settings)
-    _share_cores(config)
+        run.session.models  # read configs now: a bad --kv-model/--kv-zoo is a usage error, not a collection error
+    config.pluginmanager.register(run, "kvcompile.run")
     config.pluginmanager.register(fixtures, "kvcompile.fixtures")
-    config.pluginmanager.register(RunNotes(), "kvcompile.notes")
+    markers.register(config, {"kv_requires": _kv_requires_spec(run)})
     recompile_marker.register(config)
     memory_marker.register(config)
-    reports.register(config)
+    latency_marker.register(config, run.latency)
+    reports.register(config, settings, run.collector)
+    _group_by_engine_and_model(config, settings)
+    _share_cores(config)
+
+
+def _prompts(session, model: str):
+    if session.models[model].unavailable:  # still collected, so the skip shows with its reason
+        return [fixtures.UNAVAILABLE_PROMPT]
+    return session.prompts(model)
 
 
 def _runs_the_suites(config: pytest.Config) -> bool:
@@ -84,9 +177,9 @@ def _runs_the_suites(config: pytest.Config) -> bool:
     return False
 
 
-def _group_by_engine_and_model(config: pytest.Config, settings) -> None:
+def _group_by_engine_and_model(config: pytest.Config, settings: options.Settings) -> None:
     """Under pytest-xdist's default ``--dist load``, switch to ``loadgroup`` with one group per engine x model
-    (`pytest_collection_modifyitems`): each engine is built and compiled in one worker, and its object serves
+    (`Run.pytest_collection_modifyitems`): each engine is built and compiled in one worker, and its object serves
     the same calls in the same order as in a serial run, so verdicts do not depend on -n. An explicit --dist wins."""
     if getattr(config, "workerinput", {}).get(LOADGROUP):  # a worker: it parsed the original --dist load
         config.option.loadgroup = True  # read by xdist's worker to suffix node ids with their group
@@ -98,9 +191,6 @@ def _group_by_engine_and_model(config: pytest.Config, settings) -> None:
         config.pluginmanager.register(_TellWorkers(), "kvcompile.loadgroup")
 
 
-LOADGROUP = "kvcompile_loadgroup"
-
-
 class _TellWorkers:
     """Workers re-parse the command line (``--dist load``): tell each that the controller groups by engine x model."""
 
@@ -110,69 +200,16 @@ class _TellWorkers:
 
 
 def _share_cores(config: pytest.Config) -> None:
-    """In a pytest-xdist worker, give torch its share of the cores (cores // workers intra-op threads). Each
-    worker's torch otherwise takes every core, and OpenMP threads spinning against each other made `-n 2` on 2
-    cores 3.6x slower than serial (215 s vs 59 s, one engine's suites, warm caches). OMP_NUM_THREADS, when set,
-    wins."""
+    """In a pytest-xdist worker of a run that checks engines, give torch its share of the cores (cores // workers
+    intra-op threads). Each worker's torch otherwise takes every core, and OpenMP threads spinning against each
+    other made `-n 2` on 2 cores 3.6x slower than serial (215 s vs 59 s, one engine's suites, warm caches).
+    OMP_NUM_THREADS, when set, wins."""
     workers = getattr(config, "workerinput", {}).get("workercount")
-    if not workers or os.environ.get("OMP_NUM_THREADS"):
+    if not workers or os.environ.get("OMP_NUM_THREADS") or not config.pluginmanager.get_plugin("kvcompile.run").engines:
         return
     import torch
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
-
-
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    """Parametrize engine, model and prompt per the run's options (ids: names)."""
-    session = metafunc.config.stash[SESSION]
-    names = metafunc.fixturenames
-    if "kv_engine_name" in names:
-        engines = list(session.engines) or [pytest.param(None, id="no-engine")]
-        metafunc.parametrize("kv_engine_name", engines, scope="session")
-    if "kv_prompt_name" in names:
-        pairs = [(m, p.name) for m, entry in session.models.items() for p in _prompts(session, m)]
-        metafunc.parametrize(("kv_model_name", "kv_prompt_name"), pairs, ids=[f"{m}-{p}" for m, p in pairs], scope="session")
-    elif "kv_model_name" in names:
-        metafunc.parametrize("kv_model_name", list(session.models), scope="session")
-
-
-def _prompts(session: Session, model: str):
-    if session.models[model].unavailable:  # still collected, so the skip shows with its reason
-        return [fixtures.UNAVAILABLE_PROMPT]
-    return session.prompts(model)
-
-
-def _check_kv_requires(item: pytest.Item) -> None:
-    for mark in item.iter_markers("kv_requires"):
-        if mark.kwargs or not mark.args or any(c not in CAPABILITIES for c in mark.args):
-            raise ValueError(
-                f"@pytest.mark.kv_requires{mark.args or ''}{mark.kwargs or ''} is invalid; "
-                f"give one or more capability names as positional arguments: {', '.join(CAPABILITIES)}"
-            )
-
-
-pytest_pycollect_makeitem = validated_at_collection(_check_kv_requires)
-
-
-class RunNotes:
-    """Facts tests record with the ``kv_record`` fixture (near ties accepted as numerics, compile
-    counts), listed by category in the terminal summary. They travel as ``user_properties``, so
-    they also arrive from xdist workers."""
-
-    def __init__(self) -> None:
-        self.notes: dict[str, set[str]] = {}
-
-    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        if report.when == "call":
-            for key, value in report.user_properties:
-                if key == NOTE:
-                    self.notes.setdefault(value[0], set()).add(value[1])
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        for category, lines in sorted(self.notes.items()):
-            terminalreporter.write_sep("-", f"kvcompile: {category} ({len(lines)})")
-            for line in sorted(lines):
-                terminalreporter.write_line(line)
 
 
 class _ExpectedMeta(type):
@@ -186,33 +223,13 @@ def expected_failure(pattern: str) -> type[BaseException]:
     return _ExpectedMeta(f"Matching({pattern!r})", (BaseException,), {"pattern": re.compile(pattern)})
 
 
-def _known_findings(config: pytest.Config, items: list[pytest.Item]) -> None:
+def _known_findings(config: pytest.Config, engines: dict[str, Any], items: list[pytest.Item]) -> None:
     """Mark known findings as strict xfails that expect the failure they name: the engines' declared ones and
     the run's ``ENGINE | TEST-GLOB | REASON | EXPECTED`` lines. Another failure stays a failure."""
-    declared = [(name, *finding) for name, ref in config.stash[SESSION].engines.items()
-                for finding in ref.declaration.known_findings]
+    declared = [(name, *finding) for name, ref in engines.items() for finding in ref.declaration.known_findings]
     for engine, pattern, reason, expected in declared + options.known_findings(config):
         for item in items:
             callspec = getattr(item, "callspec", None)
             if callspec and callspec.params.get("kv_engine_name") == engine and fnmatch(item.name, pattern):
                 item.add_marker(pytest.mark.xfail(reason=f"known finding on {engine}: {reason}", strict=True,
                                                   raises=expected_failure(expected)))
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _known_findings(config, items)
-    if config.stash[SESSION].settings.fuzz is None:  # fuzzing is opt-in (--kv-fuzz=N): deselect, don't skip
-        fuzzing = [i for i in items if getattr(i, "originalname", "") == "test_fuzz" and "kv_engine" in i.fixturenames]
-        if fuzzing:
-            config.hook.pytest_deselected(items=fuzzing)
-            items[:] = [i for i in items if i not in fuzzing]
-    engine_tests = [i for i in items if getattr(i, "callspec", None) and "kv_engine_name" in i.callspec.params]
-    if not config.stash[SESSION].engines and engine_tests:
-        if hasattr(config, "workerinput"):  # a UsageError here would crash the xdist worker: the fixtures error
-            return
-        raise pytest.UsageError(NO_ENGINE + f" ({len(engine_tests)} collected test(s) need one)")
-    if getattr(config.option, "loadgroup", False):  # xdist worker in loadgroup mode: one group per engine x model
-        for item in engine_tests:
-            params = item.callspec.params
-            item.add_marker(pytest.mark.xdist_group(f"kv:{params['kv_engine_name']}:{params.get('kv_model_name', '')}"))

@@ -1,7 +1,8 @@
 """Reference engine: a gpt-fast-style Llama whose KV cache really DROPS entries, under torch.compile.
 
-The rules live in `reference_impls/eviction.py` (last_recent, streaming_llm, h2o, tova); this
-module is the cache. Per layer and KV head a fixed buffer of `budget` slots holds keys and
+The rules are the checker's (`pytest_kvcompile/oracles/eviction.py`: last_recent, streaming_llm, h2o,
+tova; its `order` ranks, its policies score); this module is the cache, `EvictingCache`, in the layer
+loop of `reference_impls/model.py`. Per layer and KV head a fixed buffer of `budget` slots holds keys and
 values (after RoPE: never re-rotated; but see `StreamingLLMShifted` below), each slot's original
 position (-1 = empty) and its score.
 
@@ -14,8 +15,7 @@ position (-1 = empty) and its score.
 
 So each engine compiles twice, once per function, and never again: the buffer's shape never
 changes. Batches are left-padded; pads get position -1 (never attended, never kept) and their
-queries add nothing to the scores. The model pieces and weight loading are those of
-`reference_impls/compiled_dynamic.py`.
+queries add nothing to the scores.
 
 `StreamingLLMShifted` (``streaming_llm(..., positions="shifted")``, the paper's pos-shift) stores keys BEFORE
 RoPE and rotates them at attention time by their rank among the step's candidates (kept slots + new, by
@@ -24,76 +24,73 @@ original position; empty slots and pads excluded); each query is rotated by its 
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch._dynamo.decorators import mark_unbacked
 
-from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, Strategy, declaration_of
+from pytest_kvcompile.contract.engine import (
+    Declaration,
+    ModelNotSupported,
+    ModelSpec,
+    Strategy,
+    declaration_of,
+)
 from pytest_kvcompile.memory.measure import KVLayout
-from reference_impls.compiled_dynamic import compile_fresh, load_model, rope_inv_freq, rotate_half
-from reference_impls.eviction import EMPTY, Policy, keep, order, policy_for
+from pytest_kvcompile.oracles.eviction import EMPTY, Policy, keep, order, policy_for
+from reference_impls.compile import compile_fresh, left_pad
+from reference_impls.engine import Engine
+from reference_impls.loader import load_model
+from reference_impls.model import FULL, KVCache, apply_rope, rope_cos_sin
 
 
-def _rope(x, cos, sin):
-    return x * cos + rotate_half(x) * sin
+class EvictingCache(KVCache):
+    """One step over the buffers, layer by layer: `update` appends the step's keys and values to the layer's
+    kept entries (the candidates), then `attend` computes the attention weights explicitly (no SDPA: the policy
+    scores by them), scores the candidates and lets `evict` make them the layer's new buffer.
 
+    buffers: per layer (keys, values [b, kv_heads, slots, d], positions [b, kv_heads, slots], scores); pos [b, t]
+    the step's positions (-1: padding); rope = (inv_freq fp32, scaling), for the pos-shift.
+    """
 
-def _cos_sin(pos, rope, dtype):
-    """RoPE tables at positions `pos` [...] (clamped at 0): cos, sin [..., d] in `dtype`; rope = (inv_freq, scaling)."""
-    freqs = pos.clamp(min=0)[..., None].float() * rope[0]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * rope[1]).to(dtype), (emb.sin() * rope[1]).to(dtype)
+    def __init__(self, policy: Policy, rope, buffers, pos, evict):
+        self.policy, self.rope, self.buffers, self.pos, self.evict = policy, rope, list(buffers), pos, evict
+        self.keys_rotated = getattr(policy, "positions", "original") != "shifted"
+        self.newest = pos[:, -1, None, None]  # left padding: the last token of every row is real
+        self.real_query = (pos >= 0)[:, None, None, :, None]
 
-
-def _attention(q, keys, values, visible):
-    """Explicit softmax attention. q [b, heads, t, d]; keys, values [b, kv_heads, n, d];
-    visible [b, kv_heads, 1, t, n]. Returns out [b, t, heads * d] and weights [b, kv_heads, group, t, n] (fp32)."""
-    b, heads, t, d = q.shape
-    q = q.view(b, keys.size(1), heads // keys.size(1), t, d)
-    logits = (q @ keys[:, :, None].transpose(-1, -2)) * d**-0.5
-    weights = logits.masked_fill(~visible, -torch.inf).softmax(dim=-1, dtype=torch.float32)
-    out = weights.to(values.dtype) @ values[:, :, None]
-    return out.reshape(b, heads, t, d).transpose(1, 2).reshape(b, t, heads * d), weights
-
-
-def _forward(model, policy: Policy, rope, tokens, pos, cache, evict):
-    """Run new tokens [b, t] at positions pos [b, t] (-1: padding) over the per-layer buffers
-    `cache` [(keys, values, slot_pos, score)]; `evict` turns each layer's candidates into its new
-    buffer. rope = (inv_freq fp32, scaling). Returns the last position's logits [b, vocab] and the new buffers."""
-    b, t = tokens.shape
-    x = model.model.embed_tokens(tokens)
-    shifted = getattr(policy, "positions", "original") == "shifted"
-    cos, sin = _cos_sin(pos[:, None], rope, x.dtype)  # [b, 1, t, d]
-    newest = pos[:, -1, None, None]  # left padding: the last token of every row is real
-    real_query = (pos >= 0)[:, None, None, :, None]
-    new_cache = []
-    for layer, (keys, values, slot_pos, score) in zip(model.model.layers, cache):
-        attn, h = layer.self_attn, layer.input_layernorm(x)
-        q = attn.q_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2)
-        k = attn.k_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2)
-        if not shifted:  # keys cached after RoPE at their original positions
-            q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        v = attn.v_proj(h).view(b, t, -1, attn.head_dim).transpose(1, 2)
-        kv_heads, slots = k.size(1), keys.size(2)
-        keys, values = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
-        cand = torch.cat((slot_pos, pos[:, None].expand(b, kv_heads, t)), dim=-1)  # [b, kv_heads, slots + t]
+    def update(self, layer, k, v):
+        keys, values, slot_pos, score = self.buffers[layer]
+        b, t, kv_heads, _ = k.shape
+        slots = keys.size(2)
+        keys, values = torch.cat((keys, k.transpose(1, 2)), dim=2), torch.cat((values, v.transpose(1, 2)), dim=2)
+        cand = torch.cat((slot_pos, self.pos[:, None].expand(b, kv_heads, t)), dim=-1)  # [b, kv_heads, slots + t]
         idx = torch.arange(cand.size(-1), device=cand.device)
         own = idx == slots + torch.arange(t, device=cand.device)[:, None]  # every query sees itself
-        visible = ((cand[:, :, None] >= 0) & (cand[:, :, None] <= pos[:, None, :, None])) | own
-        if shifted:  # pos-shift: rotate by rank among the real candidates, each query by its own key's rank
+        visible = ((cand[:, :, None] >= 0) & (cand[:, :, None] <= self.pos[:, None, :, None])) | own
+        self.candidates = slots, cand, F.pad(score, (0, t)), visible  # for `attend`, next
+        return keys, values
+
+    def attend(self, layer, attn, q, keys, values, mask):
+        """q [b, t, heads, d]; keys, values [b, kv_heads, n, d] -> [b, t, heads, d]. `mask` is unused: the
+        candidates' positions decide what each query sees, per KV head."""
+        slots, cand, score, visible = self.candidates
+        b, t, heads, d = q.shape
+        kv_heads = keys.size(1)
+        q = q.transpose(1, 2).view(b, kv_heads, heads // kv_heads, t, d)
+        attend_keys = keys
+        if not self.keys_rotated:  # pos-shift: rotate by rank among the real candidates, each query by its key's
             rank = ((cand[:, :, None, :] >= 0) & (cand[:, :, None, :] < cand[..., None])).sum(-1)
-            k_cos, k_sin = _cos_sin(rank, rope, x.dtype)  # [b, kv_heads, slots + t, d]
-            group = q.size(1) // kv_heads
-            q = _rope(q.view(b, kv_heads, group, t, -1), k_cos[:, :, None, slots:], k_sin[:, :, None, slots:])
-            q, attend_keys = q.view(b, kv_heads * group, t, -1), _rope(keys, k_cos, k_sin)
-        else:
-            attend_keys = keys
-        out, weights = _attention(q, attend_keys, values, visible[:, :, None])
-        score = policy.score(F.pad(score, (0, t)), weights * real_query, cand)
-        x = x + attn.o_proj(out)
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-        new_cache.append(evict(policy, (keys, values, cand, score), newest))
-    return model.lm_head(model.model.norm(x[:, -1:]))[:, 0], new_cache
+            k_cos, k_sin = rope_cos_sin(rank, self.rope, q.dtype)  # [b, kv_heads, slots + t, d]
+            q = apply_rope(q, k_cos[:, :, None, slots:], k_sin[:, :, None, slots:])
+            attend_keys = apply_rope(keys, k_cos, k_sin)
+        logits = (q @ attend_keys[:, :, None].transpose(-1, -2)) * d**-0.5
+        weights = logits.masked_fill(~visible[:, :, None], -torch.inf).softmax(dim=-1, dtype=torch.float32)
+        out = weights.to(values.dtype) @ values[:, :, None]  # [b, kv_heads, group, t, d]
+        score = self.policy.score(score, weights * self.real_query, cand)
+        self.buffers[layer] = self.evict(self.policy, (keys, values, cand, score), self.newest)
+        return out.reshape(b, heads, t, d).transpose(1, 2)
 
 
 def _gather_kept(policy: Policy, entries, newest):
@@ -123,31 +120,42 @@ def _evict_one(policy: Policy, entries, newest):
     return tuple(_write(x[:, :, :budget], x[:, :, budget:], victim, budget) for x in entries)
 
 
-def prefill(model, policy, rope, tokens, valid):
+def step(model, policy: Policy, tokens, pos, buffers, evict):
+    """Run new tokens [b, t] at positions pos [b, t] (-1: padding) over the per-layer `buffers`; `evict` turns each
+    layer's candidates into its new buffer. Returns the last position's logits [b, vocab] and the new buffers."""
+    cache = EvictingCache(policy, model.rope[FULL], buffers, pos, evict)
+    return model.run(tokens, pos.clamp(min=0), {FULL: None}, cache), cache.buffers
+
+
+def prefill(model, policy, tokens, valid):
     b, t = tokens.shape
     torch._check(t >= 2)  # one pad column at least (`_prefill`): see there
     torch._check(valid.size(0) == b)
     torch._check(valid.size(1) == t)
     pos = torch.where(valid, valid.long().cumsum(-1) - 1, EMPTY)
     attn = model.model.layers[0].self_attn
-    kv_heads, d = attn.k_proj.out_features // attn.head_dim, attn.head_dim
-    empty = model.lm_head.weight.new_zeros(b, kv_heads, 0, d)
-    cache = [(empty, empty, pos.new_zeros(b, kv_heads, 0), pos.new_zeros(b, kv_heads, 0, dtype=torch.float))
-             for _ in model.model.layers]
-    logits, cache = _forward(model, policy, rope, tokens, pos, cache, _gather_kept)
-    return logits, valid.sum(-1), cache
+    empty = model.lm_head.weight.new_zeros(b, attn.n_kv_heads, 0, attn.head_dim)
+    buffers = [(empty, empty, pos.new_zeros(b, attn.n_kv_heads, 0),
+                pos.new_zeros(b, attn.n_kv_heads, 0, dtype=torch.float)) for _ in model.layers]
+    logits, buffers = step(model, policy, tokens, pos, buffers, _gather_kept)
+    return logits, valid.sum(-1), buffers
 
 
-def decode(model, policy, rope, tokens, length, cache):
+def decode(model, policy, tokens, length, buffers):
     b = tokens.size(0)
     torch._check(length.size(0) == b)
-    for x in (x for layer in cache for x in layer):
+    for x in (x for layer in buffers for x in layer):
         torch._check(x.size(0) == b)
-    logits, cache = _forward(model, policy, rope, tokens, length[:, None], cache, _evict_one)
-    return logits, length + 1, cache
+    logits, buffers = step(model, policy, tokens, length[:, None], buffers, _evict_one)
+    return logits, length + 1, buffers
 
 
-class EvictionEngine:
+class EvictionState(NamedTuple):
+    length: torch.Tensor  # [b] real tokens so far: the next position
+    cache: list[tuple[torch.Tensor, ...]]  # per layer (keys, values, positions, scores), `EvictingCache`
+
+
+class EvictionEngine(Engine):
     """Greedy generation over a KV cache of `budget` slots per layer and KV head, evicting by the
     policy its declaration's strategy names. Subclass with another `kv_declaration` for other parameters."""
 
@@ -159,55 +167,26 @@ class EvictionEngine:
         self.spec = spec
         self.policy = policy_for(declaration_of(type(self)).strategy)
         self.model = load_model(spec)
-        inv_freq, scaling = rope_inv_freq(spec.config)
-        self.rope = (inv_freq.to(spec.device), scaling)  # fp32, like transformers
         self.compiled_prefill = compile_fresh(prefill, compile_backend)
         self.compiled_decode = compile_fresh(decode, compile_backend)
         self.cache: list[tuple[torch.Tensor, ...]] = []  # the last generate's buffers
 
-    def _prefill(self, prompts: list[list[int]]):
-        if not all(prompts):
-            raise ValueError("every prompt needs at least one token")
+    def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, EvictionState]:
         # One extra pad column, so the compiled prefill never sees a 1-column batch: inductor's CPU bmm lowering
         # asks whether an unbacked size equals 1 and cannot answer (GuardOnDataDependentSymNode, torch 2.13).
-        width, device = max(map(len, prompts)) + 1, self.spec.device
-        tokens = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
-        valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+        tokens, valid = (F.pad(x, (1, 0)) for x in left_pad(prompts, self.spec.device))
         for x in (tokens, valid):
             mark_unbacked(x, 0)
             mark_unbacked(x, 1)
-        return self.compiled_prefill(self.model, self.policy, self.rope, tokens, valid)
+        logits, length, cache = self.compiled_prefill(self.model, self.policy, tokens, valid)
+        return logits, EvictionState(length, cache)
 
-    def _decode(self, tokens: torch.Tensor, length: torch.Tensor, cache):
+    def _decode(self, tokens: torch.Tensor, state: EvictionState) -> tuple[torch.Tensor, EvictionState]:
         tokens = tokens[:, None]
-        for x in (tokens, length, *(x for layer in cache for x in layer)):
+        for x in (tokens, state.length, *(x for layer in state.cache for x in layer)):
             mark_unbacked(x, 0)
-        return self.compiled_decode(self.model, self.policy, self.rope, tokens, length, cache)
-
-    @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        if max_new_tokens <= 0 or not prompts:
-            self.cache = []
-            return [[] for _ in prompts]
-        logits, length, cache = self._prefill(prompts)
-        out = [logits.argmax(-1)]
-        for _ in range(max_new_tokens - 1):
-            logits, length, cache = self._decode(out[-1], length, cache)
-            out.append(logits.argmax(-1))
-        self.cache = cache
-        return torch.stack(out, dim=1).tolist()
-
-    @torch.inference_mode()
-    def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
-        """Teacher-forced logits [len(continuation), vocab] through the generate path."""
-        if not continuation:
-            return torch.empty(0, self.spec.vocab_size, dtype=self.spec.dtype, device=self.spec.device)
-        logits, length, cache = self._prefill([prompt])
-        rows = [logits[0]]
-        for token in continuation[:-1]:
-            logits, length, cache = self._decode(torch.tensor([token], device=self.spec.device), length, cache)
-            rows.append(logits[0])
-        return torch.stack(rows)
+        logits, length, cache = self.compiled_decode(self.model, self.policy, tokens, state.length, state.cache)
+        return logits, EvictionState(length, cache)
 
     def kept_positions(self) -> list[torch.Tensor]:
         """Per layer: the positions each row and KV head holds after the last generate, [b, kv_heads, budget]

@@ -23,19 +23,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_impls.compiled_dynamic import ARCHITECTURES, MLP, Attention, Llama, UnsupportedModel
+from reference_impls.model import MLP, Attention, Llama, RMSNorm, UnsupportedModel
 
 
-class Gemma3RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))
-
+class Gemma3RMSNorm(RMSNorm):
     def forward(self, x):
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.float())).type_as(x)
+        return (self.normalize(x) * (1.0 + self.weight.float())).type_as(x)
 
 
 def softcap(x, cap: float | None):
@@ -75,10 +68,9 @@ class Gemma3Block(nn.Module):
         self.mlp = MLP(config, config.hidden_activation)
         self.post_feedforward_layernorm = Gemma3RMSNorm(dim, eps)
 
-    def forward(self, x, cos, sin, mask, past):
-        h, kv = self.self_attn(self.input_layernorm(x), cos, sin, mask, past)
-        x = x + self.post_attention_layernorm(h)
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x))), kv
+    def forward(self, x, rope, mask, cache, layer):
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, cache, layer))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class Gemma3(Llama):
@@ -93,12 +85,9 @@ class Gemma3(Llama):
         self.embed_scale = config.hidden_size**0.5
         self.final_softcap = config.final_logit_softcapping
 
-    def embed(self, tokens):
+    def embed(self, tokens, pos):
         x = self.model.embed_tokens(tokens)
         return x * torch.tensor(self.embed_scale, dtype=x.dtype)  # rounded to the dtype, as transformers does
 
     def head(self, x):
-        return softcap(self.lm_head(x), self.final_softcap)
-
-
-ARCHITECTURES["gemma3_text"] = Gemma3
+        return softcap(super().head(x), self.final_softcap)

@@ -15,7 +15,8 @@ The math of transformers 5.23's models/gemma4/modeling_gemma4.py, written out:
   pre_feedforward_layernorm(x))); then x + post_per_layer_input_norm(per_layer_projection(gelu(
   per_layer_input_gate(x)) * ple_i)); then x * layer_scalar.
 - KV sharing: with S = num_kv_shared_layers of L layers, layer i >= L - S has no K/V projections and
-  attends over the K/V of the last layer j < L - S with the same layer type (`kv_sources`).
+  attends over the K/V of the last layer j < L - S with the same layer type (`kv_sources`, the
+  checker's rule in pytest_kvcompile/oracles/eviction.py).
 - Logits: lm_head, then `final_logit_softcapping` when set.
 
 Not supported (UnsupportedModel): MoE blocks, `attention_k_eq_v`, double-wide MLPs, bidirectional attention.
@@ -27,16 +28,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_impls.compiled_dynamic import (
-    ACTIVATIONS, ARCHITECTURES, SLIDING, Llama, UnsupportedModel, layer_types, rope_tables)
+from pytest_kvcompile.oracles.eviction import kv_sources
 from reference_impls.gemma3 import softcap
-
-
-def kv_sources(config) -> dict[int, int]:
-    """Shared layer -> the layer whose K/V it reads: the last non-shared layer of its layer type."""
-    types, n = layer_types(config), config.num_hidden_layers
-    first = n - (getattr(config, "num_kv_shared_layers", 0) or 0)
-    return {i: max(j for j in range(first) if types[j] == types[i]) for i in range(first, n)}
+from reference_impls.model import (
+    ACTIVATIONS,
+    MLP,
+    SLIDING,
+    Decoder,
+    UnsupportedModel,
+    apply_rope,
+    layer_types,
+    rope_tables,
+)
 
 
 def geometry(config, layer: int) -> tuple[int, int]:
@@ -62,11 +65,6 @@ class RMSNorm(nn.Module):
         return (h if self.weight is None else h * self.weight.float()).type_as(x)
 
 
-def rope(x, cos, sin):
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
-
-
 class Attention(nn.Module):
     def __init__(self, config, layer: int, shared: bool):
         super().__init__()
@@ -81,30 +79,20 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, eps)
             self.v_norm = RMSNorm(self.head_dim, eps, with_scale=False)
 
-    def kv(self, x, cos, sin):
+    def kv(self, x, rope):
         """This step's keys (after RoPE) and values, [b, t, kv_heads, d]."""
         b, t, _ = x.shape
-        k = rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).view(b, t, self.n_kv_heads, self.head_dim)), *rope)
         return k, self.v_norm(self.v_proj(x).view(b, t, self.n_kv_heads, self.head_dim))
 
-    def forward(self, x, cos, sin, mask, k, v):
+    def forward(self, x, rope, mask, cache, layer: int, source: int | None):
+        """A shared layer (`source` set) attends over the K/V its source layer wrote in this step; it writes none."""
         b, t, _ = x.shape
-        q = rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)), cos, sin)
+        k, v = cache.update(layer, *self.kv(x, rope)) if source is None else cache.layers[source]
+        q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)), *rope)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                            scale=1.0, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.act = ACTIVATIONS[config.hidden_activation]
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Block(nn.Module):
@@ -115,7 +103,7 @@ class Block(nn.Module):
         self.self_attn = Attention(config, layer, shared)
         self.post_attention_layernorm = RMSNorm(dim, eps)
         self.pre_feedforward_layernorm = RMSNorm(dim, eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, config.hidden_activation)
         self.post_feedforward_layernorm = RMSNorm(dim, eps)
         self.act = ACTIVATIONS[config.hidden_activation]
         self.per_layer_input_gate = nn.Linear(dim, ple, bias=False)
@@ -123,19 +111,12 @@ class Block(nn.Module):
         self.post_per_layer_input_norm = RMSNorm(dim, eps)
         self.layer_scalar = nn.Buffer(torch.ones(1))
 
-    def forward(self, x, ple, cos, sin, mask, past=None, shared_kv=None):
-        """One layer over x [b, t, dim]; returns x and the K/V it attended over (past + new, or `shared_kv`)."""
-        h = self.input_layernorm(x)
-        if shared_kv is None:
-            k, v = self.self_attn.kv(h, cos, sin)
-            if past is not None:
-                k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
-        else:
-            k, v = shared_kv
-        x = x + self.post_attention_layernorm(self.self_attn(h, cos, sin, mask, k, v))
+    def forward(self, x, ple, rope, mask, cache, layer: int, source: int | None = None):
+        """One layer over x [b, t, dim] with its per-layer input ple [b, t, p]."""
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, mask, cache, layer, source))
         x = x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         g = self.per_layer_projection(self.act(self.per_layer_input_gate(x)) * ple)
-        return (x + self.post_per_layer_input_norm(g)) * self.layer_scalar, (k, v)
+        return (x + self.post_per_layer_input_norm(g)) * self.layer_scalar
 
 
 class Backbone(nn.Module):
@@ -151,14 +132,13 @@ class Backbone(nn.Module):
         self.norm = RMSNorm(dim, config.rms_norm_eps)
 
 
-class Gemma4(nn.Module):
+class Gemma4(Decoder):
     """Parameter names match transformers' Gemma4ForCausalLM. The cache holds the non-shared layers only.
 
-    `forward` is Llama's (positions and masks from `valid`, then `run`); `skip_shared_prefill` turns the
-    prefill skip on (reference_impls/kv_shared.py).
+    `forward` is `Decoder.forward` (positions and masks from `valid`, then `run`, its own loop: per-layer inputs and
+    KV sharing); `skip_shared_prefill` turns the prefill skip on (reference_impls/kv_shared.py).
     """
 
-    forward, masks = Llama.forward, Llama.masks
     skip_shared_prefill = False
 
     def __init__(self, config):
@@ -186,33 +166,19 @@ class Gemma4(nn.Module):
         return (self.model.per_layer_projection_norm(proj.view(*tokens.shape, n, p)) + emb) * 2**-0.5
 
     def run(self, tokens, pos, masks, cache):
-        """Logits [b, vocab] of the last position, and the non-shared layers' K/V (past + new).
-
-        tokens, pos [b, t]; masks: layer type -> [b, 1, t, n] bool; cache: per non-shared layer
-        (k, v) [b, n - t, kv_heads, d], or None. With `skip_shared_prefill`, the shared layers run
-        on the last position only (the prefill skip: their other positions feed nothing).
-        """
+        """`Decoder.run` with per-layer inputs and KV sharing: the non-shared layers write `cache`, the shared ones
+        read their source's. With `skip_shared_prefill`, the shared layers run on the last position only (the
+        prefill skip: their other positions feed nothing)."""
         t = tokens.size(1)
         x = self.model.embed_tokens(tokens)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         ple = self.per_layer_inputs(tokens, x)
-        cos_sin = {}
-        for kind, (inv_freq, scale) in self.rope.items():
-            emb = (pos[..., None].float() * inv_freq).repeat(1, 1, 2)[:, :, None]  # [b, t, 1, d]
-            cos_sin[kind] = ((emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype))
-        kvs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        rope = self.rotary(pos, x.dtype)
         for i, (layer, kind) in enumerate(zip(self.model.layers, self.layer_types)):
             if i == self.first_shared and self.skip_shared_prefill:
                 x, ple = x.narrow(1, t - 1, 1), ple.narrow(1, t - 1, 1)
-                cos_sin = {k: (c.narrow(1, t - 1, 1), s.narrow(1, t - 1, 1)) for k, (c, s) in cos_sin.items()}
+                rope = {k: (c.narrow(1, t - 1, 1), s.narrow(1, t - 1, 1)) for k, (c, s) in rope.items()}
                 masks = {k: m.narrow(2, t - 1, 1) for k, m in masks.items()}
-            if i in self.kv_sources:
-                x, _ = layer(x, ple[:, :, i], *cos_sin[kind], masks[kind], shared_kv=kvs[self.kv_sources[i]])
-            else:
-                x, kvs[i] = layer(x, ple[:, :, i], *cos_sin[kind], masks[kind], cache[i] if cache else None)
+            x = layer(x, ple[:, :, i], rope[kind], masks[kind], cache, i, self.kv_sources.get(i))
         x = self.model.norm(x.narrow(1, x.size(1) - 1, 1))
-        logits = softcap(self.lm_head(x), self.config.final_logit_softcapping)[:, 0]
-        return logits, [kvs[i] for i in range(self.first_shared)]
-
-
-ARCHITECTURES["gemma4_text"] = Gemma4
+        return softcap(self.lm_head(x), self.config.final_logit_softcapping)[:, 0]

@@ -3,7 +3,7 @@
 What differs from Llama, as transformers 5.23's models/gpt2/modeling_gpt2.py computes it:
 
 - Learned ABSOLUTE position embeddings instead of RoPE: x = wte(token) + wpe(position). The position
-  is the token's index among its row's real tokens (`Llama.forward`: `valid.cumsum(-1) - 1`), so a
+  is the token's index among its row's real tokens (`Decoder.forward`: `valid.cumsum(-1) - 1`), so a
   left-padded row computes what the prompt alone would; transformers agrees when given those
   position_ids (its generate() derives them from the attention mask).
 - LayerNorm (weight and bias, `layer_norm_epsilon`): ln_1 before attention, ln_2 before the MLP,
@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_impls.compiled_dynamic import ARCHITECTURES, Llama, UnsupportedModel, attention_mask
+from reference_impls.model import FULL, Decoder, UnsupportedModel
 
 
 class Conv1D(nn.Module):
@@ -51,16 +51,15 @@ class Attention(nn.Module):
         self.scale = (self.head_dim**-0.5 if config.scale_attn_weights else 1.0) / (
             layer + 1 if config.scale_attn_by_inverse_layer_idx else 1)
 
-    def forward(self, x, mask, past):
+    def forward(self, x, mask, cache, layer):
         b, t, _ = x.shape
         q, k, v = (y.view(b, t, self.n_heads, self.head_dim) for y in self.c_attn(x).split(self.dim, dim=-1))
-        if past is not None:
-            k, v = torch.cat((past[0], k), dim=1), torch.cat((past[1], v), dim=1)
-        else:  # views of c_attn's output: copy, so the cache is fresh and contiguous (no stride guards)
+        if cache.past is None:  # views of c_attn's output: copy, so the cache is fresh and contiguous (no stride guards)
             k, v = k.contiguous(), v.contiguous()
+        k, v = cache.update(layer, k, v)
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
                                            scale=self.scale)
-        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.dim)), (k, v)
+        return self.c_proj(y.transpose(1, 2).reshape(b, t, self.dim))
 
 
 class MLP(nn.Module):
@@ -80,10 +79,9 @@ class Block(nn.Module):
         LayerNorm = functools.partial(nn.LayerNorm, config.hidden_size, eps=config.layer_norm_epsilon)
         self.ln_1, self.attn, self.ln_2, self.mlp = LayerNorm(), Attention(config, layer), LayerNorm(), MLP(config)
 
-    def forward(self, x, mask, past):
-        h, kv = self.attn(self.ln_1(x), mask, past)
-        x = x + h
-        return x + self.mlp(self.ln_2(x)), kv
+    def forward(self, x, rope, mask, cache, layer):  # rope: always None (no RoPE)
+        x = x + self.attn(self.ln_1(x), mask, cache, layer)
+        return x + self.mlp(self.ln_2(x))
 
 
 class Transformer(nn.Module):
@@ -95,11 +93,9 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_epsilon)
 
 
-class GPT2(nn.Module):
-    """Parameter names match transformers' GPT2LMHeadModel. `forward` is Llama's (positions and the
-    mask from `valid`, then `run`)."""
+class GPT2(Decoder):
+    """Parameter names match transformers' GPT2LMHeadModel; `Decoder.forward` runs it over a `GrowingCache`."""
 
-    forward = Llama.forward
     tied_embedding = "transformer.wte.weight"
 
     def __init__(self, config):
@@ -109,23 +105,15 @@ class GPT2(nn.Module):
                                    f"'{config.activation_function}' is not supported (causal LM, gelu_new only)")
         self.transformer = Transformer(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layer_types = [FULL] * config.num_hidden_layers  # full attention in every layer
+        self.rope = {}  # learned absolute positions instead (wpe)
 
-    def masks(self, q_pos, k_pos, k_real):
-        return attention_mask(q_pos, k_pos, k_real)  # full attention in every layer
+    @property
+    def layers(self):
+        return self.transformer.h
 
-    def run(self, tokens, pos, mask, cache):
-        """Logits [b, vocab] of the last position, and each layer's (k, v) [b, n, heads, d], past + new.
+    def embed(self, tokens, pos):
+        return self.transformer.wte(tokens) + self.transformer.wpe(pos)
 
-        tokens, pos [b, t] (pos: absolute positions, the wpe index); mask [b, 1, t, n] bool; cache:
-        per layer (k, v) [b, n - t, heads, d] or None.
-        """
-        x = self.transformer.wte(tokens) + self.transformer.wpe(pos)
-        kvs = []
-        for block, past in zip(self.transformer.h, cache or [None] * len(self.transformer.h)):
-            x, kv = block(x, mask, past)
-            kvs.append(kv)
-        x = self.transformer.ln_f(x.narrow(1, tokens.size(1) - 1, 1))
-        return self.lm_head(x)[:, 0], kvs
-
-
-ARCHITECTURES["gpt2"] = GPT2
+    def head(self, x):
+        return self.lm_head(self.transformer.ln_f(x))

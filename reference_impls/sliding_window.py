@@ -12,7 +12,7 @@ Ring rule: position p lives in slot ``p % W`` (it overwrites p - W, which no que
 sees), so slot s holds the newest position ``p <= last`` with ``p % W == s``:
 ``p = last - ((last - s) % W)``. `ring_pos` [batch, W] records the absolute position each slot
 holds (-1: empty); masks come from these stored positions, never from slot order. Full-attention
-layers (Gemma3's global ones) keep a growing cache, as in `compiled_dynamic`.
+layers (Gemma3's global ones) keep a growing cache, as in `compiled_dynamic` (`model.GrowingCache`).
 
 One compiled function, `step`, is prefill, chunked prefill and decode alike: the t new tokens
 attend to cat(ring, new) [W + t keys] in sliding layers (cat(past, new) in full layers), then the
@@ -35,8 +35,15 @@ from torch._dynamo.decorators import mark_unbacked
 from pytest_kvcompile.contract.engine import Declaration, ModelSpec
 from pytest_kvcompile.memory.measure import KVLayout
 from pytest_kvcompile.models.zoo import sliding_layers
-from reference_impls.compiled_dynamic import (
-    FULL, SLIDING, CompiledDynamicCache, UnsupportedModel, attention_mask, compile_fresh, left_pad, load_model,
+from reference_impls.compile import compile_fresh, left_pad
+from reference_impls.engine import Engine
+from reference_impls.loader import load_model
+from reference_impls.model import (
+    FULL,
+    SLIDING,
+    GrowingCache,
+    UnsupportedModel,
+    attention_mask,
 )
 
 
@@ -91,11 +98,12 @@ def step(model, tokens, valid, state: RingState):
         SLIDING: attention_mask(q_pos, ring_keys, ring_keys >= 0, window),
         FULL: attention_mask(q_pos, full_keys, full_keys >= 0),
     }
-    logits, kvs = model.run(tokens, q_pos, masks, state.cache)
+    kvs = GrowingCache(state.cache)  # each layer attends over cat(ring or past, chunk)
+    logits = model.run(tokens, q_pos, masks, kvs)
 
     src, ring_pos = ring_sources(length, new_length, ring_pos, window, t)
     cache = [(gather_ring(k, src), gather_ring(v, src)) if kind == SLIDING else (k, v)
-             for (k, v), kind in zip(kvs, model.layer_types)]
+             for (k, v), kind in zip(kvs.layers, model.layer_types)]
     return logits, RingState(new_length, ring_pos, cache)
 
 
@@ -112,7 +120,7 @@ def mark_dynamic(tokens, valid, state: RingState, layer_types: list[str]) -> Non
                 mark_unbacked(x, 1)
 
 
-class SlidingWindowCache(CompiledDynamicCache):
+class SlidingWindowCache(Engine):
     """Greedy generation with ring-buffer sliding layers (W slots each) and growing full layers.
 
     `prefill_chunk`: run prompts in chunks of this many tokens (same compiled step; None: one chunk).

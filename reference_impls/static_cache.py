@@ -3,9 +3,9 @@ optionally with its decode step replayed from a CUDA graph.
 
 The cache (gpt-fast's KVCache, transformers' StaticCache): per layer, K and V buffers
 [batch, max_cache_len, kv_heads, head_dim], allocated once per engine and written BY POSITION:
-a step's keys/values go to the cache slots `cache_pos` (a tensor) with `index_copy_`, so no shape
-depends on how full the cache is and no slot index needs a host sync. Attention reads the whole
-buffer; a mask decides which slots count:
+a step's keys/values go to the cache slots `cache_pos` (a tensor) with `index_copy_` (`SlotWrites.update`,
+called by the layer loop of `model.py`), so no shape depends on how full the cache is and no slot index
+needs a host sync. Attention reads the whole buffer; a mask decides which slots count:
 
     key slot k is visible to the query in slot q of row b  iff  k <= q and valid[b, k]
     (and k == q always: a left-pad query sees only itself, so no softmax row is empty; its output is never read)
@@ -41,40 +41,40 @@ from torch._dynamo.decorators import mark_unbacked
 
 from pytest_kvcompile.contract.engine import Declaration, ModelSpec
 from pytest_kvcompile.memory.measure import KVLayout
-from reference_impls.compiled_dynamic import Attention, UnsupportedModel, compile_fresh, load_model, rotate_half
+from reference_impls.compile import compile_fresh
+from reference_impls.loader import load_model
+from reference_impls.model import FULL, KVCache, UnsupportedModel
 
 MAX_CACHE_LEN, MAX_BATCH_SIZE = 512, 4  # defaults, as declared in kv_layout (512: the suites' prompts reach 266 positions)
 
 PAD_ID = 0  # token of left pads and dummy rows; they are masked from every real query
 
 
-class KVCache(nn.Module):
-    """One layer's preallocated keys and values [batch, max_cache_len, kv_heads, head_dim], written by slot."""
+class LayerBuffers(nn.Module):
+    """One layer's preallocated keys and values [batch, max_cache_len, kv_heads, head_dim]."""
 
     def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device):
         super().__init__()
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
-    def update(self, cache_pos, k, v):
-        self.k.index_copy_(1, cache_pos, k)
-        self.v.index_copy_(1, cache_pos, v)
-        return self.k, self.v
 
+class SlotWrites(KVCache):
+    """One step over the static buffers: `update` writes a layer's keys and values at slots `cache_pos` [t]
+    (`index_copy_`, no host sync) and returns the whole buffers, which the step's mask reads."""
 
-def attention(attn: Attention, x, cos, sin, mask, cache: KVCache, cache_pos):
-    """`compiled_dynamic.Attention` (its projections, RoPE and SDPA) over the static cache instead of a growing one."""
-    b, t, _ = x.shape
-    q, k, v = attn.project(x)
-    q = q * cos + rotate_half(q) * sin
-    k = k * cos + rotate_half(k) * sin
-    k, v = cache.update(cache_pos, k, v)
-    y = attn.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
-    return attn.o_proj(y.transpose(1, 2).reshape(b, t, attn.n_heads * attn.head_dim))
+    def __init__(self, buffers: nn.ModuleList, cache_pos):
+        self.buffers, self.cache_pos = buffers, cache_pos
+
+    def update(self, layer, k, v):
+        buffers = self.buffers[layer]
+        buffers.k.index_copy_(1, self.cache_pos, k)
+        buffers.v.index_copy_(1, self.cache_pos, v)
+        return buffers.k, buffers.v
 
 
 class StaticLlama(nn.Module):
-    """`compiled_dynamic.Llama`'s weights run over per-layer `KVCache`s, plus the call's row state:
+    """`model.Llama`'s weights run over per-layer `LayerBuffers` (`caches`), plus the call's row state:
     `valid` [batch, max_cache_len] (slots holding a real token of this call) and `pad` [batch] (left pads)."""
 
     def __init__(self, llama: nn.Module, batch: int, max_cache_len: int):
@@ -82,7 +82,7 @@ class StaticLlama(nn.Module):
         attn, device = llama.model.layers[0].self_attn, llama.lm_head.weight.device
         shape = (batch, max_cache_len, attn.n_kv_heads, attn.head_dim)
         self.llama = llama
-        self.caches = nn.ModuleList(KVCache(shape, llama.lm_head.weight.dtype, device) for _ in llama.model.layers)
+        self.caches = nn.ModuleList(LayerBuffers(shape, llama.lm_head.weight.dtype, device) for _ in llama.layers)
         self.register_buffer("valid", torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device))
         self.register_buffer("pad", torch.zeros(batch, dtype=torch.long, device=device))
         self.register_buffer("slots", torch.arange(max_cache_len, device=device))
@@ -97,22 +97,10 @@ class StaticLlama(nn.Module):
 
     def forward(self, tokens, cache_pos):
         """Last-position logits [batch, vocab] for tokens [batch, t] written at slots cache_pos [t]."""
-        llama, t = self.llama, tokens.size(1)
-        x = llama.embed(tokens)
-
         pos = (cache_pos - self.pad[:, None]).clamp(min=0)  # RoPE position: slot minus the row's left pad
-        ((inv_freq, scale),) = llama.rope.values()  # full attention only: one RoPE table
-        freqs = pos[..., None].float() * inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, :, None]  # [b, t, 1, d]
-        cos, sin = (emb.cos() * scale).to(x.dtype), (emb.sin() * scale).to(x.dtype)
-
         q_slot, k_slot = cache_pos[:, None], self.slots[None, :]
         mask = ((k_slot <= q_slot) & self.valid[:, None, None, :]) | (k_slot == q_slot)  # [b, 1, t, max_cache_len]
-
-        for layer, cache in zip(llama.model.layers, self.caches):
-            x = x + attention(layer.self_attn, layer.input_layernorm(x), cos, sin, mask, cache, cache_pos)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return llama.head(llama.model.norm(x.narrow(1, t - 1, 1)))[:, 0]
+        return self.llama.run(tokens, pos, {FULL: mask}, SlotWrites(self.caches, cache_pos))
 
 
 def prefill(model: StaticLlama, tokens, pad):

@@ -10,7 +10,7 @@ import pytest
 
 
 @pytest.mark.kv_requires("batching")
-def test_batch_consistency(kv_engine, kv_oracle_or_none, kv_batch, kv_record):
+def test_batch_consistency(kv_engine, kv_oracle_or_none, kv_batch, kv_check):
     batched = kv_engine.generate(kv_batch)
     lengths = [len(p) for p in kv_batch]
     for i, prompt in enumerate(kv_batch):
@@ -26,5 +26,5 @@ def test_batch_consistency(kv_engine, kv_oracle_or_none, kv_batch, kv_record):
                         "told from a near tie\n  hint: check padding, attention masks and per-row positions",
                         pytrace=False)
         reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-        kv_engine.check(reference, got=alone, prompt=prompt, where=f"alone (vs batched: {where})", record=kv_record)
-        kv_engine.check(reference, batched[i], prompt, where, kv_record)
+        kv_check(reference, got=alone, prompt=prompt, where=f"alone (vs batched: {where})")
+        kv_check(reference, batched[i], prompt, where)

@@ -10,7 +10,7 @@ from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.oracles.hf import budget_of
 
 
-def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record):
+def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, kv_check):
     settings = kv_settings.fuzz
     if settings is None:  # deselected by the plugin; reached only when run by node id
         pytest.skip("fuzzing is off: pass --kv-fuzz=N")
@@ -23,6 +23,6 @@ def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record):
     lengths = fuzz.lengths_for(kv_engine.window, (budget,) if budget else (), limit)
     key = f"{kv_engine.name}|{kv_engine.spec.name}|{kv_settings.dtype}|{kv_settings.device}"
     examples = fuzz.run(kv_engine, kv_oracle_or_none, lengths, kv_engine.compiled_observed, settings, by_len[7],
-                        kv_settings.cache_dir / "fuzz-db", key, kv_record)
+                        kv_settings.cache_dir / "fuzz-db", key, kv_check)
     kv_record("fuzz", f"{kv_engine.name} / {kv_engine.spec.name}: {examples} example(s) of up to "
               f"{8 if settings.profile == 'ci' else 24} calls, profile {settings.profile}, no failure")

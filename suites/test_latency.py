@@ -1,5 +1,5 @@
 """Latency: prefill and decode per token of every engine on every model, recorded for the run's
-reports (the rule: ``pytest_kvcompile.latency.marker``); ``--kv-latency-budget`` applies, e.g.
+reports (the rule: ``pytest_kvcompile.latency.measure``); ``--kv-latency-budget`` applies, e.g.
 ``relative_to=hf-eager,factor=1.1``. With pytest-benchmark installed and enabled: prefill and decode
 benchmarks, with engine, model, device, dtype and versions in ``extra_info``."""
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pytest_kvcompile.contract.engine import dtype_name
-from pytest_kvcompile.latency.marker import DECODE_TOKENS, PROMPT_LEN, REPEAT_COUNT, WARMUP
+from pytest_kvcompile.latency.measure import DECODE_TOKENS, PROMPT_LEN, WARMUP
 from pytest_kvcompile.models.prompts import of_length
 
 
@@ -28,9 +28,9 @@ def _benchmark(request: pytest.FixtureRequest):
 
 
 @pytest.mark.parametrize("step", ["prefill", "decode"])
-def test_benchmark(request, kv_engine, step):
+def test_benchmark(request, kv_session, kv_engine, step):
     """prefill: generate([prompt], 1); decode: generate([prompt], 1 + K), so decode ms/token =
-    (decode - prefill) / K (see pytest_kvcompile.latency.marker)."""
+    (decode - prefill) / K (see pytest_kvcompile.latency.measure)."""
     benchmark = _benchmark(request)
     spec = kv_engine.spec
     prompt = of_length(PROMPT_LEN, spec.vocab_size, salt=5)
@@ -43,4 +43,4 @@ def test_benchmark(request, kv_engine, step):
         torch=torch.__version__, transformers=version("transformers"),
     )
     benchmark.pedantic(kv_engine.engine.generate, args=([list(prompt.ids)], n), warmup_rounds=WARMUP,
-                       rounds=request.config.stash[REPEAT_COUNT], iterations=1)
+                       rounds=kv_session.latency.repeats, iterations=1)

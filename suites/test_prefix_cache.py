@@ -22,7 +22,7 @@ def _pair(k: int, vocab: int) -> tuple[Prompt, Prompt]:
     return Prompt(f"shared{k}+a", shared + a), Prompt(f"shared{k}+b", shared + b)
 
 
-def test_shared_prefixes(kv_engine, kv_oracle_or_none, kv_record):
+def test_shared_prefixes(kv_engine, kv_oracle_or_none, kv_check):
     vocab = kv_engine.spec.vocab_size
     calls = []
     for k in SHARED:
@@ -36,7 +36,7 @@ def test_shared_prefixes(kv_engine, kv_oracle_or_none, kv_record):
         where = f"call {i + 1} of {len(calls)} on one engine object, after prompts [{earlier}]"
         if kv_oracle_or_none is not None:
             reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-            kv_engine.check(reference, got, prompt, where + " (shared-prefix check)", kv_record)
+            kv_check(reference, got, prompt, where + " (shared-prefix check)")
         if prompt.name in served and served[prompt.name][0] != got:
             before, when = served[prompt.name]
             pytest.fail(f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
@@ -46,7 +46,7 @@ def test_shared_prefixes(kv_engine, kv_oracle_or_none, kv_record):
 
 
 @pytest.mark.kv_requires("batching")
-def test_shared_prefixes_batched(kv_engine, kv_oracle_or_none, kv_record):
+def test_shared_prefixes_batched(kv_engine, kv_oracle_or_none, kv_check):
     """Prompts sharing a prefix inside one batch (a prefix cache may share their blocks within the call)."""
     vocab = kv_engine.spec.vocab_size
     for k in (16, 17, 33):
@@ -59,7 +59,7 @@ def test_shared_prefixes_batched(kv_engine, kv_oracle_or_none, kv_record):
             where = f"index {i} of a batch of lengths {lengths} sharing their first {k} tokens"
             if kv_oracle_or_none is not None:
                 reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-                kv_engine.check(reference, got, prompt, where, kv_record)
+                kv_check(reference, got, prompt, where)
             elif got != alone[i]:
                 pytest.fail(f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
                             f"{alone[i]} alone but {got} at {where}", pytrace=False)

@@ -10,7 +10,7 @@ import pytest
 from pytest_kvcompile.models.prompts import variant
 
 
-def test_stale_state(kv_engine, kv_oracle_or_none, kv_prompts, kv_record):
+def test_stale_state(kv_engine, kv_oracle_or_none, kv_prompts, kv_check):
     long = max((p for p in kv_prompts if len(p) <= 64), key=len)
     short = min(kv_prompts, key=len)
     other = variant(long, kv_engine.spec.vocab_size, salt=1)
@@ -21,7 +21,7 @@ def test_stale_state(kv_engine, kv_oracle_or_none, kv_prompts, kv_record):
         where = f"call {call + 1} of {len(sequence)} on one engine object, after prompts {seen or '(none)'}"
         if kv_oracle_or_none is not None:
             reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-            kv_engine.check(reference, got, prompt, where, kv_record)
+            kv_check(reference, got, prompt, where)
         if prompt.name in first:
             before, when = first[prompt.name]
             step = next((s for s, (a, b) in enumerate(zip(before, got)) if a != b), None)
@@ -36,7 +36,7 @@ def test_stale_state(kv_engine, kv_oracle_or_none, kv_prompts, kv_record):
 
 
 @pytest.mark.kv_requires("batching")
-def test_stale_state_batched(kv_engine, kv_oracle_or_none, kv_prompts, kv_record):
+def test_stale_state_batched(kv_engine, kv_oracle_or_none, kv_prompts, kv_check):
     """A long prompt alone, then a batch whose short prompt is left-padded over the slots the long one used:
     a static cache that forgets to reset which slots are valid shows the old ones to the padded row."""
     long = max((p for p in kv_prompts if len(p) <= 64), key=len)
@@ -50,7 +50,7 @@ def test_stale_state_batched(kv_engine, kv_oracle_or_none, kv_prompts, kv_record
                  f"['{long.name} (length {len(long)})']")
         if kv_oracle_or_none is not None:
             reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-            kv_engine.check(reference, got, prompt, where, kv_record)
+            kv_check(reference, got, prompt, where)
         else:
             assert got == fresh[i], (
                 f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave {fresh[i]} "

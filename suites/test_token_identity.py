@@ -10,18 +10,18 @@ check failing on a broken engine."""
 import pytest
 
 
-def test_token_identity(kv_engine, kv_oracle, kv_prompt, kv_record):
+def test_token_identity(kv_engine, kv_oracle, kv_prompt, kv_check):
     got = kv_engine.generate([kv_prompt])[0]
     reference = kv_oracle.reference(kv_prompt.ids, kv_engine.max_new_tokens)
-    kv_engine.check(reference, got, kv_prompt, "alone", kv_record)
+    kv_check(reference, got, kv_prompt, "alone")
     kv_engine.check_score(reference, got, kv_prompt)
 
 
 @pytest.mark.kv_requires("batching")
-def test_token_identity_batched(kv_engine, kv_oracle, kv_batch, kv_record):
+def test_token_identity_batched(kv_engine, kv_oracle, kv_batch, kv_check):
     outputs = kv_engine.generate(kv_batch)
     lengths = [len(p) for p in kv_batch]
     for i, (prompt, got) in enumerate(zip(kv_batch, outputs)):
         reference = kv_oracle.reference(prompt.ids, kv_engine.max_new_tokens)
-        kv_engine.check(reference, got, prompt, f"index {i} of a batch of lengths {lengths}", kv_record)
+        kv_check(reference, got, prompt, f"index {i} of a batch of lengths {lengths}")
 

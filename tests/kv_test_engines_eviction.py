@@ -8,7 +8,8 @@ and TOVANudged, which breaks near-tied eviction choices the other way (correct b
 
 from dataclasses import dataclass
 
-from reference_impls import eviction, eviction_engine
+from pytest_kvcompile.oracles import eviction
+from reference_impls import eviction_engine
 
 
 class _Eager:

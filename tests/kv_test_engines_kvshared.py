@@ -29,7 +29,7 @@ class SkipsSharedLayers(Eager):
         self.prefilling = False
         for i in self.model.kv_sources:
             self.model.model.layers[i].register_forward_hook(
-                lambda layer, args, out: (args[0], out[1]) if self.prefilling else out)
+                lambda layer, args, out: args[0] if self.prefilling else out)
 
     def _prefill(self, prompts):
         self.prefilling = True

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from pytest_kvcompile import cli
-from pytest_kvcompile.engine_envs import RECIPES
+from pytest_kvcompile.check_engine import recipes
+
+RECIPES = recipes()
 from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
 

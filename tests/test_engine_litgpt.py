@@ -89,7 +89,7 @@ def test_unmapped_options_are_not_supported():
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    pytest.importorskip("litgpt", reason="the litgpt engines need litgpt==0.5.13 (its own venv: engine_envs.LITGPT)")
+    pytest.importorskip("litgpt", reason="the litgpt engines need litgpt==0.5.13 (its own venv: engines/litgpt.py RECIPE)")
     name = "llama"
     return ModelSpec(name, zoo.checkpoint(name, tmp_path_factory.mktemp("zoo")), zoo.ZOO[name].build_config())
 

@@ -29,7 +29,7 @@ from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strat
 from pytest_kvcompile.oracles.hf import HFEagerOracle, oracle_for  # noqa: E402
 from pytest_kvcompile.oracles.token_match import assert_tokens_match  # noqa: E402
 from reference_impls import eviction_engine  # noqa: E402
-from reference_impls.eviction import EvictionOracle  # noqa: E402
+from pytest_kvcompile.oracles.eviction import EvictionOracle  # noqa: E402
 
 NEW = 16
 ENGINES = [engines.LastRecent, engines.StreamingLLM, engines.H2O, engines.TOVA, engines.StreamingLLMShifted]

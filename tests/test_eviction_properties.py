@@ -18,7 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pytest_kvcompile.contract.engine import Strategy
-from reference_impls.eviction import (EMPTY, H2O, TOVA, KNormPrefill, LastRecent, SnapKVPrefill, StreamingLLM,
+from pytest_kvcompile.oracles.eviction import (EMPTY, H2O, TOVA, KNormPrefill, LastRecent, SnapKVPrefill, StreamingLLM,
                                       StreamingLLMPrefill, TOVAPrefill, _Masks, _rotate, _shift, keep, order,
                                       policy_for)
 

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from pytest_kvcompile.latency import marker as latency
-from pytest_kvcompile.latency.marker import Budget, Latency, check, parse_spec, validate
+from pytest_kvcompile.latency import measure
+from pytest_kvcompile.latency.marker import Budget, check, parse_spec, validate
+from pytest_kvcompile.latency.measure import Latency
 from pytest_kvcompile.reports.results import stats
 
 INSTANT = "kv_test_engines_latency:Instant"
@@ -69,12 +71,12 @@ def test_a_decode_time_lost_in_noise_never_passes_a_budget():
 
 
 def test_cpu_timer_is_perf_counter():
-    assert latency.timer_for("cpu")[0] == "perf_counter"
+    assert measure.timer_for("cpu")[0] == "perf_counter"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a CUDA device (none here)")
 def test_cuda_timer_uses_cuda_events():
-    name, time_ms = latency.timer_for("cuda")
+    name, time_ms = measure.timer_for("cuda")
     x = torch.randn(2048, 2048, device="cuda")
     assert name == "cuda-events"
     time_ms(lambda: x @ x)  # the first matmul pays cuBLAS's start-up (74 ms vs 4 ms for ten, seen on an H100)
@@ -85,7 +87,7 @@ def test_cuda_timer_uses_cuda_events():
 def test_cuda_timer_skips_cleanly_without_cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(pytest.skip.Exception, match="latency on device 'cuda' needs CUDA"):
-        latency.timer_for("cuda")
+        measure.timer_for("cuda")
 
 
 BUDGETS = f'''

@@ -193,7 +193,7 @@ def test_strict_markers_clean_and_bad_kv_requires_rejected(kvtester):
                                            "-n", "2")
     assert result.ret != pytest.ExitCode.OK  # a collection error (2 serial, 1 under xdist)
     result.stdout.fnmatch_lines([
-        "*test_bad*: @pytest.mark.kv_requires('teleport',) is invalid; give one or more capability names as "
+        "*test_bad*: @pytest.mark.kv_requires('teleport'): give one or more capability names as "
         "positional arguments: batching, scoring, kv_cache_bytes, compiled",
     ])
 

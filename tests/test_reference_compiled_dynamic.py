@@ -19,7 +19,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaCo
 from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
-from reference_impls.compiled_dynamic import CompiledDynamicCache, UnsupportedModel  # noqa: E402
+from reference_impls.compiled_dynamic import CompiledDynamicCache  # noqa: E402
+from reference_impls.model import UnsupportedModel  # noqa: E402
 
 from conftest import assert_matches_oracle  # noqa: E402
 

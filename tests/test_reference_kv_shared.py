@@ -19,8 +19,9 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec  # noqa: E402
-from reference_impls.compiled_dynamic import left_pad, load_model  # noqa: E402
-from reference_impls.gemma4 import kv_sources  # noqa: E402
+from pytest_kvcompile.oracles.eviction import kv_sources  # noqa: E402
+from reference_impls.compile import left_pad  # noqa: E402
+from reference_impls.loader import load_model  # noqa: E402
 from reference_impls.kv_shared import KVSharedPrefillSkip  # noqa: E402
 
 from conftest import run_suites  # noqa: E402

@@ -20,7 +20,8 @@ from conftest import assert_matches_oracle, run_suites  # noqa: E402
 from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
-from reference_impls.compiled_dynamic import CompiledDynamicCache, UnsupportedModel  # noqa: E402
+from reference_impls.compiled_dynamic import CompiledDynamicCache  # noqa: E402
+from reference_impls.model import UnsupportedModel  # noqa: E402
 from reference_impls.sliding_window import SlidingWindowCache  # noqa: E402
 
 W = zoo.WINDOW

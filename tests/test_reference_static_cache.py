@@ -22,7 +22,8 @@ from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, decla
 from pytest_kvcompile.oracles.hf import HFEagerOracle  # noqa: E402
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from pytest_kvcompile.oracles.token_match import TokenMismatch, assert_tokens_match  # noqa: E402
-from reference_impls.static_cache import StaticCache, StaticCacheCudaGraph, UnsupportedModel  # noqa: E402
+from reference_impls.model import UnsupportedModel  # noqa: E402
+from reference_impls.static_cache import StaticCache, StaticCacheCudaGraph  # noqa: E402
 
 NEW = 16
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA for CUDA graphs")

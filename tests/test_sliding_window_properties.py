@@ -19,7 +19,8 @@ from transformers import AutoConfig
 
 from pytest_kvcompile.models import zoo
 from pytest_kvcompile.contract.engine import ModelSpec
-from reference_impls.compiled_dynamic import CompiledDynamicCache, attention_mask
+from reference_impls.compiled_dynamic import CompiledDynamicCache
+from reference_impls.model import attention_mask
 from reference_impls.sliding_window import SlidingWindowCache, gather_ring, ring_sources
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, database=None,

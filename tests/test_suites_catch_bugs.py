@@ -148,4 +148,4 @@ def test_a_known_finding_is_a_strict_xfail(kvtester):
 def test_a_malformed_known_finding_is_a_usage_error(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-known-finding=hf-eager: flaky")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*'hf-eager: flaky' must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'*"])
+    result.stderr.fnmatch_lines(["*--kv-known-finding='hf-eager: flaky': must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'*"])

@@ -11,9 +11,10 @@ capability the engine does not declare is skipped with a reason naming it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,6 +25,7 @@ BATCHING = "batching"
 SCORING = "scoring"
 KV_CACHE_BYTES = "kv_cache_bytes"
 COMPILED = "compiled"
+CAPABILITIES = (BATCHING, SCORING, KV_CACHE_BYTES, COMPILED)  # @pytest.mark.kv_requires(...) names them
 
 
 @dataclass(frozen=True)
@@ -59,7 +61,7 @@ class Strategy:
     params: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
-    def of(cls, kind: str, **params: Any) -> "Strategy":
+    def of(cls, kind: str, **params: Any) -> Strategy:
         return cls(kind, tuple(sorted(params.items())))
 
     def __str__(self) -> str:
@@ -184,7 +186,19 @@ def with_declaration(factory: EngineFactory, **changes: Any) -> EngineFactory:
 
 
 __all__ = [
-    "BATCHING", "SCORING", "KV_CACHE_BYTES", "COMPILED", "ModelSpec", "Strategy", "EXACT", "Declaration",
-    "Engine", "ScoringEngine", "KVBytesEngine", "EngineFactory", "ModelNotSupported", "declaration_of",
+    "BATCHING",
+    "COMPILED",
+    "EXACT",
+    "KV_CACHE_BYTES",
+    "SCORING",
+    "Declaration",
+    "Engine",
+    "EngineFactory",
+    "KVBytesEngine",
+    "ModelNotSupported",
+    "ModelSpec",
+    "ScoringEngine",
+    "Strategy",
+    "declaration_of",
     "missing_capability",
 ]

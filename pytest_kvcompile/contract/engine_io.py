@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import numbers
 import traceback
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec
-from pytest_kvcompile.errors import MalformedOutput, NotApplicable
 from pytest_kvcompile.contract.registry import EngineRef
+from pytest_kvcompile.errors import MalformedOutput, NotApplicable
 
 
 def _engine_traceback(exc: BaseException) -> str:

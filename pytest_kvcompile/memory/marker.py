@@ -1,6 +1,6 @@
 """``@pytest.mark.limit_memory("64 MiB")``: fail a test whose call allocates more than a limit, for any repo.
 
-Enable with ``memory_marker.register(config)`` from a ``pytest_configure`` (pytest-kvcompile's plugin
+Enable with ``pytest_kvcompile.memory.marker.register(config)`` from a ``pytest_configure`` (pytest-kvcompile's plugin
 does). The argument reads like pytest-memray's: a number and a unit, B, KB, MB, GB, TB (KiB, MiB, GiB,
 TiB are the same), case-insensitive; as in pytest-memray, ``KB`` is 1024 bytes. Only the test call is
 measured (fixture setup is not), as the growth of the peak over the memory in use when the call starts:
@@ -22,79 +22,43 @@ is skipped with the reason. A failure reads like pytest-memray's: one line, then
 
 from __future__ import annotations
 
-import inspect
-import re
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pytest_kvcompile.run.markers import bind, validated_at_collection, written
-from pytest_kvcompile.memory.measure import format_bytes
+from pytest_kvcompile.memory.units import format_bytes, parse_size
+from pytest_kvcompile.run import markers
 
 MARKER = "limit_memory"
-SECTION = f"{MARKER}: memory report"
 DEVICES = ("auto", "cpu", "cuda")
 STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
-def limit_memory(limit: str, *, device: str = "auto") -> None:
+def limit_memory(measured: dict[str, Any], limit: str, *, device: str = "auto") -> markers.Failure | None:
     """fail the test if its call allocates more than limit ("64 MiB"; units B, KB, MB, GB, TB or KiB, MiB,
     GiB, TiB, all powers of 1024 as in pytest-memray): on device="cuda" the growth of
     torch.cuda.max_memory_allocated, on "cpu" the growth of the process's peak RSS (VmHWM, Linux);
     "auto" picks cuda when available. Skipped where the measure is unavailable."""
+    grown, limit_bytes = max(measured["peak"] - measured["start"], 0), parse_size(limit)
+    if grown <= limit_bytes:
+        return None
+    return markers.Failure(
+        f"test allocated {format_bytes(grown)}, limit {limit} ({limit_bytes:,} B)",
+        f"device: {measured['device']}\nmeasure: {measured['measure']}\nat the call's start: "
+        f"{format_bytes(measured['start'])}\npeak during the call: {format_bytes(measured['peak'])}\n"
+        f"growth: {format_bytes(grown)}\nlimit: {format_bytes(limit_bytes)} ({limit!r})\n"
+        f"over by: {format_bytes(grown - limit_bytes)}",
+        "memory report",
+    )
 
 
-_SIGNATURE = inspect.signature(limit_memory)
-_USAGE = '@pytest.mark.limit_memory("64 MiB", device="auto")'
-_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGT]i?)?B\s*", re.IGNORECASE)
-_POWERS = {"": 0, "K": 1, "M": 2, "G": 3, "T": 4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes of a size such as ``"64 MiB"`` or ``"1.5GB"`` (powers of 1024); ValueError names the format."""
-    match = _SIZE.fullmatch(text) if isinstance(text, str) else None
-    if not match:
-        raise ValueError(f"{text!r} is not a size: write a number and a unit, e.g. \"64 MiB\" "
-                         f"(units B, KB, MB, GB, TB or KiB, MiB, GiB, TiB: powers of 1024)")
-    number, unit = match.groups()
-    return int(float(number) * 1024 ** _POWERS[(unit or "")[:1].upper()])
-
-
-@dataclass(frozen=True)
-class Settings:
-    """A test's validated ``limit_memory`` arguments."""
-
-    limit: int
-    text: str
-    device: str
-
-
-SETTINGS = pytest.StashKey["Settings | None"]()
-FAILURE = pytest.StashKey[tuple[str, str]]()
-PLUGIN = pytest.StashKey["MemoryPlugin"]()
-
-
-def settings(item: pytest.Item) -> Settings | None:
-    """The item's validated marker arguments (None: not marked); ValueError names the fix."""
-    if SETTINGS not in item.stash:
-        mark = item.get_closest_marker(MARKER)
-        item.stash[SETTINGS] = None if mark is None else _validate(mark)
-    return item.stash[SETTINGS]
-
-
-def _validate(mark: pytest.Mark) -> Settings:
-    where = written(mark)
-    bound = bind(_SIGNATURE, mark.args, mark.kwargs, where, _USAGE)
-    bound.apply_defaults()
-    text, device = bound.arguments["limit"], bound.arguments["device"]
-    try:
-        limit = parse_size(text)
-    except ValueError as exc:
-        raise ValueError(f"{where}: {exc}") from None
-    if device not in DEVICES:
-        raise ValueError(f"{where}: device must be one of {', '.join(map(repr, DEVICES))}, got {device!r}")
-    return Settings(limit, text, device)
+def _validate(arguments: dict[str, Any], item: pytest.Item) -> dict[str, Any]:
+    parse_size(arguments["limit"])
+    if arguments["device"] not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(map(repr, DEVICES))}, got {arguments['device']!r}")
+    return arguments
 
 
 def _status_bytes(field: str) -> int:
@@ -156,60 +120,25 @@ def _measure(device: str):
     return device, {"cpu": _CpuPeak, "cuda": _CudaPeak}[device]
 
 
-class MemoryPlugin:
-    """The marker's hooks; per-test state lives in ``item.stash``."""
+def _setup(arguments: dict[str, Any], item: pytest.Item) -> None:
+    device, measure = _measure(arguments["device"])
+    why = measure.unavailable()
+    if why:
+        markers.skip(f"{MARKER}: cannot measure {device} memory here: {why}")
 
-    pytest_pycollect_makeitem = staticmethod(validated_at_collection(settings))
 
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        if FAILURE in item.stash:  # a rerun measures afresh
-            del item.stash[FAILURE]
-        try:
-            found = settings(item)  # also checks markers added after collection
-        except ValueError as exc:
-            pytest.fail(f"{item.nodeid}: {exc}", pytrace=False)
-        if found:
-            device, measure = _measure(found.device)
-            why = measure.unavailable()
-            if why:
-                pytest.skip(f"{MARKER}: cannot measure {device} memory here: {why}")
+@contextmanager
+def _peak(arguments: dict[str, Any], item: pytest.Item):
+    device, measure = _measure(arguments["device"])
+    probe = measure()
+    found = {"device": device, "measure": measure.name, "start": probe.start()}
+    yield found
+    found["peak"] = probe.peak()
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
-        found = settings(item)
-        if found is None:
-            return (yield)
-        device, measure = _measure(found.device)
-        probe = measure()
-        baseline = probe.start()
-        result = yield
-        peak = probe.peak()
-        grown = max(peak - baseline, 0)
-        if grown > found.limit:
-            item.stash[FAILURE] = (
-                f"test allocated {format_bytes(grown)}, limit {found.text} ({found.limit:,} B)",
-                f"device: {device}\nmeasure: {measure.name}\nat the call's start: {format_bytes(baseline)}\n"
-                f"peak during the call: {format_bytes(peak)}\ngrowth: {format_bytes(grown)}\n"
-                f"limit: {format_bytes(found.limit)} ({found.text!r})\nover by: {format_bytes(grown - found.limit)}",
-            )
-        return result
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
-        report = yield
-        failure = item.stash.get(FAILURE, None)
-        if call.when == "call" and failure and report.passed:
-            report.outcome = "failed"
-            report.longrepr = f"{MARKER}: {failure[0]}"
-            report.sections.insert(0, (SECTION, failure[1]))  # before captured output
-        return report
+SPEC = markers.Marker(limit_memory, _validate, _setup, _peak, example='("64 MiB", device="auto")')
 
 
 def register(config: pytest.Config) -> None:
-    """Add the limit_memory marker to this run (idempotent)."""
-    if PLUGIN in config.stash:
-        return
-    config.addinivalue_line("markers", f"{_USAGE.removeprefix('@pytest.mark.')}: {' '.join(limit_memory.__doc__.split())}")
-    config.stash[PLUGIN] = MemoryPlugin()
-    config.pluginmanager.register(config.stash[PLUGIN], "kvcompile.memory")
+    """Add the limit_memory marker to this run, e.g. from a conftest's ``pytest_configure`` (idempotent)."""
+    markers.register(config, {MARKER: SPEC})

@@ -19,11 +19,13 @@ import functools
 import gc
 import types
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
+from pytest_kvcompile.memory.units import format_bytes
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
 
 KINDS = ("dynamic", "static", "budget")
@@ -286,15 +288,16 @@ def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: i
     return Footprint(layout, layout.rows or rows, width, new_tokens, dtype.itemsize, tuple(terms))
 
 
-def format_bytes(n: float) -> str:
-    """``12,345 B (12.1 KiB)``."""
-    value, unit = float(n), "B"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(value) < 1024 or unit == "TiB":
-            break
-        value /= 1024
-    return f"{int(n):,} B" if unit == "B" else f"{int(n):,} B ({value:.1f} {unit})"
-
-
-__all__ = ["KINDS", "KVLayout", "LayerTerm", "Footprint", "Held", "held_bytes", "held_by", "cache_tensors",
-           "live_tensor_bytes", "expected_kv_bytes", "format_bytes"]
+__all__ = [
+    "KINDS",
+    "Footprint",
+    "Held",
+    "KVLayout",
+    "LayerTerm",
+    "cache_tensors",
+    "expected_kv_bytes",
+    "format_bytes",
+    "held_by",
+    "held_bytes",
+    "live_tensor_bytes",
+]

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_kvcompile.models import zoo
 from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.models import zoo
 from pytest_kvcompile.run.options import MODEL, ZOO, Settings
 
 

@@ -36,9 +36,10 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -78,7 +79,7 @@ class ZooModel:
     weight_gain: float = WEIGHT_GAIN
     head_gain: float = HEAD_GAIN
 
-    def build_config(self, head_dim: int = HEAD_DIM) -> "transformers.PretrainedConfig":  # noqa: F821
+    def build_config(self, head_dim: int = HEAD_DIM) -> transformers.PretrainedConfig:  # noqa: F821
         return self._build({**_TINY, "head_dim": head_dim})
 
 
@@ -267,6 +268,15 @@ def shared_kv_layers(config) -> list[int]:
 
 
 __all__ = [
-    "ModelUnavailable", "ZooModel", "ZOO", "checkpoint", "attention_window", "sliding_layers", "shared_kv_layers",
-    "SEED", "WEIGHT_GAIN", "HEAD_GAIN", "WINDOW",
+    "HEAD_GAIN",
+    "SEED",
+    "WEIGHT_GAIN",
+    "WINDOW",
+    "ZOO",
+    "ModelUnavailable",
+    "ZooModel",
+    "attention_window",
+    "checkpoint",
+    "shared_kv_layers",
+    "sliding_layers",
 ]

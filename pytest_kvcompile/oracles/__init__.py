@@ -1,3 +1,4 @@
 """Oracles and token matching: the Hugging Face eager oracle and the dispatch by strategy (`hf`), the
-reference store that caches and self-checks references (`store`), and the comparison of an engine's
-tokens with a reference (`token_match`)."""
+eviction oracle and its policies, the checker's definition of correct eviction (`eviction`), the reference
+store that caches and self-checks references (`store`), the comparison of an engine's tokens with a
+reference (`token_match`) and the tolerances per dtype (`tolerances`)."""

@@ -14,13 +14,13 @@ Every oracle has ``reference(prompt, max_new_tokens) -> Reference`` and
 
 from __future__ import annotations
 
-import importlib
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
 
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy
+from pytest_kvcompile.oracles.eviction import POLICIES, EvictionOracle, policy_for
 
 
 @dataclass(frozen=True)
@@ -104,18 +104,11 @@ class NoOracle(LookupError):
     """No oracle exists for the strategy an engine declares."""
 
 
-#: Strategy kind -> oracle factory ``module:attr``, called as ``factory(spec, strategy)``; the
-#: result has ``reference(prompt, max_new_tokens) -> Reference`` and ``source``. Imported lazily.
-ORACLES: dict[str, str] = {
-    "exact": "pytest_kvcompile.oracles.hf:HFEagerOracle",
-    "last_recent": "reference_impls.eviction:EvictionOracle",
-    "streaming_llm": "reference_impls.eviction:EvictionOracle",
-    "h2o": "reference_impls.eviction:EvictionOracle",
-    "tova": "reference_impls.eviction:EvictionOracle",
-    "streaming_llm_prefill": "reference_impls.eviction:EvictionOracle",
-    "snapkv_prefill": "reference_impls.eviction:EvictionOracle",
-    "tova_prefill": "reference_impls.eviction:EvictionOracle",
-    "knorm_prefill": "reference_impls.eviction:EvictionOracle",
+#: Strategy kind -> oracle class, called as ``cls(spec, strategy)``; the result has
+#: ``reference(prompt, max_new_tokens) -> Reference`` and ``source``.
+ORACLES: dict[str, type] = {
+    "exact": HFEagerOracle,
+    **dict.fromkeys(POLICIES, EvictionOracle),
 }
 
 
@@ -136,8 +129,6 @@ def check_strategy(strategy: Strategy) -> str | None:
                 f"cache semantics no oracle covers declares Strategy.of('{WITHOUT_ORACLE}', name='...'): it then "
                 "gets every oracle-free check (determinism, stale state, batch consistency, recompiles, memory)")
     if strategy.kind != "exact":
-        from reference_impls.eviction import policy_for
-
         try:
             policy_for(strategy)
         except ValueError as exc:
@@ -149,8 +140,6 @@ def budget_of(strategy: Strategy) -> int | None:
     """The cache budget of a budgeted eviction strategy, else None (exact, prefill-only, no oracle)."""
     if strategy.kind in ("exact", WITHOUT_ORACLE) or strategy.kind not in ORACLES:
         return None
-    from reference_impls.eviction import policy_for
-
     budget = getattr(policy_for(strategy), "budget", None)
     return budget if isinstance(budget, int) else None
 
@@ -168,5 +157,4 @@ def oracle_for(strategy: Strategy, spec: ModelSpec):
     """The oracle that decides whether an engine with `strategy` is right on `spec`."""
     if strategy.kind not in ORACLES:
         raise NoOracle(f"strategy '{strategy}' declares no oracle (oracles exist for: {', '.join(sorted(ORACLES))})")
-    module, _, attr = ORACLES[strategy.kind].partition(":")
-    return getattr(importlib.import_module(module), attr)(spec, strategy)
+    return ORACLES[strategy.kind](spec, strategy)

@@ -27,24 +27,22 @@ import inspect
 import os
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
-from pytest_kvcompile.oracles.hf import Reference, oracle_for
+from pytest_kvcompile.errors import OracleUnreliable
 from pytest_kvcompile.models.zoo import shared_kv_layers
-
+from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
+from pytest_kvcompile.oracles.hf import Reference, oracle_for
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
 #: bfloat16 from data: the bfloat16 oracle's own tokens trailed its float64 path by up to 0.766 (H100,
 #: docs/gpu-results.md).
 ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 1.0}
-
-
-class OracleUnreliable(Exception):
-    """The oracle disagrees with an independent path: its references cannot judge an engine."""
 
 
 class NoCacheRecompute:
@@ -74,8 +72,6 @@ def independent(strategy: Strategy, spec: ModelSpec) -> tuple[Any, str]:
            if strategy.kind == "exact" else f"the '{strategy.kind}' oracle has no cache-free form")
     path = oracle_for(strategy, wide)
     if hasattr(path, "eviction_tie_tolerance"):
-        from reference_impls.eviction import EVICTION_TIE_TOLERANCE
-
         path.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE[dtype_name(spec.dtype)]
     return path, f"the same oracle in float64 (not cache-free: {why})"
 

@@ -1,28 +1,36 @@
-"""Run results and reports: ``--kv-report-json/-md/-html``, ``--kv-baseline`` + ``--kv-fail-on``,
-the terminal results table, and the latency options (see ``pytest_kvcompile.latency.marker``).
+"""Run results and reports: ``--kv-report-json/-md/-html``, ``--kv-baseline`` + ``--kv-fail-on``, the
+terminal results table and the run notes.
 
-Enable with ``add_options(parser)`` in ``pytest_addoption`` and ``register(config)`` in
-``pytest_configure`` (pytest-kvcompile's plugin does both). Under pytest-xdist each worker
+The plugin adds `OPTIONS` and calls ``register(config, settings, collector)``. Under pytest-xdist each worker
 collects the rows of its own tests and returns them as plain dicts in ``config.workeroutput``;
 only the controller merges them, compares with the baseline and writes files.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from pytest_kvcompile.latency import marker as latency
-from pytest_kvcompile.errors import NotApplicable
-from pytest_kvcompile.oracles.store import OracleUnreliable
-from pytest_kvcompile.reports.results import (COLLECTOR, WORKER_KEY, Collector, first_lines, merge, outcome, params, run_metadata, run_problems,
-                       skipped_everywhere)
-from pytest_kvcompile.run.session import SESSION
+from pytest_kvcompile.errors import NotApplicable, OracleUnreliable
 from pytest_kvcompile.reports import baseline as baseline_mod
 from pytest_kvcompile.reports import html, json_file, markdown
+from pytest_kvcompile.reports.results import (
+    NOTE,
+    WORKER_KEY,
+    Collector,
+    first_lines,
+    merge,
+    outcome,
+    params,
+    run_metadata,
+    run_problems,
+    skipped_everywhere,
+)
 from pytest_kvcompile.reports.table import text_table
+from pytest_kvcompile.run.options import Option, value
 
 REPORT_JSON = "--kv-report-json"
 REPORT_MD = "--kv-report-md"
@@ -30,15 +38,23 @@ REPORT_HTML = "--kv-report-html"
 BASELINE = "--kv-baseline"
 FAIL_ON = "--kv-fail-on"
 
-OPTIONS = [  # (flag, ini key, ini type, default, help)
-    (REPORT_JSON, "kv_report_json", "string", "", "write the run's results as versioned JSON to FILE (baseline and merge input)"),
-    (REPORT_MD, "kv_report_md", "string", "", "write a Markdown summary to FILE (for a CI job summary or a PR comment)"),
-    (REPORT_HTML, "kv_report_html", "string", "", "write a self-contained HTML report with plots to FILE"),
-    (BASELINE, "kv_baseline", "string", "", "compare this run with a results JSON written by an earlier --kv-report-json"),
-    (FAIL_ON, "kv_fail_on", "string", "",
-     f"with {BASELINE}: fail the run when a number regressed by more than allowed, e.g. '{baseline_mod.SYNTAX}' "
-     "(latency and memory in percent, recompiles as a count)"),
-] + latency.OPTIONS
+def _fail_on(spec: str) -> str:
+    baseline_mod.parse_fail_on(spec)  # ValueError names the fix
+    return spec
+
+
+OPTIONS = [
+    Option(REPORT_JSON, "kv_report_json", "", "write the run's results as versioned JSON to FILE (baseline and merge input)",
+           "FILE"),
+    Option(REPORT_MD, "kv_report_md", "", "write a Markdown summary to FILE (for a CI job summary or a PR comment)", "FILE"),
+    Option(REPORT_HTML, "kv_report_html", "", "write a self-contained HTML report with plots to FILE", "FILE"),
+    Option(BASELINE, "kv_baseline", "", "compare this run with a results JSON written by an earlier --kv-report-json",
+           "FILE"),
+    Option(FAIL_ON, "kv_fail_on", "",
+           f"with {BASELINE}: fail the run when a number regressed by more than allowed, e.g. '{baseline_mod.SYNTAX}' "
+           "(latency and memory in percent, recompiles as a count)", "SPEC", _fail_on),
+]
+BY_FLAG = {o.flag: o for o in OPTIONS}
 
 WRITERS: dict[str, Callable[[dict[str, Any], Any], str]] = {
     ".json": lambda results, changes: json_file.dumps(results),
@@ -51,22 +67,8 @@ _FORMAT = {REPORT_JSON: ".json", REPORT_MD: ".md", REPORT_HTML: ".html"}
 PLUGIN = pytest.StashKey["ResultsPlugin"]()
 
 
-def add_options(parser: pytest.Parser) -> None:
-    group = parser.getgroup("kvcompile")
-    for flag, ini, kind, default, help_text in OPTIONS:
-        cli_help = help_text.replace("%", "%%")  # argparse formats help with %
-        if kind == "bool":
-            group.addoption(flag, action="store_true", default=None, help=cli_help)
-        else:
-            metavar = ("FILE" if flag in (REPORT_JSON, REPORT_MD, REPORT_HTML, BASELINE)
-                       else "N" if flag == latency.REPEATS else "SPEC")
-            group.addoption(flag, action="store", default=None, metavar=metavar, help=cli_help)
-        parser.addini(ini, help=help_text, type=kind, default=default)
-
-
 def _value(config: pytest.Config, flag: str):
-    cli = config.getoption(flag)
-    return cli if cli is not None else config.getini(next(o[1] for o in OPTIONS if o[0] == flag))
+    return value(config, BY_FLAG[flag])
 
 
 def write(results: dict[str, Any], path: Path, changes=None, suffix: str | None = None) -> None:
@@ -77,8 +79,8 @@ def write(results: dict[str, Any], path: Path, changes=None, suffix: str | None 
 
 
 class ResultsPlugin:
-    def __init__(self, config: pytest.Config, collector: Collector) -> None:
-        self.config = config
+    def __init__(self, config: pytest.Config, settings: Any, collector: Collector) -> None:
+        self.config, self.settings = config, settings
         self.collector = collector
         self.workers: list[dict[str, Any]] = []
         self.outputs = {flag: Path(v).expanduser() for flag in _FORMAT if (v := _value(config, flag))}
@@ -92,10 +94,7 @@ class ResultsPlugin:
         path, spec = _value(config, BASELINE), _value(config, FAIL_ON)
         if spec and not path:
             raise pytest.UsageError(f"{FAIL_ON}={spec!r} needs {BASELINE}=FILE (a JSON written by {REPORT_JSON})")
-        try:
-            self.fail_on = baseline_mod.parse_fail_on(spec) if spec else {}
-        except ValueError as exc:
-            raise pytest.UsageError(f"{FAIL_ON}={spec!r}: {exc}") from None
+        self.fail_on = baseline_mod.parse_fail_on(spec) if spec else {}
         if path:
             try:
                 self.baseline = json_file.load(Path(path).expanduser())
@@ -141,9 +140,8 @@ class ResultsPlugin:
             config.workeroutput[WORKER_KEY] = self.collector.as_dict()
             return
         self.results = merge([self.collector.as_dict(), *self.workers])
-        self.results["runs"] = [run_metadata(config)]
-        settings = config.stash[SESSION].settings
-        self.problems = run_problems(self.results["rows"], settings.max_near_tie_rate)
+        self.results["runs"] = [run_metadata(config, self.settings)]
+        self.problems = run_problems(self.results["rows"], self.settings.max_near_tie_rate)
         self.skipped_everywhere = skipped_everywhere(self.results["rows"])
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -190,10 +188,29 @@ class ResultsPlugin:
             tr.write_line(f"kvcompile: wrote {flag.removeprefix('--kv-report-')} report to {path}")
 
 
-def register(config: pytest.Config) -> None:
-    """Validate the options and add the results collector, reports and latency fixture to this run."""
-    settings = config.stash[SESSION].settings
-    latency.configure(config, lambda flag: _value(config, flag))
-    collector = config.stash[COLLECTOR] = Collector(settings.device, settings.dtype)
-    config.stash[PLUGIN] = ResultsPlugin(config, collector)
+class RunNotes:
+    """Facts tests record with the ``kv_record`` fixture (near ties accepted as numerics, compile
+    counts), listed by category in the terminal summary. They travel as ``user_properties``, so
+    they also arrive from xdist workers."""
+
+    def __init__(self) -> None:
+        self.notes: dict[str, set[str]] = {}
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when == "call":
+            for key, found in report.user_properties:
+                if key == NOTE:
+                    self.notes.setdefault(found[0], set()).add(found[1])
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        for category, lines in sorted(self.notes.items()):
+            terminalreporter.write_sep("-", f"kvcompile: {category} ({len(lines)})")
+            for line in sorted(lines):
+                terminalreporter.write_line(line)
+
+
+def register(config: pytest.Config, settings: Any, collector: Collector) -> None:
+    """Add the results collector, the run notes and the reports to this run (`settings`: run.options.Settings)."""
+    config.stash[PLUGIN] = ResultsPlugin(config, settings, collector)
     config.pluginmanager.register(config.stash[PLUGIN], "kvcompile.results")
+    config.pluginmanager.register(RunNotes(), "kvcompile.notes")

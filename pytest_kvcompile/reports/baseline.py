@@ -86,7 +86,7 @@ def _numbers(row: dict[str, Any]) -> dict[str, tuple[str, float]]:
 
 def compare(baseline: dict[str, Any], current: dict[str, Any], fail_on: dict[str, float]) -> tuple[list[Change], list[str]]:
     """(changes checked per fail_on, notes on rows that could not be matched)."""
-    key = lambda r: (r["engine"], r["model"], r["device"], r["dtype"])  # noqa: E731
+    key = lambda r: (r["engine"], r["model"], r["device"], r["dtype"])
     old_rows = {key(r): r for r in baseline["rows"]}
     new_rows = {key(r): r for r in current["rows"]}
     changes, notes = [], []

@@ -28,6 +28,8 @@ OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 TOKEN_VERDICTS = ("identical", "near_tie", "mismatch")
 COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions")  # summed when rows merge
 WORKER_KEY = "kvcompile_results"  # config.workeroutput key
+NOTE = "kvcompile"  # user_properties key of run notes: (category, line)
+NEAR_TIES = "near ties accepted as numerics"
 
 
 
@@ -129,24 +131,22 @@ def stats(samples: list[float] | tuple[float, ...]) -> dict[str, float]:
     return {"median": statistics.median(ordered), "p90": ordered[math.ceil(0.9 * len(ordered)) - 1]}
 
 
-def run_metadata(config: pytest.Config) -> dict[str, Any]:
-    """Versions, device and options of this run."""
-    from pytest_kvcompile.run.session import SESSION
-
-    settings = config.stash[SESSION].settings
-    import torch
-
-    device = torch.device(settings.device)
+def run_metadata(config: pytest.Config, settings: Any) -> dict[str, Any]:
+    """Versions, device and options of this run (`settings`: the run's options.Settings). Imports torch only for
+    a CUDA device's name: a run that used no kvcompile feature never loads it."""
     device_name = platform.processor() or platform.machine()
-    if device.type == "cuda" and torch.cuda.is_available():
-        device_name = torch.cuda.get_device_name(device)
+    if settings.device.startswith("cuda"):
+        import torch
+
+        if torch.cuda.is_available():
+            device_name = torch.cuda.get_device_name(torch.device(settings.device))
     options = {name: value for name, value in vars(config.option).items()
                if name.startswith("kv_") and value not in (None, [], False)}
     return {
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "python": sys.version.split()[0],
         "platform": platform.platform(),
-        "torch": torch.__version__,
+        "torch": sys.modules["torch"].__version__ if "torch" in sys.modules else _version("torch"),
         "transformers": _version("transformers"),
         "pytest_kvcompile": _version("pytest-kvcompile"),
         "device": settings.device,
@@ -193,8 +193,6 @@ class Collector:
         return {"runs": [], "rows": [self.rows[k] for k in sorted(self.rows)]}
 
 
-COLLECTOR = pytest.StashKey[Collector]()
-
 
 def params(item: pytest.Item) -> tuple[str, str] | None:
     """(engine, model) of a test parametrized by the plugin, else None."""
@@ -211,14 +209,25 @@ class Recorder:
     ``near_ties=[line]``, ``tokens={"identical": 1}``) go to the current engine and model's row of
     the reports. ``kv_record.metric(**metrics)`` records metrics without a note."""
 
-    def __init__(self, item: pytest.Item) -> None:
-        self.item = item
+    def __init__(self, item: pytest.Item, collector: Collector) -> None:
+        self.item, self.collector = item, collector
 
     def __call__(self, category: str, line: str, **metrics: Any) -> None:
-        from pytest_kvcompile.plugin import NOTE
-
         self.item.user_properties.append((NOTE, (category, line)))
         self.metric(**metrics)
+
+    def verdict(self, verdict: Any, at: str, verified: int, evicted: int | None) -> None:
+        """A token check's verdict (token_match.Verdict, or None for a mismatch) of `verified` engine tokens;
+        `at` names engine / model / prompt (where); `evicted`: cache entries the oracle evicted (None: no eviction)."""
+        if verdict is None:
+            self.metric(tokens={"mismatch": 1}, verified_tokens=verified)
+            return
+        for tie in verdict.near_ties:
+            line = f"{at}: near tie at step {tie.step}, {tie.expected} vs {tie.got}, gap {tie.gap:.3g}"
+            self(NEAR_TIES, line, near_ties=[line])
+        evictions = {} if evicted is None else {"evictions": evicted, "evicting": 1}
+        self.metric(tokens={"near_tie" if verdict.near_ties else "identical": 1}, verified_tokens=verified,
+                    near_tie_tokens=len(verdict.near_ties), **evictions)
 
     def metric(self, *, engine: str | None = None, model: str | None = None, **metrics: Any) -> None:
         """Merge metrics into the row of (engine, model): by default the test's own."""
@@ -228,7 +237,7 @@ class Recorder:
         if (engine is None or model is None) and own is None:
             raise ValueError(f"{self.item.nodeid} is not parametrized by engine and model: pass engine= and model=")
         engine, model = engine or own[0], model or own[1]
-        self.item.config.stash[COLLECTOR].add(engine, model, **metrics)
+        self.collector.add(engine, model, **metrics)
 
 
 def outcome(report: pytest.TestReport) -> str | None:

@@ -26,9 +26,13 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
+
 from pytest_kvcompile.models.prompts import Prompt, of_length
+from pytest_kvcompile.run.options import Option, choice, number, value, whole
 
 PROFILES = ("ci", "dev")
+FUZZ, FUZZ_PROFILE, FUZZ_BUDGET, FUZZ_SEED = "--kv-fuzz", "--kv-fuzz-profile", "--kv-fuzz-budget", "--kv-fuzz-seed"
 BOUNDARIES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257)
 NEW_TOKENS = (1, 2, 3, 8, 15, 16, 17, 32, 33, 63, 64)
 
@@ -39,6 +43,29 @@ class FuzzSettings:
     profile: str = "ci"
     budget_s: float = 120.0
     seed: int | None = None
+
+
+OPTIONS = [
+    Option(FUZZ, "kv_fuzz", "0", "fuzz each engine x model with N hypothesis examples of drawn call sequences "
+           "(suites/test_fuzz.py); 0 (default): off", "N",
+           whole(0, f"give a number of examples >= 0 (0: off), e.g. {FUZZ}=20")),
+    Option(FUZZ_PROFILE, "kv_fuzz_profile", "ci",
+           "'ci' (default): derandomized, the same examples every run, 8 steps each; 'dev': new examples each run, "
+           "24 steps, failures kept in hypothesis' database under the cache dir and replayed first", "ci|dev",
+           choice(*PROFILES)),
+    Option(FUZZ_BUDGET, "kv_fuzz_budget", "120",
+           "seconds per engine x model after which fuzzing draws no new examples (default: 120)", "SECONDS",
+           number(0, what="give seconds > 0, e.g. 120", low_open=True)),
+    Option(FUZZ_SEED, "kv_fuzz_seed", "",
+           "a seed for the fuzzer (random examples, reproducible): measures time-to-find over seeds", "N",
+           whole(0, "give a whole number")),
+]
+
+
+def read(config: pytest.Config) -> FuzzSettings | None:
+    """The run's fuzz settings from OPTIONS (None: fuzzing off)."""
+    examples, profile, budget, seed = (value(config, o) for o in OPTIONS)
+    return FuzzSettings(examples, profile, budget, seed if seed != "" else None) if examples else None
 
 
 def lengths_for(window: int | None, budgets: tuple[int, ...], limit: int) -> list[int]:
@@ -63,11 +90,18 @@ def replay(calls: list[tuple[list[tuple[int, ...]], int]]) -> str:
 
 
 def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, settings: FuzzSettings,
-            neutral: Prompt, stats: dict[str, Any], record: Any = None) -> Any:
+            neutral: Prompt, stats: dict[str, Any], check: Any = None) -> Any:
     """A RuleBasedStateMachine class fuzzing `kv_engine` (EngineUnderTest) against `oracle` (None: oracle-free:
-    an exact repeat must give the same tokens). `stats` counts examples and notes when the first failure came."""
+    an exact repeat must give the same tokens). `check(reference, got, prompt, where)` judges a row (default:
+    kv_engine.check; the suite passes the kv_check fixture, which records verdicts). `stats` counts examples and
+    notes when the first failure came."""
     from hypothesis import strategies as st
-    from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+    from hypothesis.stateful import (
+        RuleBasedStateMachine,
+        initialize,
+        precondition,
+        rule,
+    )
 
     from pytest_kvcompile.oracles.token_match import TokenMismatch
 
@@ -114,7 +148,7 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, setting
 
         def _verify(self, prompt: Prompt, got: list[int], n: int, where: str) -> None:
             if oracle is not None:
-                kv_engine.check(oracle.reference(prompt.ids, n), got, prompt, where, record)
+                (check or kv_engine.check)(oracle.reference(prompt.ids, n), got, prompt, where)
                 return
             seen = self.outputs.setdefault((prompt.ids, n), got)
             if seen != got:
@@ -163,13 +197,13 @@ def hypothesis_settings(settings: FuzzSettings, database_dir) -> Any:
 
 
 def run(kv_engine, oracle, lengths, check_compiles, settings: FuzzSettings, neutral: Prompt, database_dir, key: str,
-        record: Any = None) -> int:
+        check: Any = None) -> int:
     """Fuzz until the examples or the budget run out; raise the shrunk failure, noting when it was first found.
     Returns the examples run."""
     from hypothesis.stateful import run_state_machine_as_test
 
     stats: dict[str, Any] = {"examples": 0}
-    factory = machine(kv_engine, oracle, lengths, check_compiles, settings, neutral, stats, record)
+    factory = machine(kv_engine, oracle, lengths, check_compiles, settings, neutral, stats, check)
     factory._hypothesis_internal_add_digest = key.encode()  # one database entry per engine, model and dtype
     if settings.seed is not None:
         factory._hypothesis_internal_use_seed = settings.seed

@@ -8,22 +8,22 @@ and every check knows the calls the engine object served before it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import Any
 
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec
-from pytest_kvcompile.oracles.hf import Reference
-from pytest_kvcompile.models.prompts import Prompt
-from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.oracles.token_match import TokenMismatch, Verdict, assert_score_matches, assert_tokens_match
+from pytest_kvcompile.models.prompts import Prompt
+from pytest_kvcompile.oracles.hf import Reference
+from pytest_kvcompile.oracles.token_match import (
+    Verdict,
+    assert_score_matches,
+    assert_tokens_match,
+)
+from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder
 
-if TYPE_CHECKING:
-    from pytest_kvcompile.reports.results import Recorder
-
-
-NEAR_TIES = "near ties accepted as numerics"
 FRESH_ENGINE = "--kv-fresh-engine"
 
 
@@ -120,30 +120,15 @@ class EngineUnderTest:
                 f"{' (the last 4)' if len(calls) > 4 else ''}: {shown}; to rule out state left by them, rerun with "
                 f"{FRESH_ENGINE} (a fresh engine per test)")
 
-    def check(self, reference: Reference, got: Sequence[int], prompt: Prompt, where: str = "alone",
-              record: Recorder | None = None) -> Verdict:
-        """assert_tokens_match with this run's tolerances, the model's window and the engine's call history."""
+    def check(self, reference: Reference, got: Sequence[int], prompt: Prompt, where: str = "alone") -> Verdict:
+        """assert_tokens_match with this run's tolerances, the model's window and the engine's call history:
+        the verdict, or TokenMismatch (the kv_check fixture records either for the reports)."""
         __tracebackhide__ = True
-        try:
-            verdict = assert_tokens_match(
-                reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.max_near_ties, engine=self.name,
-                model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
-                context=self.served(len(self.history) - 1),
-            )
-        except TokenMismatch:
-            if record:
-                record.metric(tokens={"mismatch": 1}, verified_tokens=len(got))
-            raise
-        if record:
-            at = f"{self.name} / {self.spec.name} / {prompt.name} ({where})"
-            lines = [f"{at}: near tie at step {tie.step}, {tie.expected} vs {tie.got}, gap {tie.gap:.3g}"
-                     for tie in verdict.near_ties]
-            for line in lines:
-                record(NEAR_TIES, line, near_ties=[line])
-            evictions = {} if reference.evicted is None else {"evictions": reference.evicted, "evicting": 1}
-            record.metric(tokens={"near_tie" if verdict.near_ties else "identical": 1}, verified_tokens=len(got),
-                          near_tie_tokens=len(verdict.near_ties), **evictions)
-        return verdict
+        return assert_tokens_match(
+            reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.max_near_ties, engine=self.name,
+            model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
+            context=self.served(len(self.history) - 1),
+        )
 
     def check_score(self, reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
         """A declared score(): its rows against the oracle's along `got`, and its argmax against `got`."""

@@ -1,17 +1,27 @@
-"""Command-line options and ini keys: one ``kvcompile`` group, ``--kv-`` prefix.
-
-Each option has an ini equivalent (``[tool.pytest.ini_options]``); the command line wins.
+"""Command-line options and ini keys, the pytest-benchmark way: one `Option` type, one ``kvcompile`` group,
+``--kv-`` prefix. Each feature module exports its list (this module: the core options; `run.fuzz`,
+`latency.marker` and `reports` theirs); the plugin adds them all. Every option has an ini equivalent
+(``[tool.pytest.ini_options]``); the command line wins. Nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import argparse
+import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
+
+from pytest_kvcompile.oracles.tolerances import (
+    DEFAULT_MAX_NEAR_TIE_RATE,
+    DEFAULT_MAX_NEAR_TIES,
+    DEFAULT_TIE_TOLERANCE,
+)
 
 if TYPE_CHECKING:
     from pytest_kvcompile.run.fuzz import FuzzSettings
@@ -33,116 +43,187 @@ MAX_NEAR_TIE_RATE = "--kv-max-near-tie-rate"
 FRESH_ENGINE = "--kv-fresh-engine"
 ALLOW_GRAPH_BREAKS = "--kv-allow-graph-breaks"
 ORACLE_CHECK = "--kv-oracle-check"
-FUZZ = "--kv-fuzz"
-FUZZ_PROFILE = "--kv-fuzz-profile"
-FUZZ_BUDGET = "--kv-fuzz-budget"
-FUZZ_SEED = "--kv-fuzz-seed"
 
 NO_ENGINE = (f"no engine selected: pass {ENGINE}=NAME (or the ini key kv_engines); "
              f"pytest {LIST_ENGINES} lists the engines")
 DTYPES = ("float32", "bfloat16", "float16")
 CACHE_DIR_ENV = "KVCOMPILE_CACHE_DIR"
 
-# (flag, ini key, ini type, default, help)
-_OPTIONS = [
-    (ENGINE, "kv_engines", "linelist", [],
-     "engine to check (repeatable): a built-in name, an entry point of the group 'pytest_kvcompile.engines', "
-     "or an import path 'package.module:attr'. Every engine-dependent test runs once per engine."),
-    (MODEL, "kv_models", "linelist", [],
-     "local Hugging Face checkpoint directory to add to the model zoo (repeatable)"),
-    (ZOO, "kv_zoo", "string", "all",
-     "comma-separated built-in tiny models to use ('all', 'none', or names such as 'llama,mistral-sw')"),
-    (ZOO_HEAD_DIM, "kv_zoo_head_dim", "string", "16",
-     "head_dim of every zoo model (default: 16; an even number >= 2). Engines whose kernels need larger heads "
-     "(vLLM's CPU attention: 32 and up) run the same zoo with e.g. 32"),
-    (DEVICE, "kv_device", "string", "cpu", "device for engines and oracle (default: cpu)"),
-    (DTYPE, "kv_dtype", "string", "float32", f"dtype for engines and oracle, one of {', '.join(DTYPES)} (default: float32)"),
-    (MAX_NEW_TOKENS, "kv_max_new_tokens", "string", "16", "new tokens generated per prompt (default: 16)"),
-    (TIE_TOLERANCE, "kv_tie_tolerance", "string", "auto",
-     "max oracle logit gap between the oracle's token and the engine's token that counts as a near tie "
-     "(numerics, not a bug); 'auto' = 1e-3 for float32, 3e-2 for float16, 0.75 for bfloat16 (measured: docs/gpu-results.md)"),
-    (COMPILE_BACKEND, "kv_compile_backend", "string", "inductor",
-     "torch.compile backend for the built-in compiled engines (inductor, aot_eager, eager); "
-     "recompile checks are decided by dynamo and hold for any backend"),
-    (KNOWN_FINDING, "kv_known_findings", "linelist", [],
-     "a known finding on an engine, 'ENGINE | TEST-GLOB | REASON | EXPECTED' (repeatable): matching tests of that "
-     "engine become strict xfails that expect a failure whose '<exception type>: <message>' matches the regex "
-     "EXPECTED (any other failure still fails; a fixed engine shows up as XPASS(strict))"),
-    (CACHE_DIR, "kv_cache_dir", "string", "",
-     f"where built tiny-model checkpoints and the oracle's references are cached "
-     f"(default: ${CACHE_DIR_ENV} or ~/.cache/pytest-kvcompile)"),
-    (MAX_NEAR_TIES, "kv_max_near_ties", "string", "auto",
-     "near ties allowed in one sequence; more is numerics drift, a failure ('auto' = 2 for float32, 3 for "
-     "float16 and bfloat16)"),
-    (MAX_NEAR_TIE_RATE, "kv_max_near_tie_rate", "string", "auto",
-     "near ties allowed per verified token over each engine's whole run; more fails the run ('auto' = 0.01 for "
-     "float32, 0.05 for float16 and bfloat16)"),
-    (FRESH_ENGINE, "kv_fresh_engine", "bool", False,
-     "build a fresh engine for every test instead of one per engine and model per process (isolates tests from "
-     "state an engine keeps across calls; slow for compiled engines)"),
-    (ALLOW_GRAPH_BREAKS, "kv_allow_graph_breaks", "bool", False,
-     "do not fail the recompile check on graph breaks in an engine's compiled code (they are still reported)"),
-    (ORACLE_CHECK, "kv_oracle_check", "string", "on",
-     "'on' (default): replay each oracle reference through an independent path (float64) before judging an "
-     "engine with it; 'off' skips that check"),
-    (FUZZ, "kv_fuzz", "string", "0",
-     "fuzz each engine x model with N hypothesis examples of drawn call sequences (suites/test_fuzz.py); "
-     "0 (default): off"),
-    (FUZZ_PROFILE, "kv_fuzz_profile", "string", "ci",
-     "'ci' (default): derandomized, the same examples every run, 8 steps each; 'dev': new examples each run, "
-     "24 steps, failures kept in hypothesis' database under the cache dir and replayed first"),
-    (FUZZ_BUDGET, "kv_fuzz_budget", "string", "120",
-     "seconds per engine x model after which fuzzing draws no new examples (default: 120)"),
-    (FUZZ_SEED, "kv_fuzz_seed", "string", "",
-     "a seed for the fuzzer (random examples, reproducible): measures time-to-find over seeds"),
-]
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its command-line flag and its ini key (the command line wins), parsed by `parse` from text.
+
+    `parse` raises ValueError naming the fix; a bad value is a usage error at parse time for the command line
+    (argparse) and when the run starts for the ini key. `kind`: "string", "linelist" (repeatable flag, one
+    ini line each; `parse` gets each item) or "bool" (a store_true flag)."""
+
+    flag: str
+    ini: str
+    default: Any
+    help: str
+    metavar: str | None = None
+    parse: Callable[[str], Any] = str
+    kind: str = "string"
 
 
-_METAVARS = {ENGINE: "NAME", MODEL: "PATH", ZOO: "NAMES", ZOO_HEAD_DIM: "N", DEVICE: "DEVICE", DTYPE: "DTYPE", MAX_NEW_TOKENS: "N",
-             TIE_TOLERANCE: "GAP", COMPILE_BACKEND: "BACKEND", CACHE_DIR: "DIR", KNOWN_FINDING: "LINE",
-             MAX_NEAR_TIES: "N", MAX_NEAR_TIE_RATE: "RATE", ORACLE_CHECK: "on|off", FUZZ: "N",
-             FUZZ_PROFILE: "ci|dev", FUZZ_BUDGET: "SECONDS", FUZZ_SEED: "N"}
-
-
-def add_options(parser: pytest.Parser) -> None:
+def add(parser: pytest.Parser, options: list[Option]) -> None:
+    """Declare `options` in the ``kvcompile`` group and as ini keys."""
     group = parser.getgroup("kvcompile", "KV-cache + compile engine conformance (pytest-kvcompile)")
-    for flag, ini, kind, default, help_text in _OPTIONS:
-        if kind == "linelist":
-            group.addoption(flag, action="append", default=None, metavar=_METAVARS[flag], help=help_text)
-        elif kind == "bool":
-            group.addoption(flag, action="store_true", default=None, help=help_text)
+    for option in options:
+        cli_help = option.help.replace("%", "%%")  # argparse formats help with %
+        if option.kind == "bool":
+            group.addoption(option.flag, action="store_true", default=None, help=cli_help)
         else:
-            group.addoption(flag, action="store", default=None, metavar=_METAVARS[flag], help=help_text)
-        parser.addini(ini, help=help_text, type=kind, default=default)
-    group.addoption(LIST_ENGINES, action="store_true", default=False,
-                    help="list every resolvable engine with its strategy and capabilities, then exit")
+            group.addoption(option.flag, action="append" if option.kind == "linelist" else "store", default=None,
+                            metavar=option.metavar, type=_argtype(option), help=cli_help)
+        parser.addini(option.ini, help=option.help, type=option.kind, default=option.default)
 
 
-def _value(config: pytest.Config, flag: str):
-    ini = next(o[1] for o in _OPTIONS if o[0] == flag)
-    cli = config.getoption(flag)
-    return cli if cli is not None else config.getini(ini)
+def _argtype(option: Option) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
+        try:
+            return option.parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"{option.flag}={text!r}: {exc}") from None
+
+    parse.__name__ = option.flag  # argparse names a failed type by it
+    return parse
+
+
+def value(config: pytest.Config, option: Option) -> Any:
+    """The parsed value: the command line's, else the ini key's (parsed now; a bad one is a usage error)."""
+    cli = config.getoption(option.flag)
+    if cli is not None:
+        return cli
+    raw = config.getini(option.ini)
+    if option.kind == "bool" or raw == option.default:
+        return raw if option.kind != "string" or raw == "" else option.parse(raw)
+    try:
+        return [option.parse(line) for line in raw] if option.kind == "linelist" else option.parse(raw)
+    except ValueError as exc:
+        raise pytest.UsageError(f"ini {option.ini} / {option.flag}={raw!r}: {exc}") from None
+
+
+# --- parsers: text -> value, ValueError naming the fix ----------------------------------------------------------------
+def choice(*allowed: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text.strip() not in allowed:
+            raise ValueError(f"choose one of {', '.join(allowed)}")
+        return text.strip()
+
+    return parse
+
+
+def whole(minimum: int = 0, what: str = "") -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        text = str(text).strip()
+        if not text.isdigit() or int(text) < minimum:
+            raise ValueError(what or f"give a whole number >= {minimum}")
+        return int(text)
+
+    return parse
+
+
+def auto_or(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """'auto' (resolved per dtype by read_settings) or `parse`'s value."""
+    return lambda text: "auto" if str(text).strip() == "auto" else parse(text)
+
+
+def number(low: float, high: float = math.inf, what: str = "", low_open: bool = False) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            found = float(text)
+        except ValueError:
+            found = math.nan
+        if not (low < found if low_open else low <= found) or not found <= high:
+            raise ValueError(what)
+        return found
+
+    return parse
+
+
+def _head_dim(text: str) -> int:
+    text = str(text).strip()
+    if not text.isdigit() or int(text) < 2 or int(text) % 2:
+        raise ValueError("give an even whole number >= 2 (RoPE rotates pairs), e.g. 32")
+    return int(text)
+
+
+def _engine(text: str) -> str:
+    if not text.strip():
+        raise ValueError(f"name an engine, e.g. {ENGINE}=hf-eager (pytest {LIST_ENGINES} lists them)")
+    return text.strip()
+
+
+def _known_finding(line: str) -> tuple[str, str, str, str]:
+    parts = tuple(p.strip() for p in line.split("|", 3))
+    if len(parts) != 4 or not all(parts):
+        raise ValueError("must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'; e.g. 'hf-dynamic-compile | "
+                         "test_no_recompiles_after_warmup* | recompiles on every new length | recompiled after "
+                         "warmup'. EXPECTED is a regex searched in '<exception type>: <message>' of the failure")
+    try:
+        re.compile(parts[3])
+    except re.error as exc:
+        raise ValueError(f"EXPECTED {parts[3]!r} is not a regular expression ({exc})") from None
+    return parts  # type: ignore[return-value]
+
+
+OPTIONS = [
+    Option(ENGINE, "kv_engines", [],
+           "engine to check (repeatable): a built-in name, an entry point of the group 'pytest_kvcompile.engines', "
+           "or an import path 'package.module:attr'. Every engine-dependent test runs once per engine.",
+           "NAME", _engine, "linelist"),
+    Option(MODEL, "kv_models", [], "local Hugging Face checkpoint directory to add to the model zoo (repeatable)",
+           "PATH", str, "linelist"),
+    Option(ZOO, "kv_zoo", "all",
+           "comma-separated built-in tiny models to use ('all', 'none', or names such as 'llama,mistral-sw')", "NAMES"),
+    Option(ZOO_HEAD_DIM, "kv_zoo_head_dim", "16",
+           "head_dim of every zoo model (default: 16; an even number >= 2). Engines whose kernels need larger heads "
+           "(vLLM's CPU attention: 32 and up) run the same zoo with e.g. 32", "N", _head_dim),
+    Option(DEVICE, "kv_device", "cpu", "device for engines and oracle (default: cpu)", "DEVICE"),
+    Option(DTYPE, "kv_dtype", "float32", f"dtype for engines and oracle, one of {', '.join(DTYPES)} (default: float32)",
+           "DTYPE", choice(*DTYPES)),
+    Option(MAX_NEW_TOKENS, "kv_max_new_tokens", "16", "new tokens generated per prompt (default: 16)", "N", whole(1)),
+    Option(TIE_TOLERANCE, "kv_tie_tolerance", "auto",
+           "max oracle logit gap between the oracle's token and the engine's token that counts as a near tie "
+           "(numerics, not a bug); 'auto' = 1e-3 for float32, 3e-2 for float16, 0.75 for bfloat16 (measured: "
+           "docs/gpu-results.md)", "GAP",
+           auto_or(number(0, what="give 'auto' or a logit gap >= 0, e.g. 1e-3"))),
+    Option(COMPILE_BACKEND, "kv_compile_backend", "inductor",
+           "torch.compile backend for the built-in compiled engines (inductor, aot_eager, eager); recompile checks "
+           "are decided by dynamo and hold for any backend", "BACKEND"),
+    Option(KNOWN_FINDING, "kv_known_findings", [],
+           "a known finding on an engine, 'ENGINE | TEST-GLOB | REASON | EXPECTED' (repeatable): matching tests of "
+           "that engine become strict xfails that expect a failure whose '<exception type>: <message>' matches the "
+           "regex EXPECTED (any other failure still fails; a fixed engine shows up as XPASS(strict))",
+           "LINE", _known_finding, "linelist"),
+    Option(CACHE_DIR, "kv_cache_dir", "",
+           f"where built tiny-model checkpoints and the oracle's references are cached (default: ${CACHE_DIR_ENV} or "
+           "~/.cache/pytest-kvcompile)", "DIR"),
+    Option(MAX_NEAR_TIES, "kv_max_near_ties", "auto",
+           "near ties allowed in one sequence; more is numerics drift, a failure ('auto' = 2 for float32, 3 for "
+           "float16 and bfloat16)", "N", auto_or(whole(0, "give 'auto' or a whole number >= 0, e.g. 2"))),
+    Option(MAX_NEAR_TIE_RATE, "kv_max_near_tie_rate", "auto",
+           "near ties allowed per verified token over each engine's whole run; more fails the run ('auto' = 0.01 for "
+           "float32, 0.05 for float16 and bfloat16)", "RATE",
+           auto_or(number(0, 1, "give 'auto' or a fraction of verified tokens in [0, 1], e.g. 0.02"))),
+    Option(FRESH_ENGINE, "kv_fresh_engine", False,
+           "build a fresh engine for every test instead of one per engine and model per process (isolates tests "
+           "from state an engine keeps across calls; slow for compiled engines)", kind="bool"),
+    Option(ALLOW_GRAPH_BREAKS, "kv_allow_graph_breaks", False,
+           "do not fail the recompile check on graph breaks in an engine's compiled code (they are still reported)",
+           kind="bool"),
+    Option(ORACLE_CHECK, "kv_oracle_check", "on",
+           "'on' (default): replay each oracle reference through an independent path (float64) before judging an "
+           "engine with it; 'off' skips that check", "on|off", choice("on", "off")),
+]
+BY_FLAG = {o.flag: o for o in OPTIONS}
 
 
 def known_findings(config: pytest.Config) -> list[tuple[str, str, str, str]]:
-    """(engine, test glob, reason, expected failure regex) per known finding; a malformed line is a usage error."""
-    found = []
-    for line in _value(config, KNOWN_FINDING):
-        parts = [p.strip() for p in line.split("|", 3)]
-        problem = None if len(parts) == 4 and all(parts) else "must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'"
-        if problem is None:
-            try:
-                re.compile(parts[3])
-            except re.error as exc:
-                problem = f"EXPECTED {parts[3]!r} is not a regular expression ({exc})"
-        if problem:
-            raise pytest.UsageError(
-                f"{KNOWN_FINDING} / kv_known_findings: {line!r} {problem}; e.g. 'hf-dynamic-compile | "
-                "test_no_recompiles_after_warmup* | recompiles on every new length | recompiled after warmup'. "
-                "EXPECTED is a regex searched in '<exception type>: <message>' of the failure"
-            )
-        found.append(tuple(parts))
-    return found
+    """(engine, test glob, reason, expected failure regex) per known finding of the run's options."""
+    return list(value(config, BY_FLAG[KNOWN_FINDING]))
 
 
 @dataclass(frozen=True)
@@ -165,98 +246,36 @@ class Settings:
     fuzz: FuzzSettings | None = None
 
 
-def read_settings(config: pytest.Config) -> Settings:
-    """Validated settings; a bad value is a usage error naming the fix."""
-    from pytest_kvcompile.oracles.token_match import DEFAULT_TIE_TOLERANCE
+def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Settings:
+    """The run's settings: each option parsed (options.value), 'auto' resolved for the dtype. No torch here:
+    the device is checked by `check_device` when an engine runs."""
+    def get(flag: str) -> Any:
+        return value(config, BY_FLAG[flag])
 
-    dtype = _value(config, DTYPE)
-    if dtype not in DTYPES:
-        raise pytest.UsageError(f"{DTYPE}={dtype!r}: choose one of {', '.join(DTYPES)}")
-    raw_n = _value(config, MAX_NEW_TOKENS)
-    if not str(raw_n).isdigit() or int(raw_n) < 1:
-        raise pytest.UsageError(f"{MAX_NEW_TOKENS}={raw_n!r}: give a whole number >= 1")
-    raw_tol = str(_value(config, TIE_TOLERANCE))
-    try:
-        tol = DEFAULT_TIE_TOLERANCE[dtype] if raw_tol == "auto" else float(raw_tol)
-    except ValueError:
-        tol = -1.0
-    if not tol >= 0:
-        raise pytest.UsageError(f"{TIE_TOLERANCE}={raw_tol!r}: give 'auto' or a logit gap >= 0, e.g. 1e-3")
-    device = _value(config, DEVICE)
-    _check_device(device)
-    zoo = str(_value(config, ZOO)).strip()
-    raw_hd = str(_value(config, ZOO_HEAD_DIM))
-    if not raw_hd.isdigit() or int(raw_hd) < 2 or int(raw_hd) % 2:
-        raise pytest.UsageError(f"{ZOO_HEAD_DIM}={raw_hd!r}: give an even whole number >= 2 (RoPE rotates pairs), e.g. 32")
-    cache_dir = _value(config, CACHE_DIR) or os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pytest-kvcompile"
-    given = _value(config, ENGINE)
-    engines = tuple(dict.fromkeys(n.strip() for n in given if n.strip()))
-    if given and not engines:
-        raise pytest.UsageError(f"{ENGINE}= is empty: name an engine, e.g. {ENGINE}=hf-eager "
-                                f"(pytest {LIST_ENGINES} lists them)")
-    from pytest_kvcompile.oracles.token_match import DEFAULT_MAX_NEAR_TIE_RATE, DEFAULT_MAX_NEAR_TIES
-
-    raw_ties = str(_value(config, MAX_NEAR_TIES))
-    if raw_ties != "auto" and not raw_ties.isdigit():
-        raise pytest.UsageError(f"{MAX_NEAR_TIES}={raw_ties!r}: give 'auto' or a whole number >= 0, e.g. 2")
-    raw_rate = str(_value(config, MAX_NEAR_TIE_RATE))
-    try:
-        rate = DEFAULT_MAX_NEAR_TIE_RATE[dtype] if raw_rate == "auto" else float(raw_rate)
-    except ValueError:
-        rate = -1.0
-    if not 0 <= rate <= 1:
-        raise pytest.UsageError(f"{MAX_NEAR_TIE_RATE}={raw_rate!r}: give 'auto' or a fraction of verified tokens in "
-                                "[0, 1], e.g. 0.02")
-    check = str(_value(config, ORACLE_CHECK)).strip().lower()
-    if check not in ("on", "off"):
-        raise pytest.UsageError(f"{ORACLE_CHECK}={check!r}: give 'on' or 'off'")
-    fuzz = _fuzz_settings(config)
+    dtype, tol, ties, rate = get(DTYPE), get(TIE_TOLERANCE), get(MAX_NEAR_TIES), get(MAX_NEAR_TIE_RATE)
+    zoo = str(get(ZOO)).strip()
+    cache_dir = get(CACHE_DIR) or os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pytest-kvcompile"
     return Settings(
-        engines=engines,
-        models=tuple(Path(p).expanduser() for p in _value(config, MODEL)),
+        engines=tuple(dict.fromkeys(get(ENGINE))),
+        models=tuple(Path(p).expanduser() for p in get(MODEL)),
         zoo=None if zoo == "all" else tuple(n.strip() for n in zoo.split(",") if n.strip() and n.strip() != "none"),
-        zoo_head_dim=int(raw_hd),
-        device=device,
+        zoo_head_dim=get(ZOO_HEAD_DIM),
+        device=get(DEVICE),
         dtype=dtype,
-        max_new_tokens=int(raw_n),
-        tie_tolerance=tol,
-        compile_backend=_value(config, COMPILE_BACKEND),
+        max_new_tokens=get(MAX_NEW_TOKENS),
+        tie_tolerance=DEFAULT_TIE_TOLERANCE[dtype] if tol == "auto" else tol,
+        compile_backend=get(COMPILE_BACKEND),
         cache_dir=Path(cache_dir),
-        max_near_ties=DEFAULT_MAX_NEAR_TIES[dtype] if raw_ties == "auto" else int(raw_ties),
-        max_near_tie_rate=rate,
-        fresh_engine=bool(_value(config, FRESH_ENGINE)),
-        allow_graph_breaks=bool(_value(config, ALLOW_GRAPH_BREAKS)),
-        oracle_check=check == "on",
+        max_near_ties=DEFAULT_MAX_NEAR_TIES[dtype] if ties == "auto" else ties,
+        max_near_tie_rate=DEFAULT_MAX_NEAR_TIE_RATE[dtype] if rate == "auto" else rate,
+        fresh_engine=bool(get(FRESH_ENGINE)),
+        allow_graph_breaks=bool(get(ALLOW_GRAPH_BREAKS)),
+        oracle_check=get(ORACLE_CHECK) == "on",
         fuzz=fuzz,
     )
 
 
-def _fuzz_settings(config: pytest.Config):
-    """The --kv-fuzz* options (None: fuzzing off); a bad value is a usage error."""
-    from pytest_kvcompile.run.fuzz import PROFILES, FuzzSettings
-
-    raw = str(_value(config, FUZZ)).strip()
-    if not raw.isdigit():
-        raise pytest.UsageError(f"{FUZZ}={raw!r}: give a number of examples >= 0 (0: off), e.g. {FUZZ}=20")
-    profile = str(_value(config, FUZZ_PROFILE)).strip()
-    if profile not in PROFILES:
-        raise pytest.UsageError(f"{FUZZ_PROFILE}={profile!r}: choose one of {', '.join(PROFILES)}")
-    budget = str(_value(config, FUZZ_BUDGET)).strip()
-    try:
-        seconds = float(budget)
-    except ValueError:
-        seconds = -1.0
-    if not seconds > 0:
-        raise pytest.UsageError(f"{FUZZ_BUDGET}={budget!r}: give seconds > 0, e.g. 120")
-    seed = str(_value(config, FUZZ_SEED)).strip()
-    if seed and not seed.isdigit():
-        raise pytest.UsageError(f"{FUZZ_SEED}={seed!r}: give a whole number")
-    if int(raw) == 0:
-        return None
-    return FuzzSettings(int(raw), profile, seconds, int(seed) if seed else None)
-
-
-def _check_device(device: str) -> None:
+def check_device(device: str) -> None:
     """A usage error at start-up for a device string torch rejects, or a CUDA device this torch cannot use."""
     import torch
 

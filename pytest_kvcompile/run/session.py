@@ -1,5 +1,6 @@
-"""Per-process state of a run, kept in ``config.stash``: settings, resolved engines,
-models, and the engines/oracles built so far (shared by every test of the process)."""
+"""Per-process state of a run: settings, resolved engines, models, and the engines/oracles built so far
+(shared by every test of the process). Built by the plugin on first use and handed to the fixtures
+(``kv_session``); it imports torch and transformers, nothing else does before it."""
 
 from __future__ import annotations
 
@@ -9,24 +10,32 @@ from typing import Any
 import pytest
 
 from pytest_kvcompile.contract import engine_io
-from pytest_kvcompile.models import checkpoints as models
-from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, missing_capability
-from pytest_kvcompile.errors import NotApplicable
-from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
-from pytest_kvcompile.models.checkpoints import ModelEntry
-from pytest_kvcompile.run.options import Settings
-from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
-from pytest_kvcompile.models.prompts import Prompt, prompt_set
-from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
-from pytest_kvcompile.oracles.store import StoredOracle
+from pytest_kvcompile.contract.engine import (
+    ModelNotSupported,
+    ModelSpec,
+    missing_capability,
+)
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.oracles.token_match import DEFAULT_SCORE_TOLERANCE
+from pytest_kvcompile.errors import NotApplicable
+from pytest_kvcompile.latency.marker import Settings as LatencySettings
+from pytest_kvcompile.models import checkpoints as models
+from pytest_kvcompile.models.checkpoints import ModelEntry
+from pytest_kvcompile.models.prompts import Prompt, prompt_set
+from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
+from pytest_kvcompile.oracles.store import StoredOracle
+from pytest_kvcompile.oracles.tolerances import DEFAULT_SCORE_TOLERANCE
+from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
+from pytest_kvcompile.reports.results import Collector
+from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
+from pytest_kvcompile.run.options import Settings, check_device
 
 
 @dataclass
 class Session:
     settings: Settings
     engines: dict[str, EngineRef]
+    collector: Collector
+    latency: LatencySettings
     _models: dict[str, ModelEntry] | None = None
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _built: dict[tuple[str, str], EngineUnderTest | str] = field(default_factory=dict)
@@ -56,6 +65,9 @@ class Session:
         if model not in self._specs:
             self._specs[model] = models.spec_for(entry, self.settings)
         return self._specs[model]
+
+    def __post_init__(self) -> None:
+        check_device(self.settings.device)
 
     def engine(self, name: str, model: str) -> EngineUnderTest:
         """The engine built for the model, once per process (each time with --kv-fresh-engine); a failed build
@@ -110,5 +122,16 @@ class Session:
             raise NotApplicable(found + " (the oracle-free checks still run)")
         return found
 
+    def engine_named(self, name: str, model: str, why: str) -> EngineUnderTest:
+        """An engine the run did not select (a relative latency budget's), resolved now and built for `model`;
+        a name that does not resolve fails the test with `why`."""
+        from pytest_kvcompile.contract import registry
+        from pytest_kvcompile.errors import EngineResolutionError
 
-SESSION = pytest.StashKey[Session]()
+        __tracebackhide__ = True
+        if name not in self.engines:
+            try:
+                self.engines[name] = registry.resolve(name)
+            except EngineResolutionError as exc:
+                pytest.fail(f"{why}: {exc}", pytrace=False)
+        return self.engine(name, model)

@@ -1,4 +1,7 @@
-"""KV-cache eviction policies: the exact rules, and the masking oracle that applies them.
+"""The checker's definition of correct eviction: the policies' exact rules, and the masking oracle that applies them.
+
+The reference eviction engines (reference_impls/eviction_engine.py) and the oracle both rank by `order` and
+score with the `Policy` classes here: one rule, written once, on the checker's side.
 
 The step (every policy, oracle and engine alike). Each forward -- the whole prompt at once
 (prefill), or one new token (decode) -- runs in three parts, per layer:
@@ -30,7 +33,7 @@ the sliding window of sliding layers: the ``attention_mask`` transformers builds
 function), with the model's own ``scaling`` and ``softcap`` as it passes them: a policy only ever removes keys
 the model would have attended. A KV-sharing layer (Gemma3n/Gemma4 ``num_kv_shared_layers``; source = the
 last earlier non-shared layer of the same layer type, transformers' ``kv_sharing`` "store"/"reuse", see
-`reference_impls/gemma4.kv_sources`) has no cache of its own: at each step it sees exactly the candidates its
+`kv_sources`) has no cache of its own: at each step it sees exactly the candidates its
 source layer's queries see (the source's kept entries + the step's new ones; the source's eviction at this
 step applies from the next step on, for both) and it neither scores nor evicts.
 
@@ -110,13 +113,16 @@ import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
-from pytest_kvcompile.oracles.hf import Reference
+from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
+
+if TYPE_CHECKING:
+    from pytest_kvcompile.oracles.hf import Reference
 
 EMPTY = -1  # position of an empty cache slot
 
@@ -317,6 +323,14 @@ def keep(policy: Policy, pos, score, newest, budget: int | None = None) -> torch
 
 # --------------------------------------------------------------------------- the oracle
 
+def kv_sources(config) -> dict[int, int]:
+    """KV-sharing layer -> the layer whose K/V it reads: the last earlier non-shared layer of its layer type
+    (Gemma3n/Gemma4 ``num_kv_shared_layers``, `zoo.shared_kv_layers`); empty without KV sharing."""
+    shared, sliding = shared_kv_layers(config), set(sliding_layers(config))
+    first = min(shared, default=config.num_hidden_layers)
+    return {i: max(j for j in range(first) if (j in sliding) == (i in sliding)) for i in shared}
+
+
 #: Near-tie tolerance on policy scores, per dtype, relative to the larger score: at a cut whose two sides score
 #: within it, either side may stay (module docstring, "Near ties", where the numbers come from). Other dtypes
 #: (float64) use float32's.
@@ -338,7 +352,7 @@ class _Masks:
         self.seen: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, n] bool: the candidates of this step
         self.ties: list[tuple[int, tuple[int, ...], int, int]] = []  # (layer, kv heads, last kept, first evicted)
 
-    def fork(self, flips=()) -> "_Masks":
+    def fork(self, flips=()) -> _Masks:
         """A copy taking the other side at each tie of `flips` (entries of `ties`)."""
         new = copy.copy(self)
         new.alive, new.scores, new.seen, new.ties = dict(self.alive), dict(self.scores), dict(self.seen), []
@@ -451,7 +465,7 @@ class _Branch:
     gap: float = 0.0
     flips: int = 0  # non-default choices taken so far
 
-    def forks(self, most: int) -> list["_Branch"]:
+    def forks(self, most: int) -> list[_Branch]:
         """Itself, then copies taking the other side of this step's ties (single flips first), `most` in all."""
         ties = self.masks.ties
         subsets = (c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r))
@@ -483,8 +497,6 @@ class EvictionOracle:
     def __init__(self, spec: ModelSpec, strategy: Strategy):
         from transformers import AttentionInterface, AutoModelForCausalLM
         from transformers.masking_utils import AttentionMaskInterface
-
-        from reference_impls.gemma4 import kv_sources
 
         self.spec, self.policy = spec, policy_for(strategy)
         AttentionInterface.register(ATTENTION_NAME, _attention)
@@ -541,6 +553,9 @@ class EvictionOracle:
     @torch.inference_mode()
     def run(self, prompt, steps: int) -> tuple[Reference, _Masks]:
         """The greedy run (one path: at a near tie the rule's own choice, never a fork), memoized."""
+        # Imported here: hf imports this module (its ORACLES table).
+        from pytest_kvcompile.oracles.hf import Reference
+
         key = (tuple(prompt), steps)
         if key not in self._memo:
             branch, inputs, tokens, rows = self._start(), key[0], [], []

@@ -1,0 +1,107 @@
+"""Prefill and decode latency of an engine: the rule every latency number of the run follows.
+
+Engines only expose ``generate(prompts, max_new_tokens)``, so latency is derived from two calls
+on one prompt of ``PROMPT_LEN`` tokens, batch of one:
+
+- ``prefill_ms``          = time(generate([prompt], 1))  (the prompt's forward plus one token)
+- ``decode_ms_per_token`` = (time(generate([prompt], 1 + K)) - time(generate([prompt], 1))) / K
+
+with K = ``DECODE_TOKENS``. Per-call overheads (cache allocation, Python, output conversion)
+cancel out of the decode difference. ``WARMUP`` untimed calls of each kind come first (compiled
+engines compile there), then N repeats (``--kv-latency-repeats``); the median and p90 (nearest
+rank) over the repeats are reported and budgets are checked against the median. Timing is CUDA
+events around the call on a CUDA device, ``time.perf_counter`` on CPU. Engines measured side by
+side (a relative budget) alternate call by call within each repeat, so load changes hit both.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+import pytest
+import torch
+
+from pytest_kvcompile.models.prompts import of_length
+from pytest_kvcompile.reports.results import stats
+
+if TYPE_CHECKING:
+    from pytest_kvcompile.run.harness import EngineUnderTest
+
+PROMPT_LEN = 32
+DECODE_TOKENS = 8
+WARMUP = 2
+
+
+# --- measuring --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Latency:
+    engine: str
+    model: str
+    prompt_len: int
+    decode_tokens: int
+    timer: str
+    prefill_ms: tuple[float, ...]
+    decode_ms_per_token: tuple[float, ...]
+
+    @property
+    def prefill(self) -> dict[str, float]:
+        return stats(self.prefill_ms)
+
+    @property
+    def decode(self) -> dict[str, float]:
+        return stats(self.decode_ms_per_token)
+
+    def as_dict(self) -> dict:
+        found = asdict(self)
+        del found["engine"], found["model"]
+        return {**found, "prefill_ms": list(self.prefill_ms), "decode_ms_per_token": list(self.decode_ms_per_token)}
+
+
+def timer_for(device: str) -> tuple[str, Callable[[Callable[[], object]], float]]:
+    """(name, time_ms(fn)): CUDA events on a CUDA device, perf_counter elsewhere."""
+    if torch.device(device).type == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip(f"latency on device '{device}' needs CUDA, which this torch does not have")
+
+        def cuda_ms(fn):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize(device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+
+        return "cuda-events", cuda_ms
+
+    def cpu_ms(fn):
+        begin = time.perf_counter()
+        fn()
+        return (time.perf_counter() - begin) * 1e3
+
+    return "perf_counter", cpu_ms
+
+
+def measure(engines: Sequence[EngineUnderTest], repeats: int, prompt_len: int = PROMPT_LEN,
+            decode_tokens: int = DECODE_TOKENS) -> list[Latency]:
+    """Latency of each engine (same model) per the module's rule, measured side by side."""
+    spec = engines[0].spec
+    prompt = of_length(prompt_len, spec.vocab_size, salt=5)
+    name, time_ms = timer_for(spec.device)
+    for eut in engines:  # validated calls: a broken engine fails here with a clear message
+        for _ in range(WARMUP):
+            eut.generate([prompt], 1)
+            eut.generate([prompt], 1 + decode_tokens)
+    prefill: list[list[float]] = [[] for _ in engines]
+    decode: list[list[float]] = [[] for _ in engines]
+    for _ in range(repeats):
+        for i, eut in enumerate(engines):
+            one = time_ms(lambda: eut.engine.generate([list(prompt.ids)], 1))
+            more = time_ms(lambda: eut.engine.generate([list(prompt.ids)], 1 + decode_tokens))
+            prefill[i].append(one)
+            decode[i].append((more - one) / decode_tokens)
+    return [Latency(eut.name, eut.spec.name, prompt_len, decode_tokens, name, tuple(p), tuple(d))
+            for eut, p, d in zip(engines, prefill, decode)]

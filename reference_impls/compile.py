@@ -1,0 +1,48 @@
+"""How the reference engines compile: a private torch.compile per engine, unbacked dynamic sizes, left padding.
+
+Why unbacked sizes and private compiles, and what that buys (two compiles per engine, then none):
+reference_impls/compiled_dynamic.py's docstring.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+from torch._dynamo.decorators import mark_unbacked  # torch 2.13: not in torch._dynamo
+
+
+def compile_fresh(fn, backend: str):
+    """torch.compile a private copy of `fn`.
+
+    Dynamo keeps compiled code (and its recompile limit) per code object. A fresh code object
+    per engine gives each engine its own cache: exactly its own compiles, never a
+    "recompile" because another engine served a different model, dtype or backend first.
+    """
+    code = fn.__code__.replace()  # an equal but distinct code object
+    fn = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    options = {"triton.cudagraphs": False} if backend == "inductor" else None  # shapes change every step
+    return torch.compile(fn, backend=backend, fullgraph=True, options=options)
+
+
+def mark_dynamic(tokens, valid, cache=None):
+    """Batch, prompt and cache lengths vary: unbacked, so sizes 0/1 are not specialised either."""
+    mark_unbacked(tokens, 0)
+    mark_unbacked(valid, 0)
+    mark_unbacked(valid, 1)
+    if cache is None:
+        mark_unbacked(tokens, 1)  # prefill: any prompt length; decode: one token
+    for k, v in cache or ():
+        for x in (k, v):
+            mark_unbacked(x, 0)
+            mark_unbacked(x, 1)
+
+
+def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """tokens [b, width] left-padded with 0, and valid [b, width] marking the real tokens."""
+    if not all(prompts):
+        raise ValueError("every prompt needs at least one token")
+    width = max(map(len, prompts))
+    tokens = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=device)
+    valid = torch.tensor([[False] * (width - len(p)) + [True] * len(p) for p in prompts], device=device)
+    return tokens, valid

@@ -1,0 +1,51 @@
+"""The reference models' architecture table and checkpoint loader.
+
+`ARCHITECTURES` maps a config's `model_type` to its model class, written out here (the architecture
+modules import the shared model, this table imports them). `load_model` builds the model on the meta
+device and assigns the checkpoint's safetensors to it as they are (parameter names match transformers').
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from pytest_kvcompile.contract.engine import ModelSpec
+from reference_impls.gemma3 import Gemma3
+from reference_impls.gemma4 import Gemma4
+from reference_impls.gpt2 import GPT2
+from reference_impls.model import Llama, UnsupportedModel, rope_tables
+
+#: config.model_type -> model class.
+ARCHITECTURES: dict[str, type[nn.Module]] = {
+    "llama": Llama,
+    "mistral": Llama,
+    "gemma3_text": Gemma3,
+    "gemma4_text": Gemma4,
+    "gpt2": GPT2,
+}
+
+
+def load_model(spec: ModelSpec) -> nn.Module:
+    """The checkpoint's model in spec.dtype on spec.device, weights straight from its safetensors."""
+    config = spec.config
+    if config.model_type not in ARCHITECTURES:
+        raise UnsupportedModel(
+            f"reference_impls does not support model_type '{config.model_type}' (model '{spec.name}'); "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    with torch.device("meta"):
+        model = ARCHITECTURES[config.model_type](config)
+    state = {}
+    for file in sorted(Path(spec.path).glob("*.safetensors")):
+        state.update(load_file(file, device=str(spec.device)))
+    if config.tie_word_embeddings:
+        state["lm_head.weight"] = state[getattr(model, "tied_embedding", "model.embed_tokens.weight")]
+    model.load_state_dict(state, strict=True, assign=True)
+    model = model.to(spec.dtype).eval().requires_grad_(False)
+    if model.rope:  # RoPE models (not GPT-2)
+        model.rope = rope_tables(config, spec.device)  # not in the checkpoint; fp32 like transformers
+    return model
