@@ -15,6 +15,7 @@ each gets its own venv. The steps, each printed before it runs:
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -62,6 +63,12 @@ def recipe_for(names: list[str], extra: list[str]) -> Recipe:
     return recipe
 
 
+def _project(spec: str) -> str:
+    """The normalised project name of a pip requirement ('Kv_Press>=1' -> 'kv-press')."""
+    return re.sub(r"[-_.]+", "-", re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", spec).group(1)).lower() \
+        if re.match(r"\s*[A-Za-z0-9]", spec) else spec
+
+
 def safe_name(name: str) -> str:
     """An engine NAME as a file name (import paths carry ':')."""
     return name.replace(":", "_").replace("/", "_")
@@ -93,7 +100,9 @@ def plan(names: list[str], venv: Path, out: Path, extra: list[str], pytest_args:
         commands.append([sys.executable, "-m", "venv", *(["--system-site-packages"] if system_site_packages else []),
                          str(venv)])
     commands.append([*pip, torch_requirement()])
-    commands.append([*pip, *recipe.packages, *extra, *shlex.split(project_requirement())])
+    replaced = {_project(spec) for spec in extra}  # --install kvpress==0.5.1 replaces the recipe's kvpress pin
+    pinned = [spec for spec in recipe.packages if _project(spec) not in replaced]
+    commands.append([*pip, *pinned, *extra, *shlex.split(project_requirement())])
     if recipe.uninstall:
         commands.append([python, "-m", "pip", "uninstall", "--yes", *recipe.uninstall])
     stem = safe_name(names[0])

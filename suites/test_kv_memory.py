@@ -7,6 +7,9 @@
   calls, so graph pools and workspaces held only from C++ count) is at most
   HELD_FACTOR x what it reports and what its layout declares, plus HELD_SLACK for small buffers (RoPE tables,
   masks, positions): an engine holding 16x what it reports fails with both numbers.
+- An engine declaring ``kv_released`` (each call's cache dropped when ``generate()`` returns) holds at most
+  HELD_SLACK besides its weights after a call: a cache still referenced (kept on the model, as transformers
+  5.13-5.14's ``model._cache``, #47731) fails.
 - Calls of the same shapes with different prompts do not grow memory (a leak, a memo keyed by prompt)."""
 
 from __future__ import annotations
@@ -49,6 +52,13 @@ def _hint(footprint, got: int, footprint_of) -> str:
     if footprint.layout.kind == "dynamic" and got == unbounded != footprint.total:
         return (f"the count matches sliding layers holding all T={written} positions: the engine keeps keys that "
                 "left the window (masked, never read again); drop them to bound memory by the window")
+    if footprint.layout.kind == "static":
+        for positions in (written, written + 1):
+            if got == footprint_of(dataclasses.replace(footprint.layout, max_cache_len=positions)).total != footprint.total:
+                return (f"the count matches a static cache of {positions} positions, the prompt plus the new tokens, "
+                        f"not the declared max_cache_len={footprint.layout.max_cache_len}: the engine's cache length "
+                        "setting was ignored (transformers < 5.13 ignored generate()'s cache_config={'max_cache_len': "
+                        "...} on the static path, #46424), and every new length re-sizes the cache")
     if 2 * got == footprint.total:
         return "the count is exactly half the footprint: are keys or values left out?"
     if footprint.rows > 1 and got * footprint.rows == footprint.total:
@@ -128,6 +138,8 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
     claims = {f"kv_cache_bytes() = {format_bytes(reported)}": reported} if reported is not None else {}
     if expected:
         claims[f"its declared {declared.kv_layout} = {format_bytes(expected)}"] = expected
+    if declared.kv_released:  # the cache was the call's own: nothing of it may outlive the call
+        claims = {"0 B of cache (it declares kv_released: every call's cache is dropped when generate() returns)": 0}
     if not claims:
         pytest.skip(f"engine '{kv_engine.name}' holds {format_bytes(held.state)} besides its weights after "
                     f"{_describe(call, kv_engine)}, but declares neither kv_cache_bytes nor a kv_layout to compare "
@@ -138,8 +150,12 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
             f"engine '{kv_engine.name}' on model '{spec.name}' holds {format_bytes(held.state)} besides its weights "
             f"({format_bytes(held.weights)}) after {_describe(call, kv_engine)}, more than {HELD_FACTOR:g} x "
             + " and ".join(over) + f" + {format_bytes(HELD_SLACK)}\n"
-            f"  measured: {measure}\n  hint: a cache preallocated larger than it reports (a static cache sized "
-            "for more rows or positions), earlier calls' caches kept, or a report that counts only part of the cache",
+            f"  measured: {measure}\n  hint: "
+            + ("the call's cache is still referenced after generate() returned (kept on the engine or its model, as "
+               "transformers 5.13-5.14 kept model._cache: #47731); drop it, or do not declare kv_released"
+               if declared.kv_released else
+               "a cache preallocated larger than it reports (a static cache sized for more rows or positions), "
+               "earlier calls' caches kept, or a report that counts only part of the cache"),
             pytrace=False,
         )
 

@@ -8,6 +8,10 @@ and ran. If dynamo compiled nothing and no compiled code ran, the check has noth
 for an engine that does not declare ``compiled``, and FAILS one that declares it. Otherwise it fails on:
 
 - a compile after warmup (a recompile, or a first compile of a path warmup missed);
+- (``test_identical_calls_compile_nothing``) a compile in a fresh engine object's second or third call identical
+  to its first (same prompt, same new tokens): state the first call left (a cache initialised lazily on first
+  use) was baked into its compiled graph, so every new engine or cache pays a recompile (transformers #46421
+  shipped this; docs/released-bugs.md);
 - a CUDA graph capture after warmup (a re-capture for an unseen batch size or length: an engine's own
   ``torch.cuda.graph`` or inductor's cudagraph trees), named with the call that caused it;
 - a compile that failed, or hit dynamo's recompile limit, in any phase (building included);
@@ -134,5 +138,35 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
             f"{at}: {'; '.join(dict.fromkeys(problems))}\n"
             f"  warmup: {', '.join(map(str, warm_calls))}\n" + "\n".join(culprits)
             + (("\n" + detail[1]) if len(detail) > 1 else ""),
+            pytrace=False,
+        )
+
+
+def test_identical_calls_compile_nothing(kv_session, kv_engine_name, kv_model_name, kv_prompts, kv_record):
+    """A fresh engine object serves one call three times: whatever it compiles, it compiles in the first call."""
+    fresh = kv_session.fresh_engine(kv_engine_name, kv_model_name)
+    prompt = next(p for p in kv_prompts if len(p) == 7)
+    isolate()  # from a clean dynamo, as a new process would start
+    for _ in range(3):
+        fresh.generate([prompt], DECODE_STEPS)
+    first, *repeats = fresh.history
+    at = f"engine '{fresh.name}' on model '{fresh.spec.name}'"
+    if not any(c.compiles or c.guard_hits or c.captures for c in fresh.history) and not fresh.build_compiles:
+        pytest.skip(f"{at}: no torch.compile code observed in three identical calls, so there are no recompiles "
+                    "to check")
+    again = [(i + 2, c) for i, c in enumerate(repeats) if c.compiles or c.captures]
+    kv_record.metric(compiles={"build": len(fresh.build_compiles), "warmup": len(first.compiles),
+                               "after_warmup": 0, "reasons": [f"repeat {n}: {_reason(e)}" for n, c in again
+                                                              for e in c.compiles]})
+    if again:
+        lines = [f"  call {n} of 3, {c}: {_reason(e)}" for n, c in again for e in c.compiles]
+        lines += [f"  call {n} of 3, {c}: CUDA graph capture: {site}" for n, c in again for site in c.captures]
+        pytest.fail(
+            f"{at}: {sum(len(c.compiles) + len(c.captures) for _, c in again)} compile(s) or capture(s) in a call "
+            f"identical to the first of a fresh engine object, 0 allowed: state the first call left (e.g. a cache "
+            "initialised lazily on first use, `is_initialized` in the guards below) was baked into its compiled "
+            "graph, so the same call recompiles for every new engine or cache (transformers #46421 shipped this; "
+            "initialise such state before compiling, or keep it out of the graph's guards)\n"
+            f"  first call: {first} compiled {len(first.compiles)} frame(s)\n" + "\n".join(lines),
             pytrace=False,
         )

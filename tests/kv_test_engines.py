@@ -161,6 +161,26 @@ class RecompilingGreedy(CompiledGreedy):
         self.last = torch.compile(_last_logits, backend="eager", dynamic=False)
 
 
+class _LazyState:
+    initialized = False
+
+
+def _last_logits_lazy(logits, state):
+    if not state.initialized:  # a cache initialised on first use, inside the compiled code
+        state.initialized = True
+    return logits[:, -1]
+
+
+class LazyInitCompiled(CompiledGreedy):
+    """Bug (transformers #46421's shape): state initialised lazily inside the compiled function, so its first
+    compile guards on `initialized == False` and the same call recompiles once it is True."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        state, compiled = _LazyState(), torch.compile(_last_logits_lazy, backend="eager")
+        self.last = lambda logits: compiled(logits, state)
+
+
 class Unbatched(Greedy):
     """Correct, but declares nothing optional."""
 

@@ -86,3 +86,15 @@ def test_a_real_check_in_a_venv_that_sees_this_environment(tmp_path):
     rows = json.loads((out / "kv_test_engines_Greedy.json").read_text())["rows"]
     assert [(r["engine"], r["model"]) for r in rows] == [("kv_test_engines:Greedy", "llama")]
     assert (out / "kv_test_engines_Greedy.md").read_text().count("kv_test_engines:Greedy") >= 1
+
+
+def test_an_install_spec_replaces_the_recipes_pin_of_the_same_package(tmp_path):
+    """Checking a released version of a recipe's engine (docs/released-bugs.md): --install kvpress==0.5.1 replaces
+    the recipe's kvpress pin instead of asking pip for both."""
+    from pytest_kvcompile.check_engine import plan
+
+    commands, _, _ = plan(["kvpress-decoding-knorm"], tmp_path / "venv", tmp_path / "out",
+                          ["KvPress==0.5.1", "transformers>=5.2,<5.3"], [])
+    install = next(c for c in commands if "-e" in c)
+    assert "KvPress==0.5.1" in install and "transformers>=5.2,<5.3" in install
+    assert not any(spec.startswith("kvpress==0.5.5") for spec in install)

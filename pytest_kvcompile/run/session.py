@@ -72,10 +72,6 @@ class Session:
     def engine(self, name: str, model: str) -> EngineUnderTest:
         """The engine built for the model, once per process (each time with --kv-fresh-engine); a failed build
         fails every test using it."""
-        ref, spec = self.engines[name], self.spec(model)
-        missing = missing_capability(ref.declaration, spec)
-        if missing:
-            raise NotApplicable(f"engine '{name}' does not declare {missing}")
         key = (name, model)
         if key in self._built and not self.settings.fresh_engine:
             built = self._built[key]
@@ -83,25 +79,34 @@ class Session:
                 pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
             return built
         self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
+        try:
+            self._built[key] = self.fresh_engine(name, model)
+        except pytest.skip.Exception:
+            del self._built[key]
+            raise
+        return self._built[key]
+
+    def fresh_engine(self, name: str, model: str) -> EngineUnderTest:
+        """A new engine object for the model, not shared with other tests (checks of what a first call leaves)."""
+        ref, spec = self.engines[name], self.spec(model)
+        missing = missing_capability(ref.declaration, spec)
+        if missing:
+            raise NotApplicable(f"engine '{name}' does not declare {missing}")
         if ref.declaration.compiled:
             isolate()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
         recorder = CompileRecorder()
         allocated_before = cuda_allocated(spec.device)
-        try:
-            with recorder:  # engines that compile up front (vLLM) do it here
-                instance = engine_io.build(ref, spec, self.settings.compile_backend)
-        except pytest.skip.Exception:
-            del self._built[key]
-            raise
+        with recorder:  # engines that compile up front (vLLM) do it here
+            instance = engine_io.build(ref, spec, self.settings.compile_backend)
         after = cuda_allocated(spec.device)
         grown = None if allocated_before is None else after - allocated_before
         settings = self.settings
-        self._built[key] = EngineUnderTest(
+        return EngineUnderTest(
             ref, spec, instance, settings.max_new_tokens, settings.tie_tolerance, self.models[model].window,
-            build_compiles=tuple(recorder.events), build_captures=tuple(recorder.captures), max_near_ties=settings.max_near_ties,
-            score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype], cuda_grown=grown,
+            build_compiles=tuple(recorder.events), build_captures=tuple(recorder.captures),
+            max_near_ties=settings.max_near_ties, score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype],
+            cuda_grown=grown,
         )
-        return self._built[key]
 
     def oracle(self, name: str, model: str) -> StoredOracle:
         """The oracle of the engine's declared strategy on the model (memoized, disk-cached, self-checked)."""

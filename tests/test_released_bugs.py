@@ -1,0 +1,71 @@
+"""Bugs that shipped in released engines: the suite fails each affected version and passes its fix.
+
+Slow and off by default (``-m "not released_bugs"`` in pyproject's addopts): each row builds a virtual
+environment with ``kvcompile check-engine`` (``--system-site-packages``: this environment's torch, the
+version under test installed over it) and runs the suites it names. Run them with
+``pytest -m released_bugs tests/test_released_bugs.py`` (5.5 minutes on 2 CPU cores, measured; venvs are kept in
+``.kvcompile-venvs/released-*`` and reused). The table and the measured output: docs/released-bugs.md.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.released_bugs
+
+
+@dataclass(frozen=True)
+class Bug:
+    engine: str
+    link: str
+    affected: tuple[str, ...]  # --install specs of an affected release
+    fixed: tuple[str, ...]  # --install specs of the release with the fix
+    select: str  # -k expression: the check that catches it
+    says: str  # a line of the affected version's failure (fnmatch)
+
+
+BUGS = {
+    "transformers-46421-recompile-on-repeat": Bug(
+        "hf-static-chunked-compile", "https://github.com/huggingface/transformers/issues/46421",
+        ("transformers==5.12.1",), ("transformers==5.13.1",), "identical_calls",
+        "*compile(s) or capture(s) in a call identical to the first of a fresh engine object, 0 allowed*"),
+    "transformers-46424-max-cache-len-ignored": Bug(
+        "hf-static-chunked-compile", "https://github.com/huggingface/transformers/issues/46424",
+        ("transformers==5.12.1",), ("transformers==5.13.1",), "test_kv_cache_bytes and not batched",
+        "*hint: the count matches a static cache of * positions, the prompt plus the new tokens, not the declared "
+        "max_cache_len=512*"),
+    "transformers-47731-cache-kept-on-model": Bug(
+        "hf-static-chunked-compile", "https://github.com/huggingface/transformers/pull/47731",
+        ("transformers==5.14.1",), ("transformers==5.15.1",), "test_memory_held_matches_reported",
+        "*more than 1.5 x 0 B of cache (it declares kv_released*"),
+    "kvpress-decodingpress-state-kept": Bug(
+        "kvpress-decoding-knorm", "kvpress 0.5.2 release notes (DecodingPress.reset on exit)",
+        ("kvpress==0.5.1", "transformers>=5.2,<5.3"), ("kvpress==0.5.2", "transformers>=5.2,<5.3"),
+        "test_determinism and not batched", "*two identical generate() calls differ at step*"),
+}
+
+
+def check_engine(bug: Bug, install: tuple[str, ...], tmp_path: Path) -> subprocess.CompletedProcess:
+    venv = ROOT / ".kvcompile-venvs" / ("released-" + "-".join(re.sub(r"[^A-Za-z0-9.]+", "", s) for s in install))
+    command = [sys.executable, "-m", "pytest_kvcompile.cli", "check-engine", bug.engine, "--venv", str(venv),
+               "--system-site-packages", "--out", str(tmp_path), *(f"--install={s}" for s in install),
+               "--", "--kv-zoo=llama", "-k", bug.select, "-p", "no:benchmark"]
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=1800)
+
+
+@pytest.mark.parametrize("name", sorted(BUGS))
+def test_the_suite_fails_the_affected_release_and_passes_the_fix(name, tmp_path):
+    bug = BUGS[name]
+    affected = check_engine(bug, bug.affected, tmp_path / "affected")
+    assert affected.returncode == 1, f"{name}: {bug.affected} should fail:\n{affected.stdout[-3000:]}{affected.stderr[-2000:]}"
+    pytest.LineMatcher(affected.stdout.splitlines()).fnmatch_lines([bug.says])
+    fixed = check_engine(bug, bug.fixed, tmp_path / "fixed")
+    assert fixed.returncode == 0, f"{name}: {bug.fixed} should pass:\n{fixed.stdout[-3000:]}{fixed.stderr[-2000:]}"
