@@ -8,6 +8,7 @@ engine or a test uses a ``kv_*`` fixture. Nothing below imports this module back
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
@@ -70,7 +71,18 @@ class Run:
     def session(self):
         from pytest_kvcompile.run.session import Session
 
-        return Session(self.settings, self.engines, self.collector, self.latency)
+        return Session(self.settings, self.engines, self.collector, self.latency, self.progress)
+
+    def progress(self, line: str) -> None:
+        """Long work as it happens (an engine build, a call that compiled), one terminal line each: inductor
+        compiles take 15-60 s per graph on a CPU. Quiet under -q and in xdist workers (their output is not shown;
+        the slowest builds are listed at the end either way)."""
+        plugins = self.config.pluginmanager
+        reporter, capture = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+        if reporter is None or self.config.get_verbosity() < 0 or hasattr(self.config, "workerinput"):
+            return
+        with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
+            reporter.write_line(f"kvcompile: {line}")
 
     @pytest.fixture(scope="session")
     def kv_session(self):

@@ -5,9 +5,9 @@ give the same tokens); an engine that ran compiled code must compile nothing aft
 
 import pytest
 
-from pytest_kvcompile.run import fuzz
 from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.oracles.hf import budget_of
+from pytest_kvcompile.run import fuzz
 
 
 def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, kv_check):

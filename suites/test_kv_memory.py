@@ -21,7 +21,12 @@ from functools import partial
 import pytest
 import torch
 
-from pytest_kvcompile.memory.measure import expected_kv_bytes, format_bytes, held_by, live_tensor_bytes
+from pytest_kvcompile.memory.measure import (
+    expected_kv_bytes,
+    format_bytes,
+    held_by,
+    live_tensor_bytes,
+)
 from pytest_kvcompile.models.prompts import variant
 
 WARMUP_CALLS, REPEATS = 1, 3

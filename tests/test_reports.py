@@ -47,14 +47,31 @@ def test_reports_are_written(kvtester):
     assert instant["kv_bytes"] == {"expected": None, "measured": (32 + 1 + 8) * 64}
     for row in (greedy, instant):
         assert len(row["latency"]["prefill_ms"]) == 3 and set(row["latency"]["decode"]) == {"median", "p90"}
+    result.stdout.fnmatch_lines(["*kvcompile: verdict per engine*", f"FAIL  {INSTANT}: 1 passed, 1 failed (1 model)",
+                                 f"PASS  {GREEDY}: 2 passed (1 model)"], consecutive=False)
+    result.stdout.fnmatch_lines([f"kvcompile: {GREEDY} / llama: built in * s", "*kvcompile: slowest engine builds (2)*",
+                                 f"* s  {GREEDY} / llama"])
     md = (out / "r.md").read_text().splitlines()
     assert md[0] == "## pytest-kvcompile results"
+    assert f"- :x: **FAIL** `{INSTANT}`: 1 passed, 1 failed (1 model)" in md
+    assert f"- :white_check_mark: **PASS** `{GREEDY}`: 2 passed (1 model)" in md
     assert any(line.startswith(f"| {GREEDY} | llama | cpu float32 | 2 passed | 1/1 |") for line in md)
     assert any(line.startswith(f"| {INSTANT} | llama | cpu float32 | 1 passed, 1 failed | 0/1 |") for line in md)
     page = (out / "r.html").read_text()
+    verdicts = page.split('<ul class="verdicts">')[1].split("</ul>")[0]
+    assert f'<span class="verdict v-FAIL">FAIL</span> <a href="#engine-{INSTANT}">{INSTANT}</a>' in verdicts
+    assert f'<span class="verdict v-PASS">PASS</span> <a href="#engine-{GREEDY}">{GREEDY}</a>' in verdicts
     for engine in (GREEDY, INSTANT):
         section = page.split(f'<section class="engine" id="engine-{engine}">')[1].split("</section>")[0]
         assert "<table>" in section and section.count("<svg") == 2, engine
+
+
+def test_progress_lines_are_quiet_under_q_and_known_findings_show_in_the_verdict(kvtester):
+    result = run_suites(kvtester, f"--kv-engine={INSTANT}", "-q", "-k", "test_token_identity and short7 and not batched",
+                        f"--kv-known-finding={INSTANT} | test_token_identity* | answers zeros | TokenMismatch")
+    result.assert_outcomes(xfailed=1)
+    assert "built in" not in result.stdout.str()
+    result.stdout.fnmatch_lines([f"PASS with known findings  {INSTANT}: 1 xfailed (1 model)"])
 
 
 def test_xdist_workers_merge_and_baseline_regression_fails_the_run(kvtester):

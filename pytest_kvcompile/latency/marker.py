@@ -108,15 +108,15 @@ def parse_spec(spec: str, where: str) -> Budget:
 def check(budget: Budget, got: Latency, reference: Latency | None, enforce_absolute: bool) -> tuple[list[str], list[str]]:
     """(failures, unenforced) lines for `got` against `budget`; medians are compared."""
     over = []
-    for what, limit, value in (("prefill", budget.prefill_ms, got.prefill["median"]),
+    for what, limit, median in (("prefill", budget.prefill_ms, got.prefill["median"]),
                                ("decode", budget.decode_ms_per_token, got.decode["median"])):
-        if limit is not None and value <= 0:  # noise larger than the signal: never a pass
-            over.append(f"{what} median {value:.3f} ms{'/token' if what == 'decode' else ''} is not a time (the "
+        if limit is not None and median <= 0:  # noise larger than the signal: never a pass
+            over.append(f"{what} median {median:.3f} ms{'/token' if what == 'decode' else ''} is not a time (the "
                         f"difference T(1 + K) - T(1) was lost in noise) against budget {limit:g}: raise "
                         f"{REPEATS}, run on an idle device")
-        elif limit is not None and value > limit:
+        elif limit is not None and median > limit:
             unit = "ms" if what == "prefill" else "ms/token"
-            over.append(f"{what} median {value:.3f} {unit} > budget {limit:g} {unit}")
+            over.append(f"{what} median {median:.3f} {unit} > budget {limit:g} {unit}")
     relative = []
     if reference is not None:
         for what, mine, theirs in (("prefill", got.prefill, reference.prefill), ("decode", got.decode, reference.decode)):

@@ -29,7 +29,7 @@ from pytest_kvcompile.reports.results import (
     run_problems,
     skipped_everywhere,
 )
-from pytest_kvcompile.reports.table import text_table
+from pytest_kvcompile.reports.table import text_table, verdict_lines
 from pytest_kvcompile.run.options import Option, value
 
 REPORT_JSON = "--kv-report-json"
@@ -142,6 +142,7 @@ class ResultsPlugin:
         self.results = merge([self.collector.as_dict(), *self.workers])
         self.results["runs"] = [run_metadata(config, self.settings)]
         self.problems = run_problems(self.results["rows"], self.settings.max_near_tie_rate)
+        self.results["problems"] = self.problems  # for the reports' verdict lines (not part of the JSON schema)
         self.skipped_everywhere = skipped_everywhere(self.results["rows"])
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -157,9 +158,18 @@ class ResultsPlugin:
             return
         tr = terminalreporter
         if self.results["rows"]:
+            tr.write_sep("-", "kvcompile: verdict per engine")
+            for line in verdict_lines(self.results["rows"], self.problems):
+                tr.write_line(line, red=line.startswith("FAIL"), green=line.startswith("PASS "))
             tr.write_sep("-", "kvcompile: results per engine and model")
             for line in text_table(self.results["rows"]):
                 tr.write_line(line)
+        builds = sorted((r for r in self.results["rows"] if r.get("builds")), key=lambda r: -r["build_s"])[:5]
+        if builds:
+            tr.write_sep("-", f"kvcompile: slowest engine builds ({len(builds)})")
+            for r in builds:
+                times = f" ({r['builds']} builds)" if r["builds"] > 1 else ""
+                tr.write_line(f"{r['build_s']:8.1f} s  {r['engine']} / {r['model']}{times}")
         declared = sorted({f"{r['engine']} / {r['model']}: {why}" for r in self.results["rows"]
                            for why in r.get("declared_skips", [])})
         if declared:

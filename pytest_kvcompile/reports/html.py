@@ -11,11 +11,13 @@ from html import escape
 from typing import Any
 
 from pytest_kvcompile.reports.baseline import Change
-from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats
+from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats, verdicts
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:.3em .6em;font-size:.9em;text-align:left}th{background:#f3f3f3}
-.bad{color:#b00020}svg{margin:.5em 1em .5em 0}section{margin-bottom:2em}"""
+.bad{color:#b00020}svg{margin:.5em 1em .5em 0}section{margin-bottom:2em}
+.verdict{font-weight:bold;padding:.1em .5em;border-radius:.3em;color:#fff}.v-PASS{background:#2e7d32}
+.v-FAIL{background:#b00020}.v-known{background:#b26a00}.v-none{background:#666}"""
 BAR_HEIGHT, WIDTH, LABEL_WIDTH = 18, 520, 170
 
 
@@ -78,8 +80,12 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
                 if r["model"] == model and r["latency"]]
         if len(bars) > 1:
             comparisons += bar_chart(f"{model}: decode median by engine", bars, "ms/token")
+    css = {"PASS": "v-PASS", "FAIL": "v-FAIL", "PASS with known findings": "v-known", "NOT CHECKED": "v-none"}
+    summary = "".join(f'<li><span class="verdict {css[v]}">{escape(v)}</span> <a href="#engine-{escape(e)}">'
+                      f"{escape(e)}</a>: {escape(c)}</li>" for e, v, c in verdicts(rows, results.get("problems", ())))
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>pytest-kvcompile results</title>"
-            f"<style>{STYLE}</style></head><body><h1>pytest-kvcompile results</h1><ul>{runs}</ul>{baseline}"
+            f"<style>{STYLE}</style></head><body><h1>pytest-kvcompile results</h1>"
+            f'<ul class="verdicts">{summary}</ul><ul>{runs}</ul>{baseline}'
             f"<h2>All engines</h2>{_table(rows, rows)}{comparisons}"
             + "".join(_engine_section(e, [r for r in rows if r["engine"] == e], rows) for e in engines)
             + "</body></html>\n")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvcompile.reports.baseline import Change
-from pytest_kvcompile.reports.table import HEADERS, cells
+from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
 
 
 def _escape(cell: str) -> str:
@@ -27,7 +27,12 @@ def _details(title: str, lines: list[str]) -> list[str]:
 
 def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
     rows = results["rows"]
-    lines = ["## pytest-kvcompile results", "", *_runs(results), ""]
+    marks = {"PASS": ":white_check_mark:", "FAIL": ":x:", "PASS with known findings": ":warning:",
+             "NOT CHECKED": ":grey_question:"}
+    lines = ["## pytest-kvcompile results", ""]
+    lines += [f"- {marks[verdict]} **{verdict}** `{engine}`: {counts}"
+              for engine, verdict, counts in verdicts(rows, results.get("problems", ()))]
+    lines += ["", *_runs(results), ""]
     lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(_escape(c) for c in cells(row, rows)) + " |" for row in rows]
     if changes is not None:

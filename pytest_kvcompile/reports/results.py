@@ -26,7 +26,7 @@ import pytest
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 TOKEN_VERDICTS = ("identical", "near_tie", "mismatch")
-COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions")  # summed when rows merge
+COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions", "builds", "build_s")  # summed on merge
 WORKER_KEY = "kvcompile_results"  # config.workeroutput key
 NOTE = "kvcompile"  # user_properties key of run notes: (category, line)
 NEAR_TIES = "near ties accepted as numerics"
@@ -48,6 +48,8 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "token_checks": 0,  # token-check tests (tests using kv_oracle) that reported an outcome
         "evicting": 0,  # verified sequences of an evicting strategy
         "evictions": 0,  # cache entries the oracle evicted along them
+        "builds": 0,  # engine objects built for the model
+        "build_s": 0.0,  # seconds spent building the engine for the model (every build, --kv-fresh-engine included)
         "declared_skips": [],  # why this engine x model could not run: ModelNotSupported, device/dtype, no oracle
         "oracle_errors": [],  # the oracle failed its self-check on this model: no verdict on the engine
         "checks": {},  # test function -> {"ran": n, "skipped": n, "reason": first skip reason}

@@ -69,3 +69,38 @@ def text_table(rows: list[dict[str, Any]]) -> list[str]:
     lines = [HEADERS] + [cells(r, rows) for r in rows]
     widths = [max(len(line[i]) for line in lines) for i in range(len(HEADERS))]
     return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
+
+
+def verdicts(rows: list[dict[str, Any]], problems: list[str] | tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+    """(engine, verdict, counts) per engine, the first thing every report says.
+
+    FAIL: a test failed or errored on any model, or a run rule (`problems`, e.g. no token verified) names the
+    engine (listed first). PASS with known findings: nothing failed, and strict xfails absorbed the failures its known findings
+    name. PASS: tests ran and none failed. NOT CHECKED: every test was skipped."""
+    found = []
+    for engine in dict.fromkeys(r["engine"] for r in rows):
+        mine = [r for r in rows if r["engine"] == engine]
+        counts = {name: sum(r["tests"].get(name, 0) for r in mine) for name in mine[0]["tests"]}
+        ruled = sum(f"engine '{engine}'" in line for line in problems)
+        ran = sum(n for name, n in counts.items() if name != "skipped")
+        if counts.get("failed") or counts.get("error") or counts.get("xpassed") or ruled:
+            verdict = "FAIL"
+        elif not ran:
+            verdict = "NOT CHECKED"
+        elif counts.get("xfailed"):
+            verdict = "PASS with known findings"
+        else:
+            verdict = "PASS"
+        shown = ", ".join(f"{n} {name}" for name, n in counts.items() if n)
+        models = len({r["model"] for r in mine})
+        rule = f", {ruled} run rule(s) failed" if ruled else ""
+        found.append((engine, verdict, f"{shown or 'no tests'}{rule} ({models} model{'s' if models != 1 else ''})"))
+    order = ("FAIL", "NOT CHECKED", "PASS with known findings", "PASS")
+    return sorted(found, key=lambda f: order.index(f[1]))  # failures first
+
+
+def verdict_lines(rows: list[dict[str, Any]], problems: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """``FAIL  engine: 2 failed, 40 passed (3 models)``, one per engine, verdicts aligned."""
+    found = verdicts(rows, problems)
+    width = max((len(v) for _, v, _ in found), default=0)
+    return [f"{verdict.ljust(width)}  {engine}: {counts}" for engine, verdict, counts in found]

@@ -8,7 +8,8 @@ and every check knows the calls the engine object served before it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,6 +81,7 @@ class EngineUnderTest:
     cuda_grown: int | None = None  # growth of torch.cuda.memory_allocated() while the factory ran and during every
     # call since (CUDA only): what the engine holds, allocations made only from C++ included, and nothing else
     history: list[Call] = field(default_factory=list)
+    progress: Callable[[str], None] = field(default=lambda line: None, repr=False)  # long work, as it happens
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' on model '{self.spec.name}'>"
@@ -99,6 +101,7 @@ class EngineUnderTest:
         """engine.generate over these prompts (one call), validated and recorded in `history`."""
         n = max_new_tokens or self.max_new_tokens
         recorder = CompileRecorder()
+        started = time.perf_counter()
         allocated = cuda_allocated(self.spec.device)
         try:
             with recorder:
@@ -109,6 +112,9 @@ class EngineUnderTest:
             hits, eager = recorder.guards
             self.history.append(Call(tuple(len(p) for p in prompts), n, tuple(recorder.events), hits, eager,
                                      tuple(recorder.captures)))
+            if recorder.events:
+                self.progress(f"{self.name} / {self.spec.name}: {self.history[-1]} compiled {len(recorder.events)} "
+                              f"frame(s), {time.perf_counter() - started:.1f} s")
 
     def served(self, before: int | None = None) -> str:
         """What this engine object served before call number `before` (default: all), for failure messages."""

@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +38,7 @@ class Session:
     engines: dict[str, EngineRef]
     collector: Collector
     latency: LatencySettings
+    progress: Callable[[str], None] = lambda line: None  # one line per engine build and compile (the plugin's writer)
     _models: dict[str, ModelEntry] | None = None
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _built: dict[tuple[str, str], EngineUnderTest | str] = field(default_factory=dict)
@@ -96,8 +99,13 @@ class Session:
             isolate()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
         recorder = CompileRecorder()
         allocated_before = cuda_allocated(spec.device)
+        started = time.perf_counter()
         with recorder:  # engines that compile up front (vLLM) do it here
             instance = engine_io.build(ref, spec, self.settings.compile_backend)
+        seconds = time.perf_counter() - started
+        compiled = f", {len(recorder.events)} compile(s)" if recorder.events else ""
+        self.progress(f"{name} / {model}: built in {seconds:.1f} s{compiled}")
+        self.collector.add(name, model, builds=1, build_s=round(seconds, 3))
         after = cuda_allocated(spec.device)
         grown = None if allocated_before is None else after - allocated_before
         settings = self.settings
@@ -105,7 +113,7 @@ class Session:
             ref, spec, instance, settings.max_new_tokens, settings.tie_tolerance, self.models[model].window,
             build_compiles=tuple(recorder.events), build_captures=tuple(recorder.captures),
             max_near_ties=settings.max_near_ties, score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype],
-            cuda_grown=grown,
+            cuda_grown=grown, progress=self.progress,
         )
 
     def oracle(self, name: str, model: str) -> StoredOracle:
