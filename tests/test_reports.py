@@ -200,3 +200,16 @@ def test_merging_different_latency_protocols_is_refused():
     b["rows"][0]["latency"]["prompt_len"] = 64
     with pytest.raises(ValueError, match="hf-eager / llama / cpu / float32: latency measured with different protocols"):
         merge([a, b])
+
+
+def test_markdown_fits_a_github_summary_and_says_what_was_cut():
+    row = Collector("cpu", "float32").row("engine", "llama")
+    row["tests"]["failed"] = 5000
+    row["failures"] = [{"test": f"test_x[{i}]", "message": "TokenMismatch: " + "x" * 80} for i in range(5000)]
+    text = markdown.render({"runs": [], "rows": [row]})
+    assert len(text) <= markdown.LIMIT
+    assert "**FAIL** `engine`: 5000 failed (1 model)" in text
+    assert "<summary>failures (5000)</summary>" in text
+    assert "more not shown (the report is kept under 65,000 characters for GitHub" in text
+    small = markdown.render({"runs": [], "rows": [Collector("cpu", "float32").row("engine", "llama")]})
+    assert "more not shown" not in small

@@ -18,14 +18,22 @@ def _runs(results: dict[str, Any]) -> list[str]:
             f"{', '.join(run.get('engines', [])) or '-'}, started {run.get('started', '?')}" for run in results["runs"]]
 
 
-def _details(title: str, lines: list[str]) -> list[str]:
+LIMIT = 65_000  # GitHub caps a job summary and a PR comment at 65,536 characters
+
+
+def _details(title: str, lines: list[str], keep: int | None = None) -> list[str]:
     if not lines:
         return []
-    return ["", f"<details><summary>{title} ({len(lines)})</summary>", "", *(f"- {_escape(x)}" for x in lines), "",
-            "</details>"]
+    shown = lines if keep is None else lines[:keep]
+    cut = [f"- ... {len(lines) - len(shown)} more not shown (the report is kept under {LIMIT:,} characters for "
+           "GitHub; the JSON and HTML reports have them all)"] if len(shown) < len(lines) else []
+    return ["", f"<details><summary>{title} ({len(lines)})</summary>", "", *(f"- {_escape(x)}" for x in shown),
+            *cut, "", "</details>"]
 
 
 def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
+    """The summary, under LIMIT characters: the verdicts, runs, table and regressions always; the detail lists
+    (failures, recompiles, near ties) shortened until it fits, saying how many lines were cut."""
     rows = results["rows"]
     marks = {"PASS": ":white_check_mark:", "FAIL": ":x:", "PASS with known findings": ":warning:",
              "NOT CHECKED": ":grey_question:"}
@@ -39,9 +47,15 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
         regressed = [c.line() for c in changes if c.regressed]
         lines += ["", f"### Baseline: {len(regressed)} regression(s) in {len(changes)} compared number(s)"]
         lines += [f"- :x: {_escape(line)}" for line in regressed]
-    lines += _details("failures", [f"{f['test']}: {f['message'].splitlines()[0] if f['message'] else ''}"
-                                   for row in rows for f in row["failures"]])
-    lines += _details("recompiles after warmup", [f"{row['engine']} / {row['model']}: {reason}" for row in rows
-                                                   if row["compiles"] for reason in row["compiles"]["reasons"]])
-    lines += _details("near ties", [tie for row in rows for tie in row["near_ties"]])
-    return "\n".join(lines) + "\n"
+    details = [("failures", [f"{f['test']}: {f['message'].splitlines()[0] if f['message'] else ''}"
+                             for row in rows for f in row["failures"]]),
+               ("recompiles after warmup", [f"{row['engine']} / {row['model']}: {reason}" for row in rows
+                                            if row["compiles"] for reason in row["compiles"]["reasons"]]),
+               ("near ties", [tie for row in rows for tie in row["near_ties"]])]
+    keep = None
+    while True:
+        text = "\n".join(lines + [x for title, found in details for x in _details(title, found, keep)]) + "\n"
+        longest = max((len(found) for _, found in details), default=0)
+        if len(text) <= LIMIT or keep == 0 or longest == 0:
+            return text[:LIMIT] if len(text) > LIMIT else text
+        keep = min(longest, keep if keep is not None else longest) // 2
