@@ -17,7 +17,7 @@ _PUBLIC = {  # name -> module that defines it
     **dict.fromkeys(["BATCHING", "EXACT", "KV_CACHE_BYTES", "SCORING", "Declaration", "Engine", "EngineFactory",
                      "KVBytesEngine", "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy"],
                     "pytest_kvcompile.contract.engine"),
-    "KVLayout": "pytest_kvcompile.memory.measure",
+    **dict.fromkeys(["KVLayout", "cache_tensors", "held_bytes"], "pytest_kvcompile.memory.measure"),
     "HFEagerOracle": "pytest_kvcompile.oracles.hf",
     "Reference": "pytest_kvcompile.oracles.hf",
     "DEFAULT_TIE_TOLERANCE": "pytest_kvcompile.oracles.tolerances",

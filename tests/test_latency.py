@@ -162,3 +162,21 @@ def test_bad_budget_option_is_a_usage_error(kvtester):
     result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "--kv-latency-budget=factor=2")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kv-latency-budget='factor=2': relative_to and factor go together*"])
+
+
+def test_benchmarks_compare_across_runs_with_pytest_benchmarks_own_options(kvtester):
+    """suites/test_latency.py::test_benchmark is a pytest-benchmark benchmark: --benchmark-autosave stores a run,
+    --benchmark-compare / --benchmark-compare-fail compare a later one with it (README, "Reports and baselines")."""
+    from conftest import SUITES_DIR
+
+    storage = kvtester.path / "bench-store"
+    common = (str(SUITES_DIR), "-p", "no:cacheprovider", "--rootdir", str(kvtester.path), "--kv-zoo=llama",
+              "--kv-engine=kv_test_engines:Greedy", "-k", "test_benchmark", f"--benchmark-storage={storage}")
+    first = kvtester.runpytest_subprocess(*common, "--benchmark-autosave")
+    first.assert_outcomes(passed=2)
+    assert len(list(storage.rglob("*.json"))) == 1
+    second = kvtester.runpytest_subprocess(*common, "--benchmark-compare", "--benchmark-compare-fail=mean:1000%")
+    second.assert_outcomes(passed=2)
+    second.stdout.fnmatch_lines(["*benchmark 'llama decode': 2 tests*"])  # this run's and the saved one, side by side
+    for run in ("NOW", "0001_*"):
+        second.stdout.fnmatch_lines([f"test_benchmark[[]kv_test_engines:Greedy-llama-decode[]] ({run}) *"])

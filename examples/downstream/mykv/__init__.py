@@ -1,0 +1,1 @@
+"""mykv: an example engine checked with pytest-kvcompile (examples/downstream/README.md)."""
