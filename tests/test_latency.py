@@ -164,13 +164,16 @@ def test_bad_budget_option_is_a_usage_error(kvtester):
     result.stderr.fnmatch_lines(["*--kv-latency-budget='factor=2': relative_to and factor go together*"])
 
 
-def test_benchmarks_compare_across_runs_with_pytest_benchmarks_own_options(kvtester):
+def test_benchmarks_compare_across_runs_with_pytest_benchmarks_own_options(kvtester, monkeypatch):
     """suites/test_latency.py::test_benchmark is a pytest-benchmark benchmark: --benchmark-autosave stores a run,
     --benchmark-compare / --benchmark-compare-fail compare a later one with it (README, "Reports and baselines")."""
     from conftest import SUITES_DIR
 
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)  # under -n 2 the inner run would think it is a worker: no benchmarks
+
     storage = kvtester.path / "bench-store"
-    common = (str(SUITES_DIR), "-p", "no:cacheprovider", "--rootdir", str(kvtester.path), "--kv-zoo=llama",
+    common = (str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(kvtester.path), "--kv-zoo=llama",
               "--kv-engine=kv_test_engines:Greedy", "-k", "test_benchmark", f"--benchmark-storage={storage}")
     first = kvtester.runpytest_subprocess(*common, "--benchmark-autosave")
     first.assert_outcomes(passed=2)
