@@ -1,5 +1,7 @@
 """Helpers for the plugin's own tests: real pytest runs (pytester) against tests/kv_test_engines.py."""
 
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,13 @@ def run_suites(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     if not any(a.startswith("--kv-zoo") for a in args):
         opts.append("--kv-zoo=llama")
     return pytester.runpytest_subprocess(*opts, *args)
+
+
+def import_benchmark(name: str):
+    """The module benchmarks/NAME.py (a script directory, not a package), for unit tests of its functions."""
+    where = str(TESTS_DIR.parent / "benchmarks")
+    sys.path.insert(0, where)
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(where)

@@ -17,6 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import import_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_strategies.py"
 
 
@@ -89,12 +91,7 @@ def test_cuda_without_cuda_is_a_clear_error(tmp_path, zoo_cache):
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import bench_strategies
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return bench_strategies
+    return import_benchmark("bench_strategies")
 
 
 def test_presets_give_the_real_shapes(bench):
@@ -139,8 +136,8 @@ def test_weights_built_on_the_device_are_the_zoos(bench, tmp_path):
 def test_time_budget_spent_builds_nothing(bench, zoo_cache, monkeypatch):
     from transformers import AutoConfig
 
-    from pytest_kvcompile.models import zoo
     from pytest_kvcompile.contract.engine import ModelSpec
+    from pytest_kvcompile.models import zoo
 
     monkeypatch.setattr(bench.recompiles, "isolate", lambda: None)  # keep this process's dynamo as it is
     path = zoo.checkpoint("llama", zoo_cache)

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import import_benchmark
+
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "calibrate_ties.py"
 TESTS_DIR = Path(__file__).resolve().parent
 
@@ -25,12 +27,7 @@ def _run(tmp_path, zoo_cache, *args, timeout=240):
 
 @pytest.fixture(scope="module")
 def calibrate():
-    sys.path.insert(0, str(SCRIPT.parent))
-    try:
-        import calibrate_ties
-    finally:
-        sys.path.remove(str(SCRIPT.parent))
-    return calibrate_ties
+    return import_benchmark("calibrate_ties")
 
 
 def test_quick_cpu_run(tmp_path, zoo_cache):

@@ -177,7 +177,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
 PREFILL_CHUNK = 16  # hf-static-chunked-compile's prefill chunk: the suites' prompts (1..266 tokens) split unevenly
 
 
-class HFStaticChunkedCompile(_CompiledMixin, HFEager):
+class HFStaticChunkedCompile(HFStaticCompile):
     """`generate()` as its documentation shows the static path: ``cache_implementation="static"``,
     ``max_cache_len``, ``prefill_chunk_size`` and a compile config, with generate() owning the cache (created,
     kept on the model and reused across calls by transformers itself). Chunked prefill compiles the prefill
@@ -207,18 +207,19 @@ class HFStaticChunkedCompile(_CompiledMixin, HFEager):
 
     def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN,
                  prefill_chunk_size: int = PREFILL_CHUNK):
-        super().__init__(spec)
-        self.max_cache_len, self.prefill_chunk_size = max_cache_len, prefill_chunk_size
-        self.compile_config = CompileConfig(backend=compile_backend)
-        self.compile_config._compile_all_devices = True
+        super().__init__(spec, compile_backend, max_cache_len)
+        self.prefill_chunk_size = prefill_chunk_size
+
+    def _cache_kwargs(self) -> dict:
+        """None: generate() makes (and, before transformers 5.15, keeps) the cache from the config below."""
+        return {}
 
     def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
-        config = super()._generation_config(max_new_tokens)
+        config = super()._generation_config(max_new_tokens)  # with the compile config
         config.cache_implementation = "static"
         config.max_cache_len = self.max_cache_len  # transformers >= 5.13
         config.cache_config = {"max_cache_len": self.max_cache_len}  # how < 5.13 documented it (ignored: #46424)
         config.prefill_chunk_size = self.prefill_chunk_size
-        config.compile_config = self.compile_config
         return config
 
 

@@ -28,6 +28,8 @@ kvpress has no left-padding support (its scores ignore the attention mask).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from pytest_kvcompile.contract.engine import (
@@ -51,6 +53,7 @@ class KVPress:
 
     press: str
     kv_declaration: Declaration
+    press_in_decode = False  # the press acts during prefill only; a decoding press stays on while decoding
 
     def __init__(self, spec: ModelSpec):
         import kvpress
@@ -58,14 +61,16 @@ class KVPress:
 
         _check_supported(spec)
         self.spec = spec
-        params = dict(declaration_of(type(self)).strategy.params)
-        self.press_object = getattr(kvpress, self.press)(**params)
+        self.press_object = self._make_press(kvpress)
         self.model = AutoModelForCausalLM.from_pretrained(
             spec.path, dtype=spec.dtype, attn_implementation="eager").to(spec.device).eval()
         if not isinstance(self.model, _supported_classes()):
             raise ModelNotSupported(f"kvpress 0.5.5 does not support {type(self.model).__name__} "
                                     f"(its SUPPORTED_MODELS: {', '.join(c.__name__ for c in _supported_classes())})")
         self.cache = None  # the last prompt's cache, for kept_lengths()
+
+    def _make_press(self, kvpress):
+        return getattr(kvpress, self.press)(**dict(declaration_of(type(self)).strategy.params))
 
     @classmethod
     def configure(cls, **params) -> type[KVPress]:
@@ -96,18 +101,21 @@ class KVPress:
             return []
         device = self.spec.device
         self.cache = DynamicCache(config=self.model.config)
-        with self.press_object(self.model):
+        tokens = []
+        with contextlib.ExitStack() as pressed:
+            pressed.enter_context(self.press_object(self.model))
             logits = self.model(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=self.cache,
                                 logits_to_keep=1).logits[0, -1]
-        tokens = []
-        for step in range(steps):
-            if rows is not None:
-                rows.append(logits.float().cpu())
-            tokens.append(forced[step] if forced else int(logits.argmax()))
-            if step + 1 < steps:
-                logits = self.model(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                                    past_key_values=self.cache,
-                                    position_ids=torch.tensor([[len(prompt) + step]], device=device)).logits[0, -1]
+            if not self.press_in_decode:
+                pressed.close()  # the press's hooks come off: decoding runs over the compressed cache as it is
+            for step in range(steps):
+                if rows is not None:
+                    rows.append(logits.float().cpu())
+                tokens.append(forced[step] if forced else int(logits.argmax()))
+                if step + 1 < steps:
+                    logits = self.model(input_ids=torch.tensor([[tokens[-1]]], device=device),
+                                        past_key_values=self.cache,
+                                        position_ids=torch.tensor([[len(prompt) + step]], device=device)).logits[0, -1]
         return tokens
 
 
@@ -166,9 +174,6 @@ SnapKV = _engine("SnapKV", "SnapKVPress",
 TOVA = _engine("TOVA", "TOVAPress", Strategy.of("tova_prefill", compression_ratio=0.5))
 KNorm = _engine("KNorm", "KnormPress", Strategy.of("knorm_prefill", compression_ratio=0.5))
 
-__all__ = ["REQUIRES", "TOVA", "DecodingKnorm", "KNorm", "KVPress", "SnapKV", "StreamingLLM"]
-
-
 class DecodingKnorm(KVPress):
     """kvpress ``DecodingPress(KnormPress(), compression_interval=4, target_size=8)``: prefill and every decode
     step run inside ``with press(model)``, as kvpress's pipeline does for decoding presses; one press object
@@ -180,37 +185,10 @@ class DecodingKnorm(KVPress):
         description="kvpress DecodingPress(KnormPress(), compression_interval=4, target_size=8), compresses "
                     "during decoding; oracle-free checks")
     params = {"compression_interval": 4, "target_size": 8, "hidden_states_buffer_size": 0}
+    press_in_decode = True
 
-    def __init__(self, spec: ModelSpec):
-        import kvpress
-        from transformers import AutoModelForCausalLM
+    def _make_press(self, kvpress):
+        return kvpress.DecodingPress(base_press=kvpress.KnormPress(), **self.params)
 
-        _check_supported(spec)
-        self.spec = spec
-        self.press_object = kvpress.DecodingPress(base_press=kvpress.KnormPress(), **self.params)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            spec.path, dtype=spec.dtype, attn_implementation="eager").to(spec.device).eval()
-        self.cache = None
 
-    @torch.inference_mode()
-    def _run(self, prompt, steps: int, forced=None, rows=None) -> list[int]:
-        from transformers import DynamicCache
-
-        if steps <= 0:
-            return []
-        device = self.spec.device
-        self.cache = DynamicCache(config=self.model.config)
-        tokens: list[int] = []
-        with self.press_object(self.model):
-            logits = self.model(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=self.cache,
-                                logits_to_keep=1).logits[0, -1]
-            for step in range(steps):
-                if rows is not None:
-                    rows.append(logits.float().cpu())
-                tokens.append(forced[step] if forced else int(logits.argmax()))
-                if step + 1 < steps:
-                    logits = self.model(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                                        past_key_values=self.cache,
-                                        position_ids=torch.tensor([[len(prompt) + step]], device=device)).logits[0, -1]
-        return tokens
-
+__all__ = ["REQUIRES", "TOVA", "DecodingKnorm", "KNorm", "KVPress", "SnapKV", "StreamingLLM"]

@@ -97,8 +97,8 @@ def value(config: pytest.Config, option: Option) -> Any:
     if cli is not None:
         return cli
     raw = config.getini(option.ini)
-    if option.kind == "bool" or raw == option.default:
-        return raw if option.kind != "string" or raw == "" else option.parse(raw)
+    if option.kind == "bool" or raw == "":  # a flag, or a string option left unset
+        return raw
     try:
         return [option.parse(line) for line in raw] if option.kind == "linelist" else option.parse(raw)
     except ValueError as exc:
