@@ -22,3 +22,20 @@ class NotApplicable(pytest.skip.Exception):
 
 class OracleUnreliable(Exception):
     """The oracle disagrees with an independent path: its references cannot judge an engine."""
+
+
+class EngineProcessDied(Exception):
+    """An isolated engine's process crashed or was killed after --kv-call-timeout; str(exc) is the failure."""
+
+
+class CallTimeout(BaseException):
+    """Raised inside an in-process engine call that outlived --kv-call-timeout (SIGALRM). A BaseException, so an
+    engine's own ``except Exception`` cannot swallow it."""
+
+
+class RemoteError(Exception):
+    """An exception an isolated engine raised in its own process: its type name, message and traceback, as text."""
+
+    def __init__(self, remote_type: str, message: str, remote_traceback: str) -> None:
+        super().__init__(message)
+        self.remote_type, self.remote_traceback = remote_type, remote_traceback

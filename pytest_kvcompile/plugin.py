@@ -66,6 +66,12 @@ class Run:
                 problem = check_strategy(ref.declaration.strategy)
                 if problem:
                     raise pytest.UsageError(f"engine '{name}' declares strategy {ref.declaration.strategy}: {problem}")
+        unknown = [n for n in settings.isolate if n not in self.engines] if isinstance(settings.isolate, tuple) else []
+        if unknown:
+            raise pytest.UsageError(f"{options.ISOLATE}={','.join(settings.isolate)}: {', '.join(unknown)} "
+                                    f"{'is' if len(unknown) == 1 else 'are'} not an engine of this run (engines: "
+                                    f"{', '.join(self.engines) or 'none'}); name engines given to {options.ENGINE}, or "
+                                    "use 'declared', 'all' or 'none'")
 
     @cached_property
     def session(self):

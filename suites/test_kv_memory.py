@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import dataclasses
-import gc
 from functools import partial
 
 import pytest
@@ -24,8 +23,6 @@ import torch
 from pytest_kvcompile.memory.measure import (
     expected_kv_bytes,
     format_bytes,
-    held_by,
-    live_tensor_bytes,
 )
 from pytest_kvcompile.models.prompts import variant
 
@@ -105,11 +102,11 @@ def test_kv_cache_bytes_batched(kv_engine, kv_batch):
     _check_footprint(kv_engine, kv_batch, f"a batch of lengths {[len(p) for p in kv_batch]}")
 
 
-def _measures(kv_engine) -> dict[str, int]:
-    """Memory after a call: bytes of tensors the garbage collector sees, CUDA bytes allocated (engines on CUDA),
-    kv_cache_bytes() (engines declaring it)."""
-    found = {"live tensor bytes": live_tensor_bytes()}
-    if torch.device(kv_engine.spec.device).type == "cuda":
+def _measures(kv_engine, census) -> dict[str, int]:
+    """Memory after a call: bytes of tensors the garbage collector sees (in the engine's process), CUDA bytes
+    allocated (in-process engines on CUDA), kv_cache_bytes() (engines declaring it)."""
+    found = {"live tensor bytes": census()}
+    if torch.device(kv_engine.spec.device).type == "cuda" and not kv_engine.isolated:
         torch.cuda.synchronize()
         found["CUDA bytes allocated"] = torch.cuda.memory_allocated()
     if kv_engine.ref.declaration.kv_cache_bytes:
@@ -125,7 +122,7 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
     """The engine object's measured state after generate() against what it reports and declares (module rule)."""
     call = _call(kv_engine, kv_prompts, kv_batch)
     kv_engine.generate(call)
-    held = held_by(kv_engine.engine)
+    held = kv_engine.held()
     state, measure = held.state, "tensors reachable from the engine object that are not parameters (pytest_kvcompile." \
                                  "memory.held_by), distinct storages"
     if kv_engine.cuda_grown is not None:  # allocations held only from C++ (graph pools, workspaces) count too
@@ -179,17 +176,13 @@ def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
     vocab = kv_engine.spec.vocab_size
     calls = [[variant(p, vocab, salt=100 + i) for p in base] for i in range(WARMUP_CALLS + REPEATS)]
     call = base
-    gc.collect()
-    gc.freeze()
-    try:
+    with kv_engine.tensor_census() as census:
         for call in calls[:WARMUP_CALLS]:
             kv_engine.generate(call)
-        history = [_measures(kv_engine)]
+        history = [_measures(kv_engine, census)]
         for call in calls[WARMUP_CALLS:]:
             kv_engine.generate(call)
-            history.append(_measures(kv_engine))
-    finally:
-        gc.unfreeze()
+            history.append(_measures(kv_engine, census))
     described = f"{_describe(call, kv_engine)}, each call with other prompts of these lengths"
     problems = []
     for measure in history[0]:

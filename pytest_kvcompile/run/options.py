@@ -43,6 +43,8 @@ MAX_NEAR_TIE_RATE = "--kv-max-near-tie-rate"
 FRESH_ENGINE = "--kv-fresh-engine"
 ALLOW_GRAPH_BREAKS = "--kv-allow-graph-breaks"
 ORACLE_CHECK = "--kv-oracle-check"
+CALL_TIMEOUT = "--kv-call-timeout"
+ISOLATE = "--kv-isolate"
 
 NO_ENGINE = (f"no engine selected: pass {ENGINE}=NAME (or the ini key kv_engines); "
              f"pytest {LIST_ENGINES} lists the engines")
@@ -156,6 +158,16 @@ def _engine(text: str) -> str:
     return text.strip()
 
 
+def _isolate(text: str) -> str | tuple[str, ...]:
+    text = str(text).strip()
+    if text in ("declared", "all", "none"):
+        return text
+    names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
+    if not names:
+        raise ValueError("give 'declared', 'all', 'none' or comma-separated engine names, e.g. llama-cpp,onnxruntime")
+    return names
+
+
 def _known_finding(line: str) -> tuple[str, str, str, str]:
     parts = tuple(p.strip() for p in line.split("|", 3))
     if len(parts) != 4 or not all(parts):
@@ -214,6 +226,15 @@ OPTIONS = [
     Option(ALLOW_GRAPH_BREAKS, "kv_allow_graph_breaks", False,
            "do not fail the recompile check on graph breaks in an engine's compiled code (they are still reported)",
            kind="bool"),
+    Option(CALL_TIMEOUT, "kv_call_timeout", "0",
+           "seconds one generate() or score() call may take; a call that outlives it fails its test naming the call, "
+           "and the engine is built anew for the next test (isolated engines: their process is killed; in-process "
+           "engines: the call is interrupted by SIGALRM, which cannot stop a hang inside C code: isolate those). "
+           "0 (default): no limit", "SECONDS", number(0, what="give a number of seconds >= 0, e.g. 120 (0: no limit)")),
+    Option(ISOLATE, "kv_isolate", "declared",
+           "which engines run in a process of their own, so that a crash or a hang fails one test and the run goes "
+           "on: 'declared' (default: engines declaring isolated=True, e.g. native runtimes), 'all', 'none', or "
+           "comma-separated engine names", "WHICH", _isolate),
     Option(ORACLE_CHECK, "kv_oracle_check", "on",
            "'on' (default): replay each oracle reference through an independent path (float64) before judging an "
            "engine with it; 'off' skips that check", "on|off", choice("on", "off")),
@@ -244,6 +265,14 @@ class Settings:
     allow_graph_breaks: bool = False
     oracle_check: bool = True
     fuzz: FuzzSettings | None = None
+    call_timeout: float = 0.0  # seconds; 0: no limit
+    isolate: str | tuple[str, ...] = "declared"  # 'declared', 'all', 'none' or engine names
+
+    def isolated(self, name: str, declared: bool) -> bool:
+        """Whether engine `name` runs in a process of its own (run/isolation.py)."""
+        if isinstance(self.isolate, tuple):
+            return name in self.isolate
+        return self.isolate == "all" or (self.isolate == "declared" and declared)
 
 
 def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Settings:
@@ -272,6 +301,8 @@ def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Se
         allow_graph_breaks=bool(get(ALLOW_GRAPH_BREAKS)),
         oracle_check=get(ORACLE_CHECK) == "on",
         fuzz=fuzz,
+        call_timeout=float(get(CALL_TIMEOUT)),
+        isolate=get(ISOLATE),
     )
 
 

@@ -29,6 +29,7 @@ from pytest_kvcompile.oracles.tolerances import DEFAULT_SCORE_TOLERANCE
 from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
 from pytest_kvcompile.reports.results import Collector
 from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
+from pytest_kvcompile.run.isolation import IsolatedEngine
 from pytest_kvcompile.run.options import Settings, check_device
 
 
@@ -80,7 +81,9 @@ class Session:
             built = self._built[key]
             if isinstance(built, str):
                 pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
-            return built
+            if not built.broken:
+                return built
+            self.progress(f"{name} / {model}: building it anew ({built.broken.splitlines()[0]})")
         self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
         try:
             self._built[key] = self.fresh_engine(name, model)
@@ -100,18 +103,28 @@ class Session:
         recorder = CompileRecorder()
         allocated_before = cuda_allocated(spec.device)
         started = time.perf_counter()
+        isolated = self.settings.isolated(name, ref.declaration.isolated)
         with recorder:  # engines that compile up front (vLLM) do it here
-            instance = engine_io.build(ref, spec, self.settings.compile_backend)
+            if isolated:  # built in a process of its own, which reports what dynamo did there
+                instance = IsolatedEngine(ref.name, ref.target, ref.source, spec, self.settings.compile_backend,
+                                          self.settings.call_timeout)
+            else:
+                instance = engine_io.build(ref, spec, self.settings.compile_backend)
+        build_compiles, build_captures = tuple(recorder.events), tuple(recorder.captures)
+        if isolated:
+            build_compiles, build_captures = instance.build_compiles, instance.build_captures
+            allocated_before = None  # its CUDA allocations are another process's
         seconds = time.perf_counter() - started
-        compiled = f", {len(recorder.events)} compile(s)" if recorder.events else ""
-        self.progress(f"{name} / {model}: built in {seconds:.1f} s{compiled}")
+        compiled = f", {len(build_compiles)} compile(s)" if build_compiles else ""
+        where = f" in process {instance.proc.pid}" if isolated else ""
+        self.progress(f"{name} / {model}: built in {seconds:.1f} s{where}{compiled}")
         self.collector.add(name, model, builds=1, build_s=round(seconds, 3))
         after = cuda_allocated(spec.device)
         grown = None if allocated_before is None else after - allocated_before
         settings = self.settings
         return EngineUnderTest(
             ref, spec, instance, settings.max_new_tokens, settings.tie_tolerance, self.models[model].window,
-            build_compiles=tuple(recorder.events), build_captures=tuple(recorder.captures),
+            build_compiles=build_compiles, build_captures=build_captures, call_timeout=settings.call_timeout,
             max_near_ties=settings.max_near_ties, score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype],
             cuda_grown=grown, progress=self.progress,
         )

@@ -1,0 +1,287 @@
+"""Engines in a process of their own: a crash or a hang fails one test, not the run.
+
+Native runtimes (llama.cpp, ONNX Runtime, C++ engines) can segfault, abort or hang inside C code, and in the
+pytest process that takes the run and its reports with it. An *isolated* engine (its declaration says
+``isolated=True``, or ``--kv-isolate=NAME,...|all``) is built in a child Python process; ``generate``, ``score``,
+``kv_cache_bytes`` and the memory measurements are forwarded to it over a pipe, and what dynamo did in the child
+comes back with every call, so the recompile and memory checks still observe the engine itself.
+
+- The child dies (a signal, ``os._exit``): the test fails naming the signal, the call and the engine's last output
+  (faulthandler's Python stack included).
+- A call outlives ``--kv-call-timeout``: the child's Python stacks are dumped, it is killed, and the test fails
+  naming the call and where it was.
+
+Either way the next test of that engine x model builds it anew in a fresh process.
+
+Protocol: length-prefixed pickles over the child's stdin and its original stdout; the child points its fd 1 at
+its stderr, which goes to a log file whose tail the failure quotes.
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import gc
+import os
+import pickle
+import select
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import weakref
+from typing import Any
+
+from pytest_kvcompile.errors import EngineProcessDied, RemoteError
+
+_HEADER = struct.Struct("<Q")
+LOG_TAIL_LINES = 30
+_LIVE: weakref.WeakSet[IsolatedEngine] = weakref.WeakSet()
+
+
+def _signal_name(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"{signal.Signals(-returncode).name} (signal {-returncode})"
+        except ValueError:
+            return f"signal {-returncode}"
+    return f"exit status {returncode}"
+
+
+class IsolatedEngine:
+    """The parent's handle on an engine built in a child process; quacks like the engine (generate, score,
+    kv_cache_bytes) and answers `remote()` for measurements taken where the engine lives."""
+
+    def __init__(self, name: str, target: str, source: str, spec: Any, compile_backend: str,
+                 timeout: float | None) -> None:
+        self.name, self.model, self.timeout = name, spec.name, timeout or None
+        self.calls: list[str] = []
+        self.dead: str | None = None
+        self._log = tempfile.NamedTemporaryFile(prefix=f"kvcompile-{name}-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_kvcompile.run.isolation"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            stderr=self._log, bufsize=0)
+        _LIVE.add(self)
+        what = f"its factory {target}(ModelSpec(name='{spec.name}', ...))"
+        try:  # the reply to "build": what dynamo compiled and captured while the factory ran
+            self.build_compiles, self.build_captures = self._ask(
+                ("build", list(sys.path), name, target, source, spec, compile_backend), what, timeout=None)
+        except RemoteError as exc:
+            self.close()
+            import pytest
+
+            pytest.fail(f"engine '{name}' raised {exc.remote_type} in {what} (in its own process): {exc}\n"
+                        f"The traceback:\n{exc.remote_traceback}", pytrace=False)
+        except BaseException:
+            self.close()
+            raise
+
+    # --- the engine's methods ---------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> Any:
+        what = f"generate(<{len(prompts)} prompt(s) of lengths {[len(p) for p in prompts]}>, max_new_tokens=" \
+               f"{max_new_tokens})"
+        out, self.observed = self._ask(("generate", prompts, max_new_tokens), what)
+        return out
+
+    def score(self, prompt: list[int], continuation: list[int]) -> Any:
+        return self._ask(("score", prompt, continuation),
+                         f"score(<prompt of length {len(prompt)}>, <continuation of length {len(continuation)}>)")
+
+    def kv_cache_bytes(self) -> Any:
+        return self._ask(("kv_cache_bytes",), "kv_cache_bytes()")
+
+    def remote(self, what: str) -> Any:
+        """A measurement taken in the engine's process: 'held' (memory.measure.held_by of the engine),
+        'freeze' / 'live' / 'unfreeze' (the live-tensor census, memory.measure.live_tensor_bytes)."""
+        return self._ask((what,), f"measuring '{what}'")
+
+    observed: tuple[tuple, int, int, tuple] = ((), 0, 0, ())  # the last call's (compiles, hits, eager runs, captures)
+
+    # --- the pipe -------------------------------------------------------------------------------------------------
+    def _ask(self, request: tuple, what: str, timeout: float | None | str = "call") -> Any:
+        if self.dead:
+            raise EngineProcessDied(self.dead)
+        data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
+            self.proc.stdin.flush()
+        except (BrokenPipeError, OSError):
+            self._died(what)
+        deadline = self.timeout if timeout == "call" else timeout
+        deadline = None if deadline is None else time.monotonic() + deadline
+        (size,) = _HEADER.unpack(self._read(_HEADER.size, what, deadline))
+        status, *payload = pickle.loads(self._read(size, what, deadline))
+        if request[0] in ("generate", "score"):
+            self.calls.append(what)
+        if status == "ok":
+            return payload[0] if len(payload) == 1 else payload
+        if status == "raised":
+            raise RemoteError(*payload)
+        import pytest
+
+        from pytest_kvcompile.errors import NotApplicable
+
+        if status == "not-applicable":
+            raise NotApplicable(payload[0])
+        if status == "skip":
+            pytest.skip(payload[0])
+        pytest.fail(payload[0], pytrace=False)
+
+    def _read(self, size: int, what: str, deadline: float | None) -> bytes:
+        fd, chunks, got = self.proc.stdout.fileno(), [], 0
+        while got < size:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            ready, _, _ = select.select([fd], [], [], wait)
+            if not ready:
+                self._timed_out(what)
+            chunk = os.read(fd, size - got)
+            if not chunk:
+                self._died(what)
+            chunks.append(chunk)
+            got += len(chunk)
+        return b"".join(chunks)
+
+    def _tail(self) -> str:
+        self._log.flush()
+        with open(self._log.name, errors="replace") as log:
+            lines = [line if len(line) <= 200 else line[:200] + " ..." for line in log.read().splitlines()
+                     if line.strip() and not line.startswith("Extension modules:")][-LOG_TAIL_LINES:]
+        return "\n".join("    " + line for line in lines) or "    (nothing)"
+
+    def _served(self) -> str:
+        if not self.calls:
+            return "  calls it served before: none"
+        return f"  calls it served before: {len(self.calls)}, the last: {self.calls[-1]}"
+
+    def _died(self, what: str) -> None:
+        status = _signal_name(self.proc.wait())
+        self.dead = (
+            f"engine '{self.name}' on model '{self.model}' crashed: its process (pid {self.proc.pid}) died of {status} "
+            f"during {what}\n{self._served()}\n  its last output (stderr, {LOG_TAIL_LINES} lines at most):\n"
+            f"{self._tail()}\n  The run goes on: the next test of this engine x model builds it in a fresh process. "
+            "Reproduce the call outside pytest to debug it; the Python stack above (faulthandler) shows where it died.")
+        self.close()
+        raise EngineProcessDied(self.dead)
+
+    def _timed_out(self, what: str) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)  # faulthandler dumps every thread's Python stack to the log
+            time.sleep(0.5)
+        self.dead = (
+            f"engine '{self.name}' on model '{self.model}': {what} did not return within {self.timeout:g} s "
+            f"(--kv-call-timeout); its process (pid {self.proc.pid}) was killed\n{self._served()}\n"
+            f"  where it was (its threads' Python stacks, then its last output):\n{self._tail()}\n"
+            "  The run goes on: the next test of this engine x model builds it in a fresh process. If the call is "
+            "only slow, raise --kv-call-timeout.")
+        self.close()
+        raise EngineProcessDied(self.dead)
+
+    def close(self) -> None:
+        """End the child: EOF on its stdin, then a kill if it does not leave within 5 s."""
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=5 if not self.dead else 0.01)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        if os.path.exists(self._log.name):
+            os.unlink(self._log.name)
+
+    def __repr__(self) -> str:
+        return f"<engine '{self.name}' in process {self.proc.pid}>"
+
+
+@atexit.register
+def _close_all() -> None:
+    for engine in list(_LIVE):
+        engine.close()
+
+
+# --- the child ---------------------------------------------------------------------------------------------------
+def _serve() -> None:
+    """The child's loop: build the engine, then answer requests until stdin closes."""
+    channel = os.fdopen(os.dup(1), "wb", buffering=0)
+    os.dup2(2, 1)  # the engine's prints go to the log, not into the protocol
+    sys.stdout = sys.stderr
+    faulthandler.enable()
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    engine = None
+    while True:
+        header = sys.stdin.buffer.read(_HEADER.size)
+        if len(header) < _HEADER.size:
+            return
+        request = pickle.loads(sys.stdin.buffer.read(_HEADER.unpack(header)[0]))
+        try:
+            if request[0] == "build":
+                engine, reply = _build(*request[1:])
+            else:
+                reply = _answer(engine, request)
+            data = pickle.dumps(("ok", reply), protocol=pickle.HIGHEST_PROTOCOL)
+        except BaseException as exc:  # every failure goes back to the parent, which decides
+            data = pickle.dumps(_failure(exc), protocol=pickle.HIGHEST_PROTOCOL)
+        channel.write(_HEADER.pack(len(data)) + data)
+
+
+def _build(path: list[str], name: str, target: str, source: str, spec: Any, backend: str) -> tuple[Any, Any]:
+    sys.path[:] = path
+    from pytest_kvcompile.contract import engine_io, registry
+    from pytest_kvcompile.contract.engine import declaration_of
+    from pytest_kvcompile.recompiles.recorder import CompileRecorder
+
+    factory = registry._import_target(name, target)
+    ref = registry.EngineRef(name, target, source, factory, declaration_of(factory))
+    with CompileRecorder() as recorder:
+        engine = engine_io.build(ref, spec, backend)
+    return engine, (tuple(recorder.events), tuple(recorder.captures))
+
+
+def _answer(engine: Any, request: tuple) -> Any:
+    from pytest_kvcompile.memory.measure import held_by, live_tensor_bytes
+    from pytest_kvcompile.recompiles.recorder import CompileRecorder
+
+    kind, args = request[0], request[1:]
+    if kind == "generate":
+        with CompileRecorder() as recorder:
+            out = engine.generate(*args)
+        return out, (tuple(recorder.events), *recorder.guards, tuple(recorder.captures))
+    if kind == "score":
+        return engine.score(*args)
+    if kind == "kv_cache_bytes":
+        return engine.kv_cache_bytes()
+    if kind == "held":
+        return held_by(engine)
+    if kind == "freeze":
+        gc.collect()
+        return gc.freeze()
+    if kind == "live":
+        return live_tensor_bytes()
+    if kind == "unfreeze":
+        return gc.unfreeze()
+    raise ValueError(f"unknown request {kind!r}")
+
+
+def _failure(exc: BaseException) -> tuple:
+    import traceback
+
+    import pytest
+
+    from pytest_kvcompile.errors import NotApplicable
+
+    if isinstance(exc, NotApplicable):
+        return ("not-applicable", exc.msg)
+    if isinstance(exc, pytest.skip.Exception):
+        return ("skip", exc.msg)
+    if isinstance(exc, pytest.fail.Exception):
+        return ("fail", exc.msg)
+    frames = traceback.extract_tb(exc.__traceback__)
+    frames = [f for f in frames if f.filename != __file__]
+    text = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(exc), exc))
+    return ("raised", type(exc).__name__, str(exc), text)
+
+
+if __name__ == "__main__":
+    _serve()

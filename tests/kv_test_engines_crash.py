@@ -1,0 +1,78 @@
+"""Engines that crash or hang on one prompt length and are correct otherwise, for the isolation and
+--kv-call-timeout tests (tests/test_isolation.py). The bad length is 7 (zoo prompt 'short7')."""
+
+import ctypes
+import dataclasses
+import os
+import time
+
+from kv_test_engines import CompiledGreedy, Greedy, RecompilingGreedy, StaleCache
+
+from pytest_kvcompile import Declaration
+
+BAD_LENGTH = 7
+
+
+def _hit(prompts) -> bool:
+    return any(len(p) == BAD_LENGTH for p in prompts)
+
+
+class Segfaults(Greedy):
+    """Bug: reads address 0 (SIGSEGV) on a 7-token prompt, as a native runtime with a bad buffer would."""
+
+    kv_declaration = Declaration(batching=True, isolated=True, description="test engine: segfaults on short7")
+
+    def generate(self, prompts, max_new_tokens):
+        if _hit(prompts):
+            ctypes.string_at(0)
+        return super().generate(prompts, max_new_tokens)
+
+
+class Aborts(Segfaults):
+    """Bug: abort() (SIGABRT) on a 7-token prompt, as a failed C++ assertion would."""
+
+    def generate(self, prompts, max_new_tokens):
+        if _hit(prompts):
+            os.abort()
+        return super().generate(prompts, max_new_tokens)
+
+
+class Hangs(Greedy):
+    """Bug: never returns on a 7-token prompt (a deadlock); not isolated unless the run says so."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: hangs on short7")
+
+    def generate(self, prompts, max_new_tokens):
+        if _hit(prompts):
+            while True:
+                time.sleep(3600)
+        return super().generate(prompts, max_new_tokens)
+
+
+class SwallowsEverything(Hangs):
+    """Bug: hangs, and catches every Exception around its loop (the timeout must still get out)."""
+
+    def generate(self, prompts, max_new_tokens):
+        while True:
+            try:
+                return super().generate(prompts, max_new_tokens)
+            except Exception:
+                continue
+
+
+class IsolatedCompiled(CompiledGreedy):
+    """Correct and compiled, run in its own process: its compiles must still be observed there."""
+
+    kv_declaration = dataclasses.replace(CompiledGreedy.kv_declaration, isolated=True)
+
+
+class IsolatedRecompiling(RecompilingGreedy):
+    """Bug (recompiles after warmup), run in its own process: the recompile check must still fail it."""
+
+    kv_declaration = dataclasses.replace(RecompilingGreedy.kv_declaration, isolated=True)
+
+
+class IsolatedStaleCache(StaleCache):
+    """Bug (cache never reset), run in its own process: state kept between forwarded calls is still caught."""
+
+    kv_declaration = dataclasses.replace(StaleCache.kv_declaration, isolated=True)

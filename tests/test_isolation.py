@@ -1,0 +1,88 @@
+"""Engines that crash or hang (tests/kv_test_engines_crash.py): one failure naming the signal or the timeout and
+the call, the rest of the run completes and writes its reports; isolation observes as much as in-process runs."""
+
+import json
+
+import pytest
+
+from conftest import run_suites
+
+CRASH = "kv_test_engines_crash:"
+
+
+def _report(kvtester):
+    return json.loads((kvtester.path / "kv.json").read_text())
+
+
+@pytest.mark.parametrize("engine, signal", [("Segfaults", "SIGSEGV"), ("Aborts", "SIGABRT")])
+def test_crash_fails_one_test_and_the_run_goes_on(kvtester, engine, signal):
+    result = run_suites(kvtester, f"--kv-engine={CRASH}{engine}", "--kv-engine=kv_test_engines:Greedy",
+                        "--kv-report-json=kv.json", "-k", "test_token_identity and not batched and (short7 or long48)")
+    result.assert_outcomes(passed=3, failed=1)
+    result.stdout.fnmatch_lines([
+        f"*engine '{CRASH}{engine}' on model 'llama' crashed: its process (pid *) died of {signal} (signal *) during "
+        "generate(<1 prompt(s) of lengths ?7?>, max_new_tokens=16)*",
+        "*its last output (stderr*",
+        "*Fatal Python error*",
+        "*The run goes on: the next test of this engine x model builds it in a fresh process*",
+        f"FAILED *test_token_identity?{CRASH}{engine}-llama-short7*",
+    ])
+    rows = {(r["engine"], r["model"]): r for r in _report(kvtester)["rows"]}
+    assert rows[(f"{CRASH}{engine}", "llama")]["tests"]["failed"] == 1, rows  # the reports were written, crash included
+    assert rows[("kv_test_engines:Greedy", "llama")]["tests"]["failed"] == 0, rows
+
+
+@pytest.mark.parametrize("isolate", ["--kv-isolate=kv_test_engines_crash:Hangs", "--kv-isolate=none"])
+def test_hang_fails_after_the_call_timeout_naming_the_call(kvtester, isolate):
+    result = run_suites(kvtester, f"--kv-engine={CRASH}Hangs", "--kv-call-timeout=3", isolate,
+                        "-k", "test_token_identity and not batched and (short7 or long48 or len1)")
+    result.assert_outcomes(passed=2, failed=1)
+    where = "its process (pid *) was killed" if "Hangs" in isolate else "the call was interrupted (SIGALRM)"
+    result.stdout.fnmatch_lines([
+        f"*engine '{CRASH}Hangs' on model 'llama': generate(<1 prompt(s) of lengths ?7?>, *16) did not return within "
+        f"3 s (--kv-call-timeout); {where}*",
+        "*The run goes on*",
+    ])
+    if "Hangs" in isolate:  # faulthandler's dump of the stuck process shows where it hung
+        result.stdout.fnmatch_lines(["*where it was*", "*kv_test_engines_crash.py*in generate*"])
+
+
+def test_timeout_is_not_swallowed_by_an_engine_catching_exception(kvtester):
+    result = run_suites(kvtester, f"--kv-engine={CRASH}SwallowsEverything", "--kv-call-timeout=2",
+                        "-k", "test_token_identity and not batched and short7")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*did not return within 2 s (--kv-call-timeout)*"])
+
+
+def test_isolated_engine_is_observed_like_an_in_process_one(kvtester):
+    # compiles in the engine's process are seen: the recompiling twin fails, the correct one passes
+    result = run_suites(kvtester, f"--kv-engine={CRASH}IsolatedCompiled", f"--kv-engine={CRASH}IsolatedRecompiling",
+                        f"--kv-engine={CRASH}IsolatedStaleCache", "-k",
+                        "test_no_recompiles_after_warmup or test_compiled_code_runs or (test_stale_state and not batched)")
+    result.stdout.fnmatch_lines(["*kvcompile: *IsolatedCompiled / llama: built in * s in process *"])
+    outcomes = {line.split(" ")[1]: line.split(" ")[0] for line in result.outlines
+                if line.startswith(("PASSED ", "FAILED ", "SKIPPED "))}
+    failed = sorted(test for test, outcome in outcomes.items() if outcome == "FAILED")
+    assert any("IsolatedRecompiling" in t and "recompiles" in t for t in failed), result.outlines[-30:]
+    assert any("IsolatedStaleCache" in t and "stale_state" in t for t in failed), result.outlines[-30:]
+    assert not any("IsolatedCompiled" in t for t in failed), failed
+
+
+def test_isolate_names_must_be_engines_of_the_run(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-isolate=llama-cpp")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--kv-isolate=llama-cpp: llama-cpp is not an engine of this run (engines: "
+                                 "kv_test_engines:Greedy)*"])
+
+
+def test_isolated_memory_is_measured_in_the_engine_process(kvtester):
+    # --kv-isolate=all: held_by and the live-tensor census run where the engine lives, so the leak is still seen
+    memory = "kv_test_engines_memory:"
+    result = run_suites(kvtester, f"--kv-engine={memory}DynamicBytes", f"--kv-engine={memory}KeepsEveryCache",
+                        "--kv-isolate=all", "-k", "memory_held or (memory_growth and KeepsEveryCache)")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines([
+        f"*engine '{memory}KeepsEveryCache' on model 'llama': memory grows over 3 repeated calls*",
+        "  live tensor bytes: * after 1 warmup call(s), then +*, +*, +* B per call",
+        f"FAILED *test_no_memory_growth?{memory}KeepsEveryCache-llama*",
+    ])
