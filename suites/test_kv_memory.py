@@ -132,11 +132,15 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
                                      "its generate() calls, minus its parameters")
     held = dataclasses.replace(held, state=state)
     declared, spec = kv_engine.ref.declaration, kv_engine.spec
-    expected = declared.kv_layout and expected_kv_bytes(declared.kv_layout, spec.config, spec.dtype, len(call),
-                                                        max(map(len, call)), kv_engine.max_new_tokens).total
+    footprint = declared.kv_layout and expected_kv_bytes(declared.kv_layout, spec.config, spec.dtype, len(call),
+                                                         max(map(len, call)), kv_engine.max_new_tokens)
+    expected = footprint and footprint.total
     reported = _reported(kv_engine) if declared.kv_cache_bytes else None
+    layers = [{"layer": t.layer, "kind": t.kind, "positions": t.positions, "why": t.why,
+               "bytes": t.bytes(footprint.rows, footprint.itemsize)} for t in footprint.layers] if footprint else []
     kv_record.metric(kv_bytes={"expected": expected, "measured": reported if reported is not None else held.state,
-                               "held": held.state})
+                               "held": held.state, "layout": str(declared.kv_layout or ""), "layers": layers,
+                               "call": _describe(call, kv_engine)})
     claims = {f"kv_cache_bytes() = {format_bytes(reported)}": reported} if reported is not None else {}
     if expected:
         claims[f"its declared {declared.kv_layout} = {format_bytes(expected)}"] = expected

@@ -53,6 +53,18 @@ def _reason(event) -> str:
     return event.describe().splitlines()[0] + (f": guards failed: {failed}" if failed else "")
 
 
+def _timeline(build, warm_calls, after_calls) -> list[dict]:
+    """The compiles of the check's calls in order, as plain data for the HTML report's compile timeline."""
+    def compiles(events):
+        return [{"id": e.compile_id, "frame": e.frame, "recompile": e.is_recompile,
+                 "guards": [g[:300] for g in e.guard_failures[:3]], "graph_breaks": len(e.graph_breaks)}
+                for e in events]
+
+    return ([{"phase": "build", "call": "the factory", "compiles": compiles(build)}]
+            + [{"phase": "warmup", "call": str(c), "compiles": compiles(c.compiles)} for c in warm_calls]
+            + [{"phase": "after warmup", "call": str(c), "compiles": compiles(c.compiles)} for c in after_calls])
+
+
 def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_settings):
     declared = kv_engine.ref.declaration
     warmup, unseen = _calls(kv_prompts, declared.batching, kv_engine.spec.vocab_size)
@@ -97,6 +109,7 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
         "graph_breaks": list(dict.fromkeys(breaks)),
         "eager_runs": sum(c.eager_runs for c in after_calls),
         "cuda_graph_captures": {"build": captured[0], "warmup": captured[1], "after_warmup": captured[2]},
+        "timeline": _timeline(build, warm_calls, after_calls),
     })
 
     problems = []

@@ -63,7 +63,7 @@ def test_reports_are_written(kvtester):
     assert f'<span class="verdict v-PASS">PASS</span> <a href="#engine-{GREEDY}">{GREEDY}</a>' in verdicts
     for engine in (GREEDY, INSTANT):
         section = page.split(f'<section class="engine" id="engine-{engine}">')[1].split("</section>")[0]
-        assert "<table>" in section and section.count("<svg") == 2, engine
+        assert "<table>" in section and section.count("<svg") == 4, engine  # medians, and every repeat
 
 
 def test_progress_lines_are_quiet_under_q_and_known_findings_show_in_the_verdict(kvtester):
@@ -152,7 +152,9 @@ def test_baseline_compare_lists_moved_numbers():
     changes, notes = baseline.compare(old, new, baseline.parse_fail_on("latency:25%,recompiles:1"))
     assert [c.line() for c in changes if c.regressed] == [
         "recompiles: my-engine / llama / cpu / float32: compiles after warmup 1 -> 3 (+2, allowed +1)"]
-    assert len(changes) == 5 and notes == []
+    assert len(changes) == 6 and sum(c.checked for c in changes) == 5 and notes == []  # memory: shown, not checked
+    assert [c.line() for c in changes if not c.checked] == [
+        "memory: my-engine / llama / cpu / float32: KV-cache bytes 8192 -> 8192 (+0.0%, not checked)"]
 
 
 @pytest.mark.parametrize(("content", "problem"), [

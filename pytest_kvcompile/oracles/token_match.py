@@ -61,7 +61,11 @@ class Verdict:
 
 
 class TokenMismatch(AssertionError):
-    """The engine's tokens differ from the oracle's by more than near ties allow."""
+    """The engine's tokens differ from the oracle's by more than near ties allow. `diff` (when set) is the
+    comparison as plain data for the reports' token diff: oracle and engine tokens, the step, gap, tolerance,
+    the oracle's top-3 there, the hint."""
+
+    diff: dict | None = None
 
 
 def compare(reference: Reference, got: Sequence[int], tie_tolerance: float,
@@ -118,7 +122,23 @@ def assert_tokens_match(
         lines = _drift(reference, got, verdict, tie_tolerance, engine, at)
     else:
         return verdict
-    raise TokenMismatch("\n".join(lines + ([context] if context else [])))
+    error = TokenMismatch("\n".join(lines + ([context] if context else [])))
+    error.diff = _diff(reference, got, verdict, tie_tolerance, prompt, where, lines[-1].removeprefix("  hint: "))
+    raise error
+
+
+def _diff(ref: Reference, got: list[int], verdict: Verdict, tol: float, prompt: str, where: str, hint: str) -> dict:
+    bad = verdict.mismatch
+    top = []
+    if bad is not None:
+        row = ref.given(got, tol)[bad.step].float()
+        values, ids = row.topk(min(3, row.numel()))
+        top = [[int(i), round(float(v), 4)] for v, i in zip(values, ids)]
+    return {"prompt": prompt, "where": where, "prompt_tail": [int(t) for t in ref.prompt[-8:]],
+            "prompt_length": len(ref.prompt), "oracle": [int(t) for t in ref.tokens], "engine": got,
+            "step": bad.step if bad else None, "gap": round(bad.gap, 6) if bad else None, "tolerance": tol,
+            "top3": top, "near_ties": [[t.step, t.expected, t.got, round(t.gap, 6)] for t in verdict.near_ties],
+            "kind": "mismatch" if bad else "drift", "hint": hint}
 
 
 def _mismatch(ref: Reference, got, verdict: Verdict, tol, engine, at, where, window) -> list[str]:

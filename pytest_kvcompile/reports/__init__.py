@@ -117,6 +117,9 @@ class ResultsPlugin:
                 crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
                 test = item.nodeid.partition("@kv:")[0]  # without xdist's loadgroup suffix: the same name serial or -n
                 failures = [{"test": test, "message": first_lines(crash or report.longreprtext)}]
+                diff = getattr(call.excinfo.value, "diff", None) if call.excinfo is not None else None
+                if isinstance(diff, dict):  # a token mismatch: the data of the HTML report's token diff
+                    failures[0]["diff"] = diff
             if decided == "skipped" and isinstance(report.longrepr, tuple):
                 reason = report.longrepr[2].removeprefix("Skipped: ")
                 if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable):
@@ -188,7 +191,7 @@ class ResultsPlugin:
         if self.changes is not None:
             regressed = [c for c in self.changes if c.regressed]
             tr.write_sep("=" if regressed else "-", f"kvcompile: {len(regressed)} regression(s) vs baseline "
-                         f"{_value(self.config, BASELINE)} ({len(self.changes)} number(s) compared)",
+                         f"{_value(self.config, BASELINE)} ({sum(c.checked for c in self.changes)} number(s) compared)",
                          red=bool(regressed), bold=bool(regressed))
             for change in regressed:
                 tr.write_line(change.line())

@@ -51,23 +51,45 @@ class Change:
     what: str
     old: float
     new: float
-    limit: float
+    limit: float | None  # None: not checked (its name is not in --kv-fail-on); shown, never failed
+
+    @property
+    def checked(self) -> bool:
+        return self.limit is not None
 
     @property
     def regressed(self) -> bool:
+        if self.limit is None:
+            return False
         if self.check in PERCENT_NAMES:
             return self.new > self.old * (1 + self.limit / 100)
         return self.new - self.old > self.limit
 
-    def line(self) -> str:
+    @property
+    def improved(self) -> bool:
+        """Moved the good way by more than the limit would allow the bad way (checked numbers only)."""
+        if self.limit is None:
+            return False
         if self.check in PERCENT_NAMES:
-            growth = f"{(self.new / self.old - 1) * 100:+.1f}%" if self.old else "from zero"
-            allowed = f"+{self.limit:g}%"
-            fmt = "{:.4g}"
-        else:
-            growth, allowed, fmt = f"{self.new - self.old:+g}", f"+{self.limit:g}", "{:g}"
+            return self.new < self.old * (1 - self.limit / 100)
+        return self.old - self.new > self.limit
+
+    @property
+    def growth(self) -> str:
+        if self.check in PERCENT_NAMES:
+            return f"{(self.new / self.old - 1) * 100:+.1f}%" if self.old else "from zero"
+        return f"{self.new - self.old:+g}"
+
+    @property
+    def allowed(self) -> str:
+        if self.limit is None:
+            return "not checked"
+        return f"allowed +{self.limit:g}{'%' if self.check in PERCENT_NAMES else ''}"
+
+    def line(self) -> str:
+        fmt = "{:.4g}" if self.check in PERCENT_NAMES else "{:g}"
         return (f"{self.check}: {self.where}: {self.what} {fmt.format(self.old)} -> {fmt.format(self.new)} "
-                f"({growth}, allowed {allowed})")
+                f"({self.growth}, {self.allowed})")
 
 
 def _numbers(row: dict[str, Any]) -> dict[str, tuple[str, float]]:
@@ -85,7 +107,8 @@ def _numbers(row: dict[str, Any]) -> dict[str, tuple[str, float]]:
 
 
 def compare(baseline: dict[str, Any], current: dict[str, Any], fail_on: dict[str, float]) -> tuple[list[Change], list[str]]:
-    """(changes checked per fail_on, notes on rows that could not be matched)."""
+    """(every number of matched rows, old -> new, with fail_on's limit where it names the check; notes on rows that
+    could not be matched)."""
     key = lambda r: (r["engine"], r["model"], r["device"], r["dtype"])
     old_rows = {key(r): r for r in baseline["rows"]}
     new_rows = {key(r): r for r in current["rows"]}
@@ -98,6 +121,5 @@ def compare(baseline: dict[str, Any], current: dict[str, Any], fail_on: dict[str
         old, new = _numbers(old_rows[k]), _numbers(new_rows[k])
         for name in sorted(old.keys() & new.keys()):
             check = name.split("/")[0]
-            if check in fail_on:
-                changes.append(Change(check, where, new[name][0], old[name][1], new[name][1], fail_on[check]))
+            changes.append(Change(check, where, new[name][0], old[name][1], new[name][1], fail_on.get(check)))
     return changes, notes

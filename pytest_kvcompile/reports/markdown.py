@@ -40,13 +40,16 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
     lines = ["## pytest-kvcompile results", ""]
     lines += [f"- {marks[verdict]} **{verdict}** `{engine}`: {counts}"
               for engine, verdict, counts in verdicts(rows, results.get("problems", ()))]
+    if changes is not None:  # right after the verdicts, as pytest-codspeed's PR comment leads with its verdict
+        regressed = [c.line() for c in changes if c.regressed]
+        improved = [c.line() for c in changes if c.improved]
+        lines += ["", f"### Baseline: {len(regressed)} regression(s), {len(improved)} improvement(s) in "
+                      f"{sum(c.checked for c in changes)} compared number(s)", ""]
+        lines += [f"- :x: {_escape(line)}" for line in regressed]
+        lines += [f"- :rocket: {_escape(line)}" for line in improved]
     lines += ["", *_runs(results), ""]
     lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(_escape(c) for c in cells(row, rows)) + " |" for row in rows]
-    if changes is not None:
-        regressed = [c.line() for c in changes if c.regressed]
-        lines += ["", f"### Baseline: {len(regressed)} regression(s) in {len(changes)} compared number(s)"]
-        lines += [f"- :x: {_escape(line)}" for line in regressed]
     details = [("failures", [f"{f['test']}: {f['message'].splitlines()[0] if f['message'] else ''}"
                              for row in rows for f in row["failures"]]),
                ("recompiles after warmup", [f"{row['engine']} / {row['model']}: {reason}" for row in rows

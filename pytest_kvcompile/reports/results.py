@@ -69,7 +69,8 @@ def _merge_compiles(a, b):
             "warmup": max(a["warmup"], b["warmup"]), "after_warmup": max(a["after_warmup"], b["after_warmup"]),
             "reasons": list(dict.fromkeys(a["reasons"] + b["reasons"])),
             "graph_breaks": list(dict.fromkeys(a.get("graph_breaks", []) + b.get("graph_breaks", []))),
-            "eager_runs": max(a.get("eager_runs", 0), b.get("eager_runs", 0))}
+            "eager_runs": max(a.get("eager_runs", 0), b.get("eager_runs", 0)),
+            **({"timeline": a.get("timeline") or b["timeline"]} if a.get("timeline") or b.get("timeline") else {})}
 
 
 def _merge_kv_bytes(a, b):
