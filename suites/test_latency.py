@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from pytest_kvcompile.contract.engine import dtype_name
-from pytest_kvcompile.latency.measure import DECODE_TOKENS, PROMPT_LEN, WARMUP
-from pytest_kvcompile.models.prompts import of_length
+from pytest_kvcompile.latency.measure import DECODE_TOKENS, PROMPT_LEN, WARMUP, fresh
 
 
 def test_latency(kv_engine, kv_latency):
@@ -33,14 +32,14 @@ def test_benchmark(request, kv_session, kv_engine, step):
     (decode - prefill) / K (see pytest_kvcompile.latency.measure)."""
     benchmark = _benchmark(request)
     spec = kv_engine.spec
-    prompt = of_length(PROMPT_LEN, spec.vocab_size, salt=5)
+    prompts = fresh(PROMPT_LEN, spec.vocab_size)  # a prompt per round: a prompt cache cannot answer a timed call
     n = 1 if step == "prefill" else 1 + DECODE_TOKENS
-    kv_engine.generate([prompt], n)  # validated once: a broken engine fails with a clear message
+    kv_engine.generate([next(prompts)], n)  # validated once: a broken engine fails with a clear message
     benchmark.group = f"{spec.name} {step}"
     benchmark.extra_info.update(
         engine=kv_engine.name, model=spec.name, device=spec.device, dtype=dtype_name(spec.dtype), step=step,
         prompt_len=PROMPT_LEN, max_new_tokens=n, decode_tokens=DECODE_TOKENS if step == "decode" else 0,
         torch=torch.__version__, transformers=version("transformers"),
     )
-    benchmark.pedantic(kv_engine.engine.generate, args=([list(prompt.ids)], n), warmup_rounds=WARMUP,
-                       rounds=kv_session.latency.repeats, iterations=1)
+    benchmark.pedantic(kv_engine.engine.generate, setup=lambda: (([list(next(prompts).ids)], n), {}),
+                       warmup_rounds=WARMUP, rounds=kv_session.latency.repeats, iterations=1)

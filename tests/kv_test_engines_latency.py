@@ -32,3 +32,24 @@ class Sleepy(Instant):
     def generate(self, prompts, max_new_tokens):
         time.sleep(SLEEP_S * max_new_tokens)
         return super().generate(prompts, max_new_tokens)
+
+
+class MemoSleepy(Sleepy):
+    """Slow, but remembers answers by prompt (a prompt cache): a repeated prompt comes back at once. Timing the same
+    prompt every repeat would clock the memo, not the engine."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.memo = {}
+
+    def generate(self, prompts, max_new_tokens):
+        key = (tuple(map(tuple, prompts)), max_new_tokens)
+        if key not in self.memo:
+            self.memo[key] = super().generate(prompts, max_new_tokens)
+        return self.memo[key]
+
+
+class Opaque(Instant):
+    """Holds nothing Python can see and reports nothing (a native runtime, as the memory checks see one)."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: no visible tensors, no reports")

@@ -5,7 +5,7 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
 from pytest_kvcompile.contract.engine import ModelSpec, declaration_of
-from pytest_kvcompile.engines.hf import HFDynamicCompile, HFEager, HFStaticCompile
+from pytest_kvcompile.engines.hf import HFAssisted, HFDynamicCompile, HFEager, HFStaticCompile
 from pytest_kvcompile.recompiles.recorder import isolate
 
 ENGINES = [HFEager, HFStaticCompile, HFDynamicCompile]
@@ -110,3 +110,26 @@ def test_dynamic_raises_when_nothing_compiles(spec, monkeypatch):
     engine = build(HFDynamicCompile, spec)
     with pytest.raises(RuntimeError, match="compiled no frame"):
         engine.generate([PROMPTS[0]], 4)
+
+
+def test_assisted_declaration():
+    decl = declaration_of(HFAssisted)
+    assert not decl.batching and not decl.scoring and not decl.compiled and decl.kv_released
+    assert decl.strategy.kind == "exact"
+
+
+def test_assisted_equals_greedy_and_rejects_drafts(spec, greedy, monkeypatch):
+    """Greedy assisted decoding equals plain greedy, with a draft that is really rejected (crops happen)."""
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    rounds = []
+    update = AssistedCandidateGenerator.update_candidate_strategy
+
+    def record(self, input_ids, scores, num_matches):
+        rounds.append((int(num_matches), scores.shape[1] - 1))  # (accepted, proposed)
+        return update(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(AssistedCandidateGenerator, "update_candidate_strategy", record)
+    engine = HFAssisted(spec)
+    assert engine.generate(PROMPTS[1:], 12) == [greedy(p, 12) for p in PROMPTS[1:]]
+    assert any(accepted < proposed for accepted, proposed in rounds), rounds

@@ -145,6 +145,17 @@ def test_relative_budget_fails_the_slow_engine_and_passes_the_fast_one(kvtester)
     result.stdout.fnmatch_lines([f"engine '{SLEEPY}' on model 'llama' (cpu, float32): decode median * > budget 0.001 ms/token"])
 
 
+def test_a_prompt_cache_is_not_timed_as_speed(kvtester):
+    # MemoSleepy answers a repeated prompt at once: every timed call gets a prompt of its own, so it is timed sleeping
+    kvtester.makepyfile(test_budgets=BUDGETS)
+    result = kvtester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama", "--kv-engine=kv_test_engines_latency:MemoSleepy",
+        "--kv-latency-repeats=3", "-k", "test_vs_instant")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["engine 'kv_test_engines_latency:MemoSleepy' on model 'llama' (cpu, float32) is over "
+                                 "its latency budget:"])
+
+
 def test_enforced_absolute_budget_and_bad_marker_arguments(kvtester):
     kvtester.makepyfile(test_budgets=BUDGETS, test_bad_markers=BAD_MARKERS)
     result = kvtester.runpytest_subprocess(

@@ -193,3 +193,19 @@ def test_memory_suite_passes_correct_and_fails_broken_engines(kvtester):
         "  live tensor bytes: 4,112 B (4.0 KiB) after 1 warmup call(s), then +4,112 B, +4,112 B, +4,112 B per call",
         "  hint: generate() keeps something per call (caches or outputs appended to a list*",
     ], consecutive=True)
+
+
+def test_memory_held_skips_by_name_when_nothing_is_visible(kvtester):
+    # Instant holds no tensor at all (as a native runtime's cache and weights): nothing measured is a named skip,
+    # never a pass of "0 B <= what it reports"
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines_latency:Instant", "--kv-engine=kv_test_engines:Greedy",
+                        "-k", "test_memory_held or test_no_memory_growth", "-rs")
+    # Greedy: its growth check runs, its held check skips (it declares nothing to hold against); Instant: its growth
+    # check runs on what it reports (kv_cache_bytes() must not change), its held check measured nothing: a named skip
+    result.assert_outcomes(passed=2, skipped=2)
+    result.stdout.fnmatch_lines(["*Instant* holds no tensor visible from Python after *not even its weights: its "
+                                 "model and cache live in native memory*nothing was measured*"])
+    opaque = run_suites(kvtester, "--kv-engine=kv_test_engines_latency:Opaque", "-k", "test_no_memory_growth", "-rs")
+    opaque.assert_outcomes(skipped=1)  # a census of nothing proves nothing
+    opaque.stdout.fnmatch_lines(["*Opaque* holds no tensor visible from Python, not even its weights, and reports no "
+                                 "kv_cache_bytes(): its memory is native*"])

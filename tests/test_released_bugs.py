@@ -4,8 +4,8 @@ Slow and off by default (``-m "not released_bugs"`` in pyproject's addopts): eac
 environment with ``kvcompile check-engine`` (``--system-site-packages``: this environment's torch, the
 version under test installed over it) and runs the suites it names. Run them with
 ``pytest -m released_bugs tests/test_released_bugs.py`` (5.5 minutes on 2 CPU cores for the first four rows, 1.7
-for LitGPT's, measured; venvs are kept in ``.kvcompile-venvs/released-*`` and reused). The table and the measured
-output: docs/released-bugs.md.
+for LitGPT's, 3.7 for #48280's on a loaded machine, measured; venvs are kept in ``.kvcompile-venvs/released-*``
+and reused). The table and the measured output: docs/released-bugs.md.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Bug:
     fixed: tuple[str, ...]  # --install specs of the release with the fix
     select: str  # -k expression: the check that catches it
     says: str  # a line of the affected version's failure (fnmatch)
+    zoo: str = "llama"  # --kv-zoo: the models the bug needs
 
 
 #: litgpt <= 0.5.12 pins huggingface-hub<0.35, which transformers 5 (the oracle) cannot use: install litgpt without its
@@ -58,6 +59,12 @@ BUGS = {
         "litgpt", "https://github.com/Lightning-AI/litgpt/issues/2238",
         ("litgpt==0.5.12", *_LITGPT_NO_DEPS, "psutil==7.1.3"), ("litgpt==0.5.13", *_LITGPT_NO_DEPS, "psutil==7.2.2"),
         "(test_determinism or test_token_identity) and not batched", "*two identical generate() calls differ at step*"),
+    "transformers-48280-assisted-sliding-window": Bug(
+        "hf-assisted", "https://github.com/huggingface/transformers/pull/48280",
+        ("transformers==5.17.0",), ("transformers==5.18.0",), "token_identity",
+        "*engine 'hf-assisted' raised RuntimeError in generate(*): The size of tensor a (*) must match the size of "
+        "tensor b (8) at non-singleton dimension 3*",
+        zoo="mistral-sw,gemma3-hybrid"),
 }
 
 
@@ -65,7 +72,7 @@ def check_engine(bug: Bug, install: tuple[str, ...], tmp_path: Path) -> subproce
     venv = ROOT / ".kvcompile-venvs" / ("released-" + "-".join(re.sub(r"[^A-Za-z0-9.]+", "", s) for s in install))
     command = [sys.executable, "-m", "pytest_kvcompile.cli", "check-engine", bug.engine, "--venv", str(venv),
                "--system-site-packages", "--out", str(tmp_path), *(f"--install={s}" for s in install),
-               "--", "--kv-zoo=llama", "-k", bug.select, "-p", "no:benchmark"]
+               "--", f"--kv-zoo={bug.zoo}", "-k", bug.select, "-p", "no:benchmark"]
     tmp_path.mkdir(parents=True, exist_ok=True)
     return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=1800)
 

@@ -33,6 +33,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "hf-static-compile": "pytest_kvcompile.engines.hf:HFStaticCompile",
     "hf-dynamic-compile": "pytest_kvcompile.engines.hf:HFDynamicCompile",
     "hf-static-chunked-compile": "pytest_kvcompile.engines.hf:HFStaticChunkedCompile",
+    "hf-assisted": "pytest_kvcompile.engines.hf:HFAssisted",
     "ref-compiled-dynamic": "reference_impls.compiled_dynamic:CompiledDynamicCache",
     "ref-sliding-window": "reference_impls.sliding_window:SlidingWindowCache",
     "ref-static": "reference_impls.static_cache:StaticCache",
@@ -53,6 +54,11 @@ BUILTIN_ENGINES: dict[str, str] = {
     "kvpress-tova": "pytest_kvcompile.engines.kvpress:TOVA",
     "kvpress-knorm": "pytest_kvcompile.engines.kvpress:KNorm",
     "kvpress-decoding-knorm": "pytest_kvcompile.engines.kvpress:DecodingKnorm",
+    "onnxruntime": "pytest_kvcompile.engines.onnxruntime:ORTCausalLM",
+    "hf-export": "pytest_kvcompile.engines.export:HFExport",
+    "executorch": "pytest_kvcompile.engines.executorch:ExecuTorch",
+    "llama-cpp": "pytest_kvcompile.engines.llamacpp:LlamaCpp",
+    "llama-cpp-q8-kv": "pytest_kvcompile.engines.llamacpp:LlamaCppQ8KV",
 }
 
 

@@ -6,6 +6,8 @@
 - ``hf-static-chunked-compile``: the user-facing static path, ``cache_implementation="static"`` +
   ``prefill_chunk_size`` + a compile config: generate() makes (and keeps) the cache and compiles the chunked
   prefill as well as the decode step. The path of transformers #46421 (docs/released-bugs.md).
+- ``hf-assisted``: assisted (speculative) greedy decoding, ``generate(assistant_model=<draft>)``: the draft's and
+  the target's caches are cropped after every rejected draft token. The path of transformers #48280.
 
 They are measured, not tuned: whatever the suite finds is what transformers does.
 Every call builds a fresh cache; greedy decoding runs with a clean GenerationConfig
@@ -251,6 +253,56 @@ class HFDynamicCompile(_CompiledMixin, HFEager):
     def __init__(self, spec: ModelSpec, compile_backend: str = "inductor"):
         super().__init__(spec)
         self.model.forward = torch.compile(self.model.forward, backend=compile_backend, dynamic=None)
+
+
+NUM_ASSISTANT_TOKENS = 4  # hf-assisted's draft burst: 4 tokens per round, so a rejection crops up to 4 positions
+DRAFT_NOISE = 0.03  # relative std of the noise added to the draft's weights (acceptance measured: HFAssisted)
+DRAFT_SEED = 48280
+
+
+class HFAssisted(HFEager):
+    """Assisted greedy `generate()`: ``assistant_model=`` a draft proposes `num_assistant_tokens` tokens per round,
+    the target checks them in one forward, and both caches are cropped back past the first rejected token.
+
+    Greedy assisted decoding keeps only tokens the target itself would pick, so it must equal plain greedy (the exact
+    oracle). The draft is the same checkpoint with every weight outside the norms perturbed by
+    ``DRAFT_NOISE * std(weight) * N(0, 1)`` (``torch.Generator().manual_seed(DRAFT_SEED)``, sorted-name order): same
+    architecture and sliding layers, so its own cache takes the same path (transformers #48280 was in the draft's
+    cache), but it disagrees often: on transformers 5.23, 32 new tokens, 45 % of drafted tokens are accepted on the
+    zoo's llama, 49 % on mistral-sw, 72 % on gemma3-hybrid, and 69 %, 67 %, 42 % of rounds reject one (a 0.5 noise
+    accepted under 2 %, so nothing but the first token would ever be tested). The draft proposes a constant 4 tokens
+    (``num_assistant_tokens_schedule="constant"``, no confidence cut-off). transformers runs assisted generation at
+    batch size 1 only, so no batching; no scoring.
+    """
+
+    kv_declaration = Declaration(
+        kv_released=True,
+        description=f"transformers generate(assistant_model=<draft: same checkpoint, weights perturbed>), greedy, "
+                    f"{NUM_ASSISTANT_TOKENS} draft tokens per round, DynamicCache",
+    )
+
+    def __init__(self, spec: ModelSpec, num_assistant_tokens: int = NUM_ASSISTANT_TOKENS,
+                 draft_noise: float = DRAFT_NOISE):
+        super().__init__(spec)
+        self.draft = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+        generator = torch.Generator().manual_seed(DRAFT_SEED)
+        with torch.no_grad():
+            for name, param in sorted(self.draft.named_parameters()):
+                if "norm" not in name and param.numel() > 1:
+                    noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
+                    param.add_((draft_noise * param.float().std() * noise).to(param.dtype))
+        # The draft's generation_config sets the burst: read by transformers' AssistedCandidateGenerator.
+        self.draft.generation_config = GenerationConfig(
+            num_assistant_tokens=num_assistant_tokens,
+            num_assistant_tokens_schedule="constant",
+            assistant_confidence_threshold=0.0,
+        )
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        return [self._generate([prompt], max_new_tokens)[0] for prompt in prompts]
+
+    def _cache_kwargs(self) -> dict:
+        return {"assistant_model": self.draft}
 
 
 class _ForceTokens(LogitsProcessor):

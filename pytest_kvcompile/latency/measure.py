@@ -6,7 +6,9 @@ on one prompt of ``PROMPT_LEN`` tokens, batch of one:
 - ``prefill_ms``          = time(generate([prompt], 1))  (the prompt's forward plus one token)
 - ``decode_ms_per_token`` = (time(generate([prompt], 1 + K)) - time(generate([prompt], 1))) / K
 
-with K = ``DECODE_TOKENS``. Per-call overheads (cache allocation, Python, output conversion)
+with K = ``DECODE_TOKENS``. Every timed call gets a prompt of its own (same length, other tokens: `fresh`), so
+an engine that caches prompts (llama-cpp-python reuses a repeated prompt's KV) is timed computing, not
+remembering. Per-call overheads (cache allocation, Python, output conversion)
 cancel out of the decode difference. ``WARMUP`` untimed calls of each kind come first (compiled
 engines compile there), then N repeats (``--kv-latency-repeats``); the median and p90 (nearest
 rank) over the repeats are reported and budgets are checked against the median. Timing is CUDA
@@ -16,15 +18,16 @@ side (a relative budget) alternate call by call within each repeat, so load chan
 
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
-from pytest_kvcompile.models.prompts import of_length
+from pytest_kvcompile.models.prompts import Prompt, of_length, variant
 from pytest_kvcompile.reports.results import stats
 
 if TYPE_CHECKING:
@@ -85,22 +88,29 @@ def timer_for(device: str) -> tuple[str, Callable[[Callable[[], object]], float]
     return "perf_counter", cpu_ms
 
 
+def fresh(prompt_len: int, vocab_size: int) -> Iterator[Prompt]:
+    """Prompts of `prompt_len` tokens, each with other tokens (a prompt cache cannot answer a timed call)."""
+    base = of_length(prompt_len, vocab_size, salt=5)
+    return (variant(base, vocab_size, salt=5000 + i) for i in itertools.count())
+
+
 def measure(engines: Sequence[EngineUnderTest], repeats: int, prompt_len: int = PROMPT_LEN,
             decode_tokens: int = DECODE_TOKENS) -> list[Latency]:
     """Latency of each engine (same model) per the module's rule, measured side by side."""
     spec = engines[0].spec
-    prompt = of_length(prompt_len, spec.vocab_size, salt=5)
+    prompts = fresh(prompt_len, spec.vocab_size)
     name, time_ms = timer_for(spec.device)
     for eut in engines:  # validated calls: a broken engine fails here with a clear message
         for _ in range(WARMUP):
-            eut.generate([prompt], 1)
-            eut.generate([prompt], 1 + decode_tokens)
+            eut.generate([next(prompts)], 1)
+            eut.generate([next(prompts)], 1 + decode_tokens)
     prefill: list[list[float]] = [[] for _ in engines]
     decode: list[list[float]] = [[] for _ in engines]
     for _ in range(repeats):
         for i, eut in enumerate(engines):
-            one = time_ms(lambda: eut.engine.generate([list(prompt.ids)], 1))
-            more = time_ms(lambda: eut.engine.generate([list(prompt.ids)], 1 + decode_tokens))
+            first, second = list(next(prompts).ids), list(next(prompts).ids)
+            one = time_ms(lambda: eut.engine.generate([first], 1))
+            more = time_ms(lambda: eut.engine.generate([second], 1 + decode_tokens))
             prefill[i].append(one)
             decode[i].append((more - one) / decode_tokens)
     return [Latency(eut.name, eut.spec.name, prompt_len, decode_tokens, name, tuple(p), tuple(d))

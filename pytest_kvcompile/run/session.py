@@ -42,7 +42,7 @@ class Session:
     progress: Callable[[str], None] = lambda line: None  # one line per engine build and compile (the plugin's writer)
     _models: dict[str, ModelEntry] | None = None
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
-    _built: dict[tuple[str, str], EngineUnderTest | str] = field(default_factory=dict)
+    _built: dict[tuple[str, str], EngineUnderTest | NotApplicable | str] = field(default_factory=dict)
     _oracles: dict[tuple[str, str], Any] = field(default_factory=dict)
 
     @property
@@ -79,6 +79,8 @@ class Session:
         key = (name, model)
         if key in self._built and not self.settings.fresh_engine:
             built = self._built[key]
+            if isinstance(built, NotApplicable):  # the factory said ModelNotSupported: it will say it again
+                raise NotApplicable(built.msg)
             if isinstance(built, str):
                 pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
             if not built.broken:
@@ -87,6 +89,9 @@ class Session:
         self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
         try:
             self._built[key] = self.fresh_engine(name, model)
+        except NotApplicable as exc:  # remembered: an isolated engine would start a process per test to say it
+            self._built[key] = exc
+            raise
         except pytest.skip.Exception:
             del self._built[key]
             raise

@@ -1,0 +1,376 @@
+"""llama.cpp through llama-cpp-python (``llama-cpp-python==0.3.36``, a CPU build), imported only when an engine is built.
+
+- ``llama-cpp``: ``llama_cpp.Llama`` with its defaults (KV cache K and V in f16, flash attention off), greedy
+  ``Llama.generate(ids, temp=0)`` (llama.cpp's greedy sampler = raw-logit argmax; repeat penalty 1.0 is a no-op).
+- ``llama-cpp-q8-kv``: the same with ``type_k = type_v = GGML_TYPE_Q8_0``, which llama.cpp accepts only with
+  flash attention (a quantized V cache needs it), so ``flash_attn=True`` too. q8_0 blocks hold 32 values, so
+  llama.cpp refuses head_dim 16 (the default zoo): ModelNotSupported; run it with ``--kv-zoo-head-dim=32``.
+
+Known findings (docs/engines/llama-cpp.md): the f16 KV cache moves logits past the float32 score tolerance and can
+flip close greedy steps; the q8_0 cache flips tokens beyond the float32 tie tolerance.
+
+Rules:
+
+- The HF checkpoint is converted to a float32 GGUF by `convert` (the ``gguf`` package's writer), tensor for tensor as
+  llama.cpp's own ``convert_hf_to_gguf.py`` does (Q/K rows permuted to GGML's RoPE layout for Llama, ``1 + w`` RMSNorm
+  weights for Gemma3, GPT-2's Conv1D weights transposed) and cached under ``$KVCOMPILE_CACHE_DIR`` (else
+  ``~/.cache/pytest-kvcompile``) ``/gguf/``, keyed by a hash of config.json, the weights and `CONVERTER_VERSION`.
+  float32 weights: the only rounding left against the float32 oracle is llama.cpp's own (its f16 or q8_0 KV cache).
+- No tokenizer: the GGUF has ``tokenizer.ggml.model = "none"`` with ``{arch}.vocab_size`` (llama.cpp then makes that
+  many dummy tokens, ``LLAMA_VOCAB_TYPE_NONE``) and no BOS/EOS; prompts are fed as ids, never tokenized.
+- Where convert_hf_to_gguf.py would lose what the config says, `convert` writes it (Gemma3's sliding/global layer
+  pattern from ``layer_types``; GPT-2's ``n_inner``), or raises ModelNotSupported where llama.cpp has no way to say it:
+  Mistral's ``sliding_window`` (llama.cpp's ``llama`` architecture, which convert_hf_to_gguf.py maps
+  ``MistralForCausalLM`` to, has no sliding window), Gemma3 with ``query_pre_attn_scalar != head_dim`` (llama.cpp
+  scales by ``head_dim``), Gemma4/Gemma3n (not mapped by this adapter).
+- One ``Llama`` per engine object (``n_ctx=N_CTX``, one sequence), so one prompt per call (``batching=False``).
+  ``Llama.generate`` keeps the previous call's cache and reuses its longest common prefix with the new prompt
+  (llama-cpp-python's prefix reuse): the stale-state and prefix suites check exactly that.
+- ``score()`` replays ``generate``'s calls (reset, ``eval(prompt)``, then ``eval([token])`` per continuation token)
+  and reads each step's last-token logits (``llama_get_logits_ith(ctx, -1)``): teacher-forced through the same cache.
+- Not declared: ``kv_cache_bytes`` (llama.cpp reports its KV size only in its log; the size is ``N_CTX`` positions
+  in f16 or q8_0 blocks, which no ``KVLayout`` in the model's float32 can state).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.engines.recipe import Recipe
+
+N_CTX = 512  # positions of the one sequence (prompt + new tokens; the suites reach 266)
+Q8_0_BLOCK = 32  # values per ggml q8_0 block (ggml's QK8_0)
+CONVERTER_VERSION = 1  # bump when `convert` writes something else: cached GGUFs are keyed by it
+RECIPE = Recipe(
+    packages=("llama-cpp-python==0.3.36", "gguf==0.19.0"),
+    note="llama-cpp-python 0.3.36 is an sdist: pip compiles llama.cpp with CMake (a CPU build unless CMAKE_ARGS says "
+    "otherwise; CMAKE_BUILD_PARALLEL_LEVEL=2 on a 2-core machine). The GGUF is written by this adapter with the gguf "
+    "package (docs/engines/llama-cpp.md).",
+)
+REQUIRES = RECIPE.requirement("llama_cpp")  # gguf, the recipe's second package, is checked by `_import_gguf`
+
+
+def _import_gguf():
+    """The gguf package, or ImportError naming the install (Declaration.requires carries llama_cpp only)."""
+    try:
+        import gguf
+    except ImportError as exc:
+        raise ImportError(f"the llama-cpp engines write their GGUF with the gguf package: python -m pip install "
+                          f"'{RECIPE.packages[1]}' (or: kvcompile check-engine llama-cpp)") from exc
+    return gguf
+
+
+# --- conversion ----------------------------------------------------------------------------------------------------
+
+def _architecture(config: Any) -> str:
+    """The llama.cpp architecture for `config` (GGUF ``general.architecture``), or ModelNotSupported saying why not."""
+    kind = config.model_type
+    if kind == "llama":
+        return "llama"
+    if kind == "mistral":
+        if getattr(config, "sliding_window", None):
+            raise ModelNotSupported(
+                f"llama.cpp has no sliding window for Mistral: convert_hf_to_gguf.py maps MistralForCausalLM to its "
+                f"'llama' architecture, which attends to every key, so sliding_window={config.sliding_window} would "
+                "be dropped and every sequence longer than the window would differ (docs/engines/llama-cpp.md)")
+        return "llama"
+    if kind == "gemma3_text":
+        head_dim = config.head_dim
+        if config.query_pre_attn_scalar != head_dim:
+            raise ModelNotSupported(
+                f"llama.cpp's gemma3 scales attention by 1/sqrt(head_dim={head_dim}), this model by "
+                f"1/sqrt(query_pre_attn_scalar={config.query_pre_attn_scalar})")
+        if getattr(config, "attn_logit_softcapping", None) is not None:
+            raise ModelNotSupported("llama.cpp's gemma3 has no attention logit soft-capping "
+                                    f"(attn_logit_softcapping={config.attn_logit_softcapping})")
+        return "gemma3"
+    if kind == "gpt2":
+        return "gpt2"
+    if kind in ("gemma4_text", "gemma3n_text"):
+        raise ModelNotSupported(
+            f"{kind} (KV sharing: num_kv_shared_layers={getattr(config, 'num_kv_shared_layers', None)}, per-layer "
+            "input embeddings) is not converted by this adapter; llama.cpp has gemma3n/gemma4 architectures whose "
+            "GGUF layout this adapter does not write")
+    raise ModelNotSupported(f"model_type {kind!r} is not converted to GGUF by this adapter "
+                            "(converted: llama, mistral without sliding window, gemma3_text, gpt2)")
+
+
+def _head_dim(config: Any) -> int:
+    if config.model_type == "gpt2":
+        return config.n_embd // config.n_head
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def _check_unmapped(config: Any, **expected: Any) -> None:
+    for name, value in expected.items():
+        got = getattr(config, name, value)
+        if got != value:
+            raise ModelNotSupported(f"{config.model_type} with {name}={got!r} is not converted to GGUF by this adapter "
+                                    f"(only {name}={value!r})")
+
+
+def _rope(config: Any, layer_type: str | None = None) -> float:
+    params = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
+    params = params.get(layer_type, params) if layer_type else params.get("full_attention", params)
+    if params.get("rope_type", "default") != "default":
+        raise ModelNotSupported(f"RoPE type {params['rope_type']!r} is not converted to GGUF by this adapter")
+    return float(params["rope_theta"])
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF's rotate-half Q/K rows to GGML's interleaved RoPE pairs (convert_hf_to_gguf.py `LlamaModel.permute`)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _write_parameters(writer: Any, arch: str, config: Any) -> None:
+    """The GGUF metadata llama.cpp's loader reads for `arch` (convert_hf_to_gguf.py's, plus what it would drop)."""
+    gguf = _import_gguf()
+    writer.add_tokenizer_model("none")  # LLAMA_VOCAB_TYPE_NONE: dummy tokens, ids only
+    writer.add_vocab_size(config.vocab_size)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    if arch == "gpt2":
+        _check_unmapped(config, activation_function="gelu_new", scale_attn_weights=True,
+                        scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
+        writer.add_block_count(config.n_layer)
+        writer.add_context_length(config.n_positions)
+        writer.add_embedding_length(config.n_embd)
+        writer.add_feed_forward_length(config.n_inner or 4 * config.n_embd)  # convert_hf_to_gguf.py: always 4 x n_embd
+        writer.add_head_count(config.n_head)
+        writer.add_layer_norm_eps(config.layer_norm_epsilon)
+        return
+    head_dim = _head_dim(config)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_rope_freq_base(_rope(config))
+    if arch == "llama":
+        _check_unmapped(config, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        writer.add_rope_dimension_count(head_dim)
+        return
+    _check_unmapped(config, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+                    final_logit_softcapping=None, use_bidirectional_attention=False)
+    layer_types = list(config.layer_types)
+    if "sliding_attention" in layer_types:
+        writer.add_sliding_window(config.sliding_window)
+        # convert_hf_to_gguf.py writes no pattern: llama.cpp then assumes Gemma3's 5 sliding : 1 global.
+        writer.add_sliding_window_pattern([t == "sliding_attention" for t in layer_types])
+        writer.add_rope_freq_base_swa(_rope(config, "sliding_attention"))
+
+
+def _tensors(arch: str, config: Any, weights: dict[str, torch.Tensor]):
+    """(GGUF name, float32 tensor) pairs, mapped by gguf's TensorNameMap with convert_hf_to_gguf.py's transforms."""
+    gguf = _import_gguf()
+    gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "gemma3": gguf.MODEL_ARCH.GEMMA3, "gpt2": gguf.MODEL_ARCH.GPT2}[arch]
+    n_layer = config.n_layer if arch == "gpt2" else config.num_hidden_layers
+    names = gguf.get_tensor_name_map(gguf_arch, n_layer)
+    for hf_name, tensor in sorted(weights.items()):
+        if hf_name.endswith((".attn.bias", ".attn.masked_bias")) or "rotary_emb" in hf_name:
+            continue  # GPT-2's causal-mask buffers, RoPE caches: not weights
+        tensor = tensor.to(torch.float32)
+        if arch == "llama" and hf_name.endswith("q_proj.weight"):
+            tensor = _permute(tensor, config.num_attention_heads)
+        elif arch == "llama" and hf_name.endswith("k_proj.weight"):
+            tensor = _permute(tensor, config.num_key_value_heads)
+        elif arch == "gemma3" and hf_name.endswith("norm.weight"):
+            tensor = tensor + 1.0  # Gemma3RMSNorm scales by (1 + weight); llama.cpp's RMSNorm by weight
+        elif arch == "gpt2" and hf_name.endswith((".c_attn.weight", ".c_proj.weight", ".c_fc.weight")):
+            tensor = tensor.t()  # transformers' Conv1D stores [in, out]
+        name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
+        if name is None:
+            raise ModelNotSupported(f"tensor {hf_name!r} of {config.model_type} has no GGUF name for llama.cpp's "
+                                    f"{arch} architecture")
+        yield name, tensor.contiguous().numpy()
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.sha256(f"converter {CONVERTER_VERSION}".encode())
+    for file in sorted([path / "config.json", *path.glob("*.safetensors")]):
+        h.update(file.name.encode())
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()[:16]
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVCOMPILE_CACHE_DIR") or Path.home() / ".cache" / "pytest-kvcompile") / "gguf"
+
+
+def convert(spec: ModelSpec, root: Path | None = None) -> Path:
+    """The float32 GGUF of `spec`'s checkpoint, written once under `root` (default `cache_root()`), named by the
+    checkpoint's hash; written to a temporary sibling and renamed into place (concurrent builders: last rename wins,
+    same bytes). ModelNotSupported when llama.cpp or this converter cannot represent the model."""
+    from safetensors.torch import load_file
+
+    gguf = _import_gguf()
+    arch = _architecture(spec.config)
+    root = Path(root) if root is not None else cache_root()
+    final = root / f"{spec.path.name}-{_digest(spec.path)}-f32.gguf"
+    if final.is_file():
+        return final
+    files = sorted(spec.path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{spec.path}: no *.safetensors file to convert")
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        weights.update(load_file(file))
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=root)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        writer.add_name(f"kvcompile-{spec.name}")
+        _write_parameters(writer, arch, spec.config)
+        for name, array in _tensors(arch, spec.config, weights):
+            writer.add_tensor(name, array)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, final)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return final
+
+
+# --- engines -------------------------------------------------------------------------------------------------------
+
+_F16_KV = ("llama.cpp 0.3.36 (llama-cpp-python default): K and V are cached in f16 and Q is rounded to f16 for the KQ "
+           "product, so score() rows differ from the float32 oracle by up to 0.044 (0.044 llama, 0.026 gpt2-abspos, "
+           "0.011 gemma3-hybrid; 5e-5 with an f32 KV cache), over the float32 score tolerance 1e-2; the tokens are "
+           "identical (docs/engines/llama-cpp.md, finding 1)")
+_F16_KV_FAILURE = r"TokenMismatch: engine 'llama-cpp': score\(\) is not the oracle's logits"
+#: Test ids ('[[]' is fnmatch's literal '['). Default zoo (head_dim 16): the prompts whose score() rows exceed 1e-2 (gemma3-hybrid's two at 0.0101 and 0.0112).
+_F16_KV_TESTS = tuple(f"test_token_identity[[]llama-cpp-{m}-{p}]" for m in ("llama", "gpt2-abspos")
+                      for p in ("len1", "short7", "long48", "long250")) + (
+    "test_token_identity[[]llama-cpp-gemma3-hybrid-W-1=7]", "test_token_identity[[]llama-cpp-gemma3-hybrid-long48]")
+_F16_KV_FLIP = ("llama.cpp 0.3.36's f16 KV cache moves logits by up to ~0.04, so a greedy step whose float32 top-2 gap is "
+                "below that can flip: the ci fuzz profile (--kv-fuzz >= 5) finds a 187-token prompt on llama whose "
+                "step 14 flips 245 -> 131 (oracle gap 0.0117 > tie tolerance 1e-3); with an f32 KV cache it does not "
+                "(docs/engines/llama-cpp.md, finding 1)")
+_F16_KV_FLIP_FAILURE = r"TokenMismatch: engine 'llama-cpp' diverges from the oracle"
+_Q8_KV = ("llama.cpp 0.3.36 with a q8_0 KV cache: each block of 32 K or V values shares one scale, an error that "
+          "moves logits by up to 0.63 and flips greedy tokens where the oracle's gap is 0.012-0.19, beyond the float32 "
+          "tie tolerance 1e-3 (docs/engines/llama-cpp.md, finding 2)")
+_Q8_KV_FAILURE = (r"TokenMismatch: engine 'llama-cpp-q8-kv'(: score\(\) is not the oracle's logits| diverges from "
+                  r"the oracle)")
+#: --kv-zoo-head-dim=32 (q8_0 needs head_dim % 32 == 0; the default zoo's 16 is ModelNotSupported).
+_Q8_KV_TESTS = tuple(f"test_token_identity[[]llama-cpp-q8-kv-{m}-{p}]" for m in ("llama", "gpt2-abspos")
+                     for p in ("len1", "short7", "long48", "long250")) + tuple(
+    f"{t}[[]llama-cpp-q8-kv-{m}]" for t in ("test_shared_prefixes", "test_stale_state", "test_fuzz")
+    for m in ("llama", "gpt2-abspos"))
+
+_DESCRIPTION = "llama.cpp (llama-cpp-python 0.3.36, CPU) Llama.generate greedy over a float32 GGUF, {kv}"
+
+
+class LlamaCpp:
+    """llama-cpp-python's ``Llama`` with its default f16 KV cache; greedy ``Llama.generate``, one prompt per call."""
+
+    kv_declaration = Declaration(
+        scoring=True,
+        devices=("cpu",),
+        dtypes=("float32",),
+        requires=REQUIRES,
+        isolated=True,  # native code: a crash or hang fails one test, not the run (run/isolation.py)
+        description=_DESCRIPTION.format(kv="KV cache f16 (default), flash attention off"),
+        known_findings=tuple((glob, _F16_KV, _F16_KV_FAILURE) for glob in _F16_KV_TESTS)
+        + (("test_fuzz[[]llama-cpp-llama]", _F16_KV_FLIP, _F16_KV_FLIP_FAILURE),),
+    )
+    llama_kwargs: dict[str, Any] = {}
+
+    def __init__(self, spec: ModelSpec):
+        path = convert(spec)
+        from llama_cpp import Llama
+
+        self.spec = spec
+        self.gguf_path = path
+        self.llm = Llama(model_path=str(path), n_ctx=N_CTX, n_batch=N_CTX, n_ubatch=N_CTX,
+                         n_threads=max(1, torch.get_num_threads()), seed=0, verbose=False, **self._kwargs())
+
+    def _kwargs(self) -> dict[str, Any]:
+        return dict(self.llama_kwargs)
+
+    def _check_fits(self, prompt: list[int], max_new_tokens: int) -> None:
+        if not prompt:
+            raise ValueError("llama.cpp decodes at least one prompt token (Llama.generate asserts n_tokens > 0)")
+        if len(prompt) + max_new_tokens > N_CTX:
+            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds the engine's n_ctx={N_CTX}")
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        out = []
+        for prompt in prompts:
+            self._check_fits(prompt, max_new_tokens)
+            tokens: list[int] = []
+            if max_new_tokens > 0:
+                for token in self.llm.generate(list(prompt), temp=0.0, top_k=0, top_p=1.0, min_p=0.0,
+                                               repeat_penalty=1.0):
+                    tokens.append(int(token))
+                    if len(tokens) == max_new_tokens:
+                        break
+            out.append(tokens)
+        return out
+
+    def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
+        """Logits [len(continuation), vocab]: reset, ``eval(prompt)``, then ``eval([token])`` per continuation token,
+        each row the last evaluated position's logits (``llama_get_logits_ith(ctx, -1)``); row i predicts
+        continuation[i]."""
+        import numpy as np
+
+        self._check_fits(prompt, len(continuation))
+        llm, vocab = self.llm, self.spec.vocab_size
+        rows = []
+        llm.reset()
+        feed = list(prompt)
+        for token in continuation:
+            llm.eval(feed)
+            logits = llm._ctx.get_logits_ith(-1)
+            rows.append(torch.from_numpy(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),))[:vocab].copy()))
+            feed = [token]
+        llm.reset()  # the next generate() must not reuse a prefix scoring left behind
+        return torch.stack(rows) if rows else torch.empty(0, vocab)
+
+
+class LlamaCppQ8KV(LlamaCpp):
+    """The same with K and V cached as q8_0 (``type_k = type_v = GGML_TYPE_Q8_0``), flash attention on (llama.cpp
+    refuses a quantized V cache without it)."""
+
+    kv_declaration = Declaration(
+        scoring=True,
+        devices=("cpu",),
+        dtypes=("float32",),
+        requires=REQUIRES,
+        isolated=True,  # native code: a crash or hang fails one test, not the run (run/isolation.py)
+        description=_DESCRIPTION.format(kv="KV cache q8_0 (type_k = type_v = Q8_0), flash attention on"),
+        known_findings=tuple((glob, _Q8_KV, _Q8_KV_FAILURE) for glob in _Q8_KV_TESTS),
+    )
+
+    def __init__(self, spec: ModelSpec):
+        head_dim = _head_dim(spec.config)
+        if head_dim % Q8_0_BLOCK:
+            raise ModelNotSupported(
+                f"llama.cpp stores a q8_0 KV cache in blocks of {Q8_0_BLOCK} values per head, which must divide "
+                f"head_dim={head_dim} (it refuses the context: 'K cache type q8_0 with block size 32 does not divide "
+                "n_embd_head_k'); build the zoo with --kv-zoo-head-dim=32")
+        super().__init__(spec)
+
+    def _kwargs(self) -> dict[str, Any]:
+        import llama_cpp
+
+        return dict(type_k=llama_cpp.GGML_TYPE_Q8_0, type_v=llama_cpp.GGML_TYPE_Q8_0, flash_attn=True)
+
+
+__all__ = ["CONVERTER_VERSION", "N_CTX", "RECIPE", "REQUIRES", "LlamaCpp", "LlamaCppQ8KV", "convert"]

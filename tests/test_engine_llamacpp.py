@@ -1,0 +1,153 @@
+"""The llama.cpp engines: what holds without llama_cpp (import, declarations, recipe, which models convert and why
+others are not supported; the missing-package usage error is in test_check_engine.py), and, where gguf and
+llama_cpp are installed, the GGUF conversion and generation against transformers."""
+
+import pytest
+import torch
+
+from pytest_kvcompile.check_engine import recipes
+from pytest_kvcompile.contract.engine import (
+    ModelNotSupported,
+    ModelSpec,
+    declaration_of,
+)
+from pytest_kvcompile.contract.registry import BUILTIN_ENGINES, _accepts_backend
+from pytest_kvcompile.engines import llamacpp as adapter
+from pytest_kvcompile.models import zoo
+
+
+def test_registered_with_their_recipe():
+    assert BUILTIN_ENGINES["llama-cpp"] == "pytest_kvcompile.engines.llamacpp:LlamaCpp"
+    assert BUILTIN_ENGINES["llama-cpp-q8-kv"] == "pytest_kvcompile.engines.llamacpp:LlamaCppQ8KV"
+    found = recipes()
+    assert found["llama-cpp"] is found["llama-cpp-q8-kv"] is adapter.RECIPE
+    assert adapter.RECIPE.packages == ("llama-cpp-python==0.3.36", "gguf==0.19.0")
+
+
+def test_declarations():
+    for factory in (adapter.LlamaCpp, adapter.LlamaCppQ8KV):
+        decl = declaration_of(factory)
+        assert decl.requires == (("llama_cpp", "llama-cpp-python==0.3.36"),)
+        assert decl.scoring and not decl.batching and not decl.kv_cache_bytes and not decl.compiled
+        assert decl.devices == ("cpu",) and decl.dtypes == ("float32",)
+        assert not _accepts_backend(factory)
+    assert "f16" in declaration_of(adapter.LlamaCpp).description
+    assert "q8_0" in declaration_of(adapter.LlamaCppQ8KV).description
+
+
+def test_known_findings_are_well_formed():
+    import re
+
+    for factory in (adapter.LlamaCpp, adapter.LlamaCppQ8KV):
+        for glob, reason, expected in declaration_of(factory).known_findings:
+            assert glob.startswith("test_") and reason.startswith("llama.cpp") and re.compile(expected)
+
+
+@pytest.mark.parametrize(("name", "arch"), [("llama", "llama"), ("gemma3-hybrid", "gemma3"), ("gpt2-abspos", "gpt2")])
+def test_architectures(name, arch):
+    assert adapter._architecture(zoo.ZOO[name].build_config()) == arch
+
+
+@pytest.mark.parametrize(("name", "reason"), [
+    ("mistral-sw", r"no sliding window for Mistral.*sliding_window=8 would be dropped"),
+    ("gemma4-kvshared", r"num_kv_shared_layers=2"),
+])
+def test_models_llama_cpp_cannot_represent_are_not_supported(name, reason):
+    with pytest.raises(ModelNotSupported, match=reason):
+        adapter._architecture(zoo.ZOO[name].build_config())
+
+
+def test_options_that_would_be_lost_are_not_supported():
+    config = zoo.ZOO["gemma3-hybrid"].build_config(head_dim=32)  # query_pre_attn_scalar stays 16
+    with pytest.raises(ModelNotSupported, match=r"1/sqrt\(head_dim=32\).*query_pre_attn_scalar=16"):
+        adapter._architecture(config)
+    config = zoo.ZOO["llama"].build_config()
+    config.model_type = "qwen2"
+    with pytest.raises(ModelNotSupported, match="model_type 'qwen2'"):
+        adapter._architecture(config)
+    config = zoo.ZOO["llama"].build_config()
+    config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
+    with pytest.raises(ModelNotSupported, match="RoPE type 'llama3'"):
+        adapter._rope(config)
+
+
+def test_permute_matches_ggml_rope_pairs():
+    """Row 2i and 2i+1 of a permuted head are HF's rows i and i + d/2 (rotate-half -> interleaved pairs)."""
+    d, heads = 8, 2
+    w = torch.arange(heads * d, dtype=torch.float32)[:, None].expand(-1, 3)
+    got = adapter._permute(w, heads)[:, 0].tolist()
+    assert got[:d] == [0, 4, 1, 5, 2, 6, 3, 7] and got[d:] == [8, 12, 9, 13, 10, 14, 11, 15]
+
+
+@pytest.fixture(scope="module")
+def zoo_dir(tmp_path_factory):
+    pytest.importorskip("gguf", reason="the llama-cpp engines write GGUF with gguf==0.19.0 (engines/llamacpp.py RECIPE)")
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.mark.parametrize(("factory", "test_id", "known"), [
+    (adapter.LlamaCpp, "test_token_identity[llama-cpp-llama-len1]", True),
+    (adapter.LlamaCpp, "test_token_identity[llama-cpp-gemma3-hybrid-W-1=7]", True),
+    (adapter.LlamaCpp, "test_token_identity[llama-cpp-gemma3-hybrid-len1]", False),  # under 1e-2: passes
+    (adapter.LlamaCpp, "test_fuzz[llama-cpp-llama]", True),
+    (adapter.LlamaCpp, "test_stale_state[llama-cpp-llama]", False),
+    (adapter.LlamaCppQ8KV, "test_stale_state[llama-cpp-q8-kv-gpt2-abspos]", True),
+    (adapter.LlamaCppQ8KV, "test_token_identity[llama-cpp-q8-kv-llama-long250]", True),
+    (adapter.LlamaCppQ8KV, "test_determinism[llama-cpp-q8-kv-llama]", False),
+])
+def test_known_findings_select_only_their_tests(factory, test_id, known):
+    from fnmatch import fnmatch
+
+    globs = [glob for glob, _, _ in declaration_of(factory).known_findings]
+    assert any(fnmatch(test_id, glob) for glob in globs) == known, (test_id, globs)
+
+
+def _zoo_spec(name, root):
+    return ModelSpec(name, zoo.checkpoint(name, root), zoo.ZOO[name].build_config())
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3-hybrid", "gpt2-abspos"])
+def test_conversion_is_float32_and_cached(zoo_dir, tmp_path, name):
+    import gguf
+
+    spec = _zoo_spec(name, zoo_dir)
+    path = adapter.convert(spec, tmp_path)
+    assert adapter.convert(spec, tmp_path) == path and len(list(tmp_path.iterdir())) == 1
+    reader = gguf.GGUFReader(path)
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    field = reader.fields["tokenizer.ggml.model"]
+    assert bytes(field.parts[field.data[0]]).decode() == "none"
+    arch = adapter._architecture(spec.config)
+    vocab = reader.fields[f"{arch}.vocab_size"]
+    assert int(vocab.parts[vocab.data[0]][0]) == spec.vocab_size
+    if name == "gemma3-hybrid":
+        pattern = reader.fields["gemma3.attention.sliding_window_pattern"]
+        assert [bool(pattern.parts[i][0]) for i in pattern.data] == [True, False, True, False]
+
+
+@pytest.fixture(scope="module")
+def llama(zoo_dir):
+    pytest.importorskip("llama_cpp", reason="the llama-cpp engines need llama-cpp-python==0.3.36 (its own venv)")
+    return _zoo_spec("llama", zoo_dir)
+
+
+def test_generate_and_score_follow_transformers(llama, monkeypatch, tmp_path):
+    """generate() is greedy over llama.cpp's logits; score() rows are close to transformers' (f16 KV cache) and their
+    argmax is generate()'s tokens."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("KVCOMPILE_CACHE_DIR", str(tmp_path))
+    engine = adapter.LlamaCpp(llama)
+    prompt = [5, 17, 200, 9, 3]
+    tokens = engine.generate([prompt], 6)[0]
+    assert len(tokens) == 6 and engine.generate([prompt], 0) == [[]]
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        engine.generate([[]], 2)
+    rows = engine.score(prompt, tokens)
+    hf = AutoModelForCausalLM.from_pretrained(llama.path).eval()
+    with torch.no_grad():
+        reference = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1]
+    assert rows.shape == (6, llama.vocab_size)
+    torch.testing.assert_close(rows, reference, atol=5e-2, rtol=0)
+    assert rows.argmax(-1).tolist() == tokens
+    assert engine.generate([prompt], 6)[0] == tokens  # a repeat (llama-cpp-python reuses the cached prefix)
