@@ -136,6 +136,16 @@ class ModelNotSupported(Exception):
     options): the model's checks are skipped with str(exc) as the reason, not failed."""
 
 
+def require_config(config: Any, target: str, **expected: Any) -> None:
+    """For adapters: ModelNotSupported naming the first config option whose value the adapter cannot map to
+    `target` (e.g. "a LitGPT config"), so the model is a named skip, not a wrong conversion."""
+    for name, value in expected.items():
+        got = getattr(config, name, value)
+        if got != value:
+            raise ModelNotSupported(f"{config.model_type} with {name}={got!r} is not mapped to {target} by this "
+                                    f"adapter (only {name}={value!r})")
+
+
 @runtime_checkable
 class Engine(Protocol):
     """The one required method. See the module docstring for the rules."""

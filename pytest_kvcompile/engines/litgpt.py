@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.contract.engine import (
+    Declaration,
+    ModelNotSupported,
+    ModelSpec,
+    require_config,
+)
 from pytest_kvcompile.engines.recipe import Recipe
 from pytest_kvcompile.memory.measure import KVLayout, held_bytes
 
@@ -75,14 +80,6 @@ def _rope_theta(hf: Any, layer_type: str | None = None) -> float:
     return params["rope_theta"]
 
 
-def _check_unmapped(hf: Any, **expected: Any) -> None:
-    """ModelNotSupported naming the first HF option whose value this adapter cannot map."""
-    for name, value in expected.items():
-        got = getattr(hf, name, value)
-        if got != value:
-            raise ModelNotSupported(f"{hf.model_type} with {name}={got!r} is not mapped to a LitGPT config "
-                                    f"(only {name}={value!r})")
-
 
 def litgpt_config_kwargs(hf: Any) -> dict[str, Any]:
     """LitGPT `Config(**kwargs)` equivalent to a transformers config (Llama, Mistral, Gemma3 text).
@@ -118,12 +115,12 @@ def litgpt_config_kwargs(hf: Any) -> dict[str, Any]:
         intermediate_size=hf.intermediate_size,
     )
     if kind in ("llama", "mistral"):
-        _check_unmapped(hf, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        require_config(hf, "a LitGPT config", hidden_act="silu", attention_bias=False, mlp_bias=False)
         window = getattr(hf, "sliding_window", None) if kind == "mistral" else None
         sliding = dict(sliding_window_size=window, sliding_window_indices=[1] * n_layer) if window else {}
         # The name matters: LitGPT's RMSNorm adds 1 to its weight when "Gemma" is in the config's name.
         return dict(common, name=f"kvcompile-{kind}", mlp_class_name="LLaMAMLP", rope_base=_rope_theta(hf), **sliding)
-    _check_unmapped(hf, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+    require_config(hf, "a LitGPT config", hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                     use_bidirectional_attention=False)
     sliding = [1 if t == "sliding_attention" else 0 for t in hf.layer_types]
     return dict(

@@ -42,7 +42,12 @@ from typing import Any
 
 import torch
 
-from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
+from pytest_kvcompile.contract.engine import (
+    Declaration,
+    ModelNotSupported,
+    ModelSpec,
+    require_config,
+)
 from pytest_kvcompile.engines.recipe import Recipe
 
 N_CTX = 512  # positions of the one sequence (prompt + new tokens; the suites reach 266)
@@ -108,13 +113,6 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _check_unmapped(config: Any, **expected: Any) -> None:
-    for name, value in expected.items():
-        got = getattr(config, name, value)
-        if got != value:
-            raise ModelNotSupported(f"{config.model_type} with {name}={got!r} is not converted to GGUF by this adapter "
-                                    f"(only {name}={value!r})")
-
 
 def _rope(config: Any, layer_type: str | None = None) -> float:
     params = getattr(config, "rope_parameters", None) or {"rope_theta": getattr(config, "rope_theta", 10000.0)}
@@ -136,7 +134,7 @@ def _write_parameters(writer: Any, arch: str, config: Any) -> None:
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if arch == "gpt2":
-        _check_unmapped(config, activation_function="gelu_new", scale_attn_weights=True,
+        require_config(config, "GGUF", activation_function="gelu_new", scale_attn_weights=True,
                         scale_attn_by_inverse_layer_idx=False, reorder_and_upcast_attn=False)
         writer.add_block_count(config.n_layer)
         writer.add_context_length(config.n_positions)
@@ -157,10 +155,10 @@ def _write_parameters(writer: Any, arch: str, config: Any) -> None:
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_rope_freq_base(_rope(config))
     if arch == "llama":
-        _check_unmapped(config, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        require_config(config, "GGUF", hidden_act="silu", attention_bias=False, mlp_bias=False)
         writer.add_rope_dimension_count(head_dim)
         return
-    _check_unmapped(config, hidden_activation="gelu_pytorch_tanh", attention_bias=False,
+    require_config(config, "GGUF", hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                     final_logit_softcapping=None, use_bidirectional_attention=False)
     layer_types = list(config.layer_types)
     if "sliding_attention" in layer_types:
