@@ -102,7 +102,8 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
                if any(captured) else ""))
     if not any(c.ran_compiled for c in warm_calls + after_calls) and build:
         line += (" -- no compiled code seen running during generate(): the engine runs what it compiled while "
-                 "building outside dynamo's frame evaluation; recompiles it makes there are not seen")
+                 "building outside dynamo's frame evaluation (an exported or AOT-compiled program); a re-export "
+                 "would be seen (torch.export calls are recorded), a recompile inside a native runtime would not")
     kv_record("compiles", line, compiles={
         "build": len(build), "warmup": len(warm), "after_warmup": len(after),
         "reasons": [f"{c}: {_reason(e)}" for c in after_calls for e in c.compiles],

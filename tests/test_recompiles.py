@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch._dynamo.utils
 
+from conftest import run_suites
 from pytest_kvcompile.recompiles import hooks as dynamo_hooks
 from pytest_kvcompile.recompiles.recorder import (
     CompileEvent, CompileRecorder, DynamoHooksBroken, RecompileError, expect_no_recompiles, explain, hints, isolate,
@@ -253,3 +254,32 @@ def test_cuda_graph_captures_are_recorded_split_at_warmup_and_unhooked_after():
     assert message.startswith("1 CUDA graph capture(s) after warmup, 0 allowed")
     assert "CUDA graph capture after warmup: torch.cuda.CUDAGraph capture in test_cuda_graph_captures" in message
     assert verdict(inner).startswith("1 CUDA graph capture(s) after warmup")  # no warmup: every capture counts
+
+
+def test_a_torch_export_is_recorded_like_a_compile():
+    # non-strict export runs no dynamo frame: without the watch, re-exporting per shape would be invisible
+    class Head(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    with CompileRecorder() as recorder:
+        torch.export.export(Head(), (torch.zeros(3),), strict=False)
+        recorder.mark_warmup_done()
+        torch.export.export(Head(), (torch.zeros(4),), strict=False)
+    exports = [e for e in recorder.events if e.compile_id.startswith("export/")]
+    assert [e.compile_id for e in exports] == ["export/0", "export/1"]
+    assert [e.compile_id for e in recorder.post_warmup_events if e.compile_id.startswith("export/")] == ["export/1"]
+    assert "torch.export of Head called from test_a_torch_export_is_recorded_like_a_compile" in exports[0].frame
+    assert torch.export._trace._export.__module__ == "torch.export._trace"  # unpatched once no recorder listens
+
+
+def test_reexporting_per_shape_fails_the_recompile_check_exporting_once_passes(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines_export:ExportsOnce",
+                        "--kv-engine=kv_test_engines_export:ReexportsPerLength", "-k", "test_no_recompiles_after_warmup")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "*engine 'kv_test_engines_export:ReexportsPerLength' on model 'llama': * dynamo compile(s) after warmup, 0 "
+        "allowed*",
+        "*torch.export of _Head called from *generate*",
+        "FAILED *test_no_recompiles_after_warmup?kv_test_engines_export:ReexportsPerLength-llama*",
+    ])

@@ -26,6 +26,10 @@ Private torch APIs used, and why (checked against torch 2.13):
   eagerly (no compile record follows). This is how "did compiled code run?" is observed, not declared.
   One hook slot: the tap chains to the hook it found and restores it.
 
+- ``torch.export._trace._export`` (patched): every ``torch.export.export`` call goes through it, strict or not.
+  A non-strict export traces without dynamo's frame evaluation, so no compile record says it happened; the
+  tap records each outermost export as a compile event (frame ``torch.export of <module> called from <site>``),
+  so an engine that re-exports for an unseen shape (the export world's recompile) is seen like one that recompiles.
 - ``torch.cuda.graphs.CUDAGraph.capture_begin`` (public class, patched): every CUDA graph capture goes through
   it, an engine's own ``torch.cuda.graph(...)`` and inductor's cudagraph trees (``mode="reduce-overhead"``)
   alike. A capture after warmup is a re-capture (a new graph for an unseen shape), which dynamo never
@@ -55,6 +59,7 @@ RECOMPILE_REASONS = "recompile_reasons"
 GRAPH_BREAK = "dynamo_graph_break_reason"
 GUARDS = "guard_complete"  # our own record: one per guard evaluation of a frame with compiled code
 CAPTURE = "cuda_graph_capture"  # our own record: one per CUDA graph capture (capture_begin)
+EXPORT = "torch_export"  # our own record: one per outermost torch.export call (_trace._export)
 
 #: Every private name this module resolves; `check_private_apis()` tries them all.
 PRIVATE_APIS = (
@@ -118,11 +123,11 @@ _CAPTURING: list[CompileTap] = []  # taps started and not stopped, oldest first
 _CAPTURE_BEGIN: Any = None  # CUDAGraph.capture_begin as torch defines it, while patched
 
 
-def _capture_site() -> str:
+def _capture_site(depth: int = 2) -> str:
     """Who asked for a CUDA graph capture: the innermost two frames outside torch (the engine's code), and whether
     inductor's cudagraph trees made it."""
     torch_dir = torch.__file__.rsplit("/", 1)[0] + "/"
-    frame, trees, user = sys._getframe(2), False, []
+    frame, trees, user = sys._getframe(depth), False, []
     while frame is not None and len(user) < 2:
         code = frame.f_code
         if code.co_filename.startswith(torch_dir):
@@ -144,6 +149,34 @@ def _capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
     return _CAPTURE_BEGIN(graph, *args, **kwargs)
 
 
+_EXPORT: Any = None  # torch.export._trace._export as torch defines it, while patched
+_EXPORT_DEPTH = [0]  # exports in progress: only the outermost is recorded
+
+
+def _export(mod: Any, *args: Any, **kwargs: Any) -> Any:
+    if _CAPTURING and not _EXPORT_DEPTH[0]:
+        site = _capture_site(depth=3).removeprefix("torch.cuda.CUDAGraph capture in ")
+        for tap in _CAPTURING:
+            tap._raw.append((EXPORT, f"torch.export of {type(mod).__name__} called from {site}"))
+    _EXPORT_DEPTH[0] += 1
+    try:
+        return _EXPORT(mod, *args, **kwargs)
+    finally:
+        _EXPORT_DEPTH[0] -= 1
+
+
+def _watch_exports(on: bool) -> None:
+    """Patch torch.export's one entry point while any tap is watching (called after _CAPTURING changed)."""
+    global _EXPORT
+    trace = importlib.import_module("torch.export._trace")
+    if on and _EXPORT is None:
+        _EXPORT, trace._export = trace._export, _export
+    elif not on and _EXPORT is not None and not _CAPTURING:
+        if trace._export is _export:
+            trace._export = _EXPORT
+        _EXPORT = None
+
+
 def _watch_captures(tap: CompileTap, on: bool) -> None:
     """Add/remove a tap from the capture watchers; patch capture_begin while any is watching."""
     global _CAPTURE_BEGIN
@@ -157,6 +190,7 @@ def _watch_captures(tap: CompileTap, on: bool) -> None:
         _CAPTURING.remove(tap)
         if not _CAPTURING and graph_class.capture_begin is _capture_begin:
             graph_class.capture_begin = _CAPTURE_BEGIN
+    _watch_exports(on)
 
 
 class CompileTap(logging.Handler):
@@ -208,10 +242,10 @@ class CompileTap(logging.Handler):
         metrics = _frame_metrics()
         ids = [id(m) for m in metrics]
         new = metrics[ids.index(id(self._baseline)) + 1:] if id(self._baseline) in ids else metrics
-        if len(new) > self.count():
+        if len(new) > self.frame_compiles():
             raise _broken(
                 f"torch recorded {len(new)} frame compilation(s) (torch._dynamo.utils.get_compilation_metrics) "
-                f"but the {TRACE_LOGGER!r} tap saw {self.count()}: the structured trace format changed"
+                f"but the {TRACE_LOGGER!r} tap saw {self.frame_compiles()}: the structured trace format changed"
             )
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -222,7 +256,11 @@ class CompileTap(logging.Handler):
             self._raw.append((metadata["artifact"]["name"], getattr(record, "payload", None)))
 
     def count(self) -> int:
-        """Frame compilations seen so far."""
+        """Compile events seen so far (frame compilations and exports: one per `compiles()` entry)."""
+        return sum(kind in (FRAME_COMPILE, EXPORT) for kind, _ in self._raw)
+
+    def frame_compiles(self) -> int:
+        """Dynamo frame compilations seen so far (what torch's own metrics count)."""
         return sum(kind == FRAME_COMPILE for kind, _ in self._raw)
 
     def captures(self) -> list[str]:
@@ -260,6 +298,9 @@ class CompileTap(logging.Handler):
                 reasons = _reasons(data)
             elif kind == GRAPH_BREAK:
                 breaks.append(_graph_break(data))
+            elif kind == EXPORT:
+                exports = sum(e["compile_id"].startswith("export/") for e in out)
+                out.append({"frame": data, "compile_id": f"export/{exports}", "is_recompile": False})
             else:
                 out.append(_frame_compile(*data, reasons, breaks, out))
                 reasons, breaks = [], []
