@@ -6,6 +6,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,7 @@ def report(tmp_path_factory, zoo_cache):
     env = {**os.environ, "KVCOMPILE_CACHE_DIR": str(zoo_cache), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}"}
     suites = Path(__file__).parents[1] / "suites"
-    command = ["python", "-m", "pytest", str(suites), "-p", "no:cacheprovider", "-p", "no:benchmark",
+    command = [sys.executable, "-m", "pytest", str(suites), "-p", "no:cacheprovider", "-p", "no:benchmark",
                "--rootdir", str(pytester_dir), "--kv-zoo=llama", "--kv-latency-repeats=3",
                *(f"--kv-engine={e}" for e in (WRONG, RECOMPILING, BYTES, SLEEPY)),
                "-k", "(test_token_identity and short7 and not batched and WrongLate) or (test_no_recompiles_after_warmup "
