@@ -22,7 +22,7 @@ import pytest
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.errors import CallTimeout
+from pytest_kvcompile.errors import CallTimeout, EngineProcessDied
 from pytest_kvcompile.memory.measure import Held, held_by, live_tensor_bytes
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.hf import Reference
@@ -180,19 +180,28 @@ class EngineUnderTest:
 
     def held(self) -> Held:
         """memory.measure.held_by of the engine object, measured where the engine lives."""
-        return self.engine.remote("held") if self.isolated else held_by(self.engine)
+        return self._remote("held") if self.isolated else held_by(self.engine)
+
+    def _remote(self, what: str) -> Any:
+        """A measurement in the isolated engine's process; its death fails the test with the engine's message."""
+        __tracebackhide__ = True
+        try:
+            return self.engine.remote(what)
+        except EngineProcessDied as exc:
+            self.broken = str(exc)
+            pytest.fail(str(exc), pytrace=False)
 
     @contextlib.contextmanager
     def tensor_census(self) -> Iterator[Callable[[], int]]:
         """A census of live tensors created from here on (memory.measure.live_tensor_bytes after gc.freeze()), taken
         in the engine's process."""
         if self.isolated:
-            self.engine.remote("freeze")
+            self._remote("freeze")
             try:
-                yield lambda: self.engine.remote("live")
+                yield lambda: self._remote("live")
             finally:
-                if not self.broken:
-                    self.engine.remote("unfreeze")
+                if not self.broken and not self.engine.dead:
+                    self._remote("unfreeze")
             return
         gc.collect()
         gc.freeze()

@@ -83,9 +83,10 @@ class Session:
                 raise NotApplicable(built.msg)
             if isinstance(built, str):
                 pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
-            if not built.broken:
+            broken = built.broken or getattr(built.engine, "dead", None)  # a call timed out, its process died
+            if not broken:
                 return built
-            self.progress(f"{name} / {model}: building it anew ({built.broken.splitlines()[0]})")
+            self.progress(f"{name} / {model}: building it anew ({broken.splitlines()[0]})")
         self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
         try:
             self._built[key] = self.fresh_engine(name, model)
