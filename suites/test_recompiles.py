@@ -26,7 +26,7 @@ during generate() (an engine compiling at build time, as vLLM does: later recomp
 import pytest
 
 from pytest_kvcompile.models.prompts import Prompt, of_length
-from pytest_kvcompile.recompiles.recorder import CAPTURE_HINT, explain, isolate
+from pytest_kvcompile.recompiles.recorder import CAPTURE_HINT, explain
 
 DECODE_STEPS = 32
 UNSEEN_LENGTHS = (1, 2, 3, 13, 33, 100)
@@ -68,7 +68,7 @@ def _timeline(build, warm_calls, after_calls) -> list[dict]:
 def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_settings):
     declared = kv_engine.ref.declaration
     warmup, unseen = _calls(kv_prompts, declared.batching, kv_engine.spec.vocab_size)
-    isolate()  # count this engine's compiles from scratch
+    kv_engine.isolate_compiles()  # count this engine's compiles from scratch (in its process, if isolated)
     start = len(kv_engine.history)
     for call in warmup:
         kv_engine.generate(call, DECODE_STEPS)
@@ -160,7 +160,7 @@ def test_identical_calls_compile_nothing(kv_session, kv_engine_name, kv_model_na
     """A fresh engine object serves one call three times: whatever it compiles, it compiles in the first call."""
     fresh = kv_session.fresh_engine(kv_engine_name, kv_model_name)
     prompt = next(p for p in kv_prompts if len(p) == 7)
-    isolate()  # from a clean dynamo, as a new process would start
+    fresh.isolate_compiles()  # from a clean dynamo, as a new process would start
     for _ in range(3):
         fresh.generate([prompt], DECODE_STEPS)
     first, *repeats = fresh.history

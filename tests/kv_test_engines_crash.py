@@ -76,3 +76,13 @@ class IsolatedStaleCache(StaleCache):
     """Bug (cache never reset), run in its own process: state kept between forwarded calls is still caught."""
 
     kv_declaration = dataclasses.replace(StaleCache.kv_declaration, isolated=True)
+
+
+class ForksThenSegfaults(Segfaults):
+    """Forks a helper that sleeps (a worker pool), then segfaults on short7: the helper must not hide the crash."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        if os.fork() == 0:
+            time.sleep(3600)
+            os._exit(0)

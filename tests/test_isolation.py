@@ -86,3 +86,37 @@ def test_isolated_memory_is_measured_in_the_engine_process(kvtester):
         "  live tensor bytes: * after 1 warmup call(s), then +*, +*, +* B per call",
         f"FAILED *test_no_memory_growth?{memory}KeepsEveryCache-llama*",
     ])
+
+
+def test_a_forked_helper_does_not_hide_the_crash(kvtester):
+    # no --kv-call-timeout: a helper holding the pipe would leave the parent waiting forever
+    result = run_suites(kvtester, f"--kv-engine={CRASH}ForksThenSegfaults",
+                        "-k", "test_token_identity and not batched and (short7 or long48)")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([f"*engine '{CRASH}ForksThenSegfaults' on model 'llama' crashed: its process (pid *) "
+                                 "died of SIGSEGV*"])
+
+
+def test_deadline_leaves_an_outer_timer_armed():
+    import signal
+    import time
+
+    from pytest_kvcompile.errors import CallTimeout
+    from pytest_kvcompile.run.harness import deadline
+
+    fired = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: fired.append(True))
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)  # an outer timer (pytest-timeout's signal method)
+        with deadline(5):
+            pass
+        assert 0 < signal.getitimer(signal.ITIMER_REAL)[0] <= 0.5  # re-armed with what it had left
+        time.sleep(0.7)
+        assert fired == [True]
+        with pytest.raises(CallTimeout):
+            with deadline(0.2):
+                time.sleep(5)
+        assert signal.getitimer(signal.ITIMER_REAL)[0] == 0
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

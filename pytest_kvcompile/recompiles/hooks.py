@@ -49,6 +49,7 @@ import json
 import logging
 import re
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -149,32 +150,33 @@ def _capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
     return _CAPTURE_BEGIN(graph, *args, **kwargs)
 
 
-_EXPORT: Any = None  # torch.export._trace._export as torch defines it, while patched
-_EXPORT_DEPTH = [0]  # exports in progress: only the outermost is recorded
+_EXPORT: Any = None  # torch.export._trace._export as torch defines it (kept once found: a wrapper may wrap ours)
+_EXPORTING = threading.local()  # exports in progress in this thread: only the outermost is recorded
 
 
 def _export(mod: Any, *args: Any, **kwargs: Any) -> Any:
-    if _CAPTURING and not _EXPORT_DEPTH[0]:
+    depth = getattr(_EXPORTING, "depth", 0)
+    if _CAPTURING and not depth:
         site = _capture_site(depth=3).removeprefix("torch.cuda.CUDAGraph capture in ")
         for tap in _CAPTURING:
             tap._raw.append((EXPORT, f"torch.export of {type(mod).__name__} called from {site}"))
-    _EXPORT_DEPTH[0] += 1
+    _EXPORTING.depth = depth + 1
     try:
         return _EXPORT(mod, *args, **kwargs)
     finally:
-        _EXPORT_DEPTH[0] -= 1
+        _EXPORTING.depth = depth
 
 
 def _watch_exports(on: bool) -> None:
     """Patch torch.export's one entry point while any tap is watching (called after _CAPTURING changed)."""
     global _EXPORT
     trace = importlib.import_module("torch.export._trace")
-    if on and _EXPORT is None:
-        _EXPORT, trace._export = trace._export, _export
-    elif not on and _EXPORT is not None and not _CAPTURING:
-        if trace._export is _export:
-            trace._export = _EXPORT
-        _EXPORT = None
+    if _EXPORT is None:
+        _EXPORT = trace._export
+    if on and trace._export is _EXPORT:
+        trace._export = _export
+    elif not on and not _CAPTURING and trace._export is _export:
+        trace._export = _EXPORT
 
 
 def _watch_captures(tap: CompileTap, on: bool) -> None:

@@ -31,7 +31,8 @@ from pytest_kvcompile.oracles.token_match import (
     assert_score_matches,
     assert_tokens_match,
 )
-from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder
+from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder, isolate
+from pytest_kvcompile.run.isolation import IsolatedEngine
 
 FRESH_ENGINE = "--kv-fresh-engine"
 CALL_TIMEOUT = "--kv-call-timeout"
@@ -42,20 +43,27 @@ def deadline(seconds: float) -> Iterator[None]:
     """Raise CallTimeout in this (main) thread after `seconds` (SIGALRM; 0: no limit). Interrupts Python code,
     sleeps and lock waits; not C code that never returns to the interpreter (isolate such engines)."""
     usable = seconds > 0 and hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
-    if not usable:
+    outer = signal.getitimer(signal.ITIMER_REAL) if usable else (0.0, 0.0)
+    previous = signal.getsignal(signal.SIGALRM) if usable else None
+    # an outer timer due first (pytest-timeout's signal method, an enclosing deadline) keeps the alarm to itself;
+    # a handler installed from C cannot be restored: leave both alone
+    if not usable or previous is None or (outer[0] and outer[0] <= seconds):
         yield
         return
 
     def expire(signum: int, frame: Any) -> None:
         raise CallTimeout(seconds)
 
-    previous = signal.signal(signal.SIGALRM, expire)
+    started = time.monotonic()
+    signal.signal(signal.SIGALRM, expire)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        if outer[0]:  # re-arm the outer timer with what it had left
+            signal.setitimer(signal.ITIMER_REAL, max(outer[0] - (time.monotonic() - started), 1e-3), outer[1])
 
 
 def cuda_allocated(device: str) -> int | None:
@@ -156,7 +164,15 @@ class EngineUnderTest:
     @property
     def isolated(self) -> bool:
         """The engine runs in a process of its own (run/isolation.py)."""
-        return hasattr(self.engine, "remote")
+        return isinstance(self.engine, IsolatedEngine)
+
+    def isolate_compiles(self) -> None:
+        """A fresh dynamo where the engine compiles (recompiles.recorder.isolate, in its process if isolated), so
+        its compiles are counted from scratch."""
+        if self.isolated:
+            self._remote("reset")
+        else:
+            isolate()
 
     @contextlib.contextmanager
     def _guarded(self, call: Any) -> Iterator[None]:

@@ -38,6 +38,8 @@ from pytest_kvcompile.errors import EngineProcessDied, RemoteError
 
 _HEADER = struct.Struct("<Q")
 LOG_TAIL_LINES = 30
+BUILD_TIMEOUT_FACTOR = 10  # with --kv-call-timeout=T, building the engine may take 10 T (compiles, conversions)
+POLL_S = 1.0  # how often a waiting parent checks that the child is still alive (a forked helper keeps the pipe open)
 _LIVE: weakref.WeakSet[IsolatedEngine] = weakref.WeakSet()
 
 
@@ -60,14 +62,15 @@ class IsolatedEngine:
         self.calls: list[str] = []
         self.dead: str | None = None
         self._log = tempfile.NamedTemporaryFile(prefix=f"kvcompile-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(
+        self.proc = subprocess.Popen(  # a session of its own: close() kills whatever the engine forked, too
             [sys.executable, "-m", "pytest_kvcompile.run.isolation"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, bufsize=0)
+            stderr=self._log, start_new_session=True)
         _LIVE.add(self)
         what = f"its factory {target}(ModelSpec(name='{spec.name}', ...))"
         try:  # the reply to "build": what dynamo compiled and captured while the factory ran
             self.build_compiles, self.build_captures = self._ask(
-                ("build", list(sys.path), name, target, source, spec, compile_backend), what, timeout=None)
+                ("build", list(sys.path), name, target, source, spec, compile_backend), what,
+                timeout=self.timeout and BUILD_TIMEOUT_FACTOR * self.timeout)
         except RemoteError as exc:
             self.close()
             import pytest
@@ -82,6 +85,7 @@ class IsolatedEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> Any:
         what = f"generate(<{len(prompts)} prompt(s) of lengths {[len(p) for p in prompts]}>, max_new_tokens=" \
                f"{max_new_tokens})"
+        self.observed = ((), 0, 0, ())
         out, self.observed = self._ask(("generate", prompts, max_new_tokens), what)
         return out
 
@@ -93,8 +97,9 @@ class IsolatedEngine:
         return self._ask(("kv_cache_bytes",), "kv_cache_bytes()")
 
     def remote(self, what: str) -> Any:
-        """A measurement taken in the engine's process: 'held' (memory.measure.held_by of the engine),
-        'freeze' / 'live' / 'unfreeze' (the live-tensor census, memory.measure.live_tensor_bytes)."""
+        """A measurement or reset in the engine's process: 'held' (memory.measure.held_by of the engine),
+        'freeze' / 'live' / 'unfreeze' (the live-tensor census, memory.measure.live_tensor_bytes), 'reset'
+        (recompiles.recorder.isolate: a fresh dynamo)."""
         return self._ask((what,), f"measuring '{what}'")
 
     observed: tuple[tuple, int, int, tuple] = ((), 0, 0, ())  # the last call's (compiles, hits, eager runs, captures)
@@ -104,15 +109,22 @@ class IsolatedEngine:
         if self.dead:
             raise EngineProcessDied(self.dead)
         data = pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL)
+        limit = self.timeout if timeout == "call" else timeout
+        deadline = None if limit is None else time.monotonic() + limit
         try:
-            self.proc.stdin.write(_HEADER.pack(len(data)) + data)
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError):
-            self._died(what)
-        deadline = self.timeout if timeout == "call" else timeout
-        deadline = None if deadline is None else time.monotonic() + deadline
-        (size,) = _HEADER.unpack(self._read(_HEADER.size, what, deadline))
-        status, *payload = pickle.loads(self._read(size, what, deadline))
+            try:
+                self.proc.stdin.write(_HEADER.pack(len(data)) + data)  # a buffered pipe: write() sends it all
+                self.proc.stdin.flush()
+            except (BrokenPipeError, OSError):
+                self._died(what)
+            (size,) = _HEADER.unpack(self._read(_HEADER.size, what, deadline))
+            status, *payload = pickle.loads(self._read(size, what, deadline))
+        except EngineProcessDied:
+            raise
+        except BaseException:  # interrupted mid-call (a test timeout, Ctrl-C): its reply would answer the next call
+            self.dead = f"engine '{self.name}' on model '{self.model}': {what} was interrupted; its process was killed"
+            self.close()
+            raise
         if request[0] in ("generate", "score"):
             self.calls.append(what)
         if status == "ok":
@@ -132,10 +144,15 @@ class IsolatedEngine:
     def _read(self, size: int, what: str, deadline: float | None) -> bytes:
         fd, chunks, got = self.proc.stdout.fileno(), [], 0
         while got < size:
-            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([fd], [], [], wait)
-            if not ready:
-                self._timed_out(what)
+            wait = POLL_S if deadline is None else min(POLL_S, max(0.0, deadline - time.monotonic()))
+            ready = select.poll()
+            ready.register(fd, select.POLLIN | select.POLLHUP)
+            if not ready.poll(wait * 1000):
+                if self.proc.poll() is not None:  # dead, though something it forked still holds the pipe
+                    self._died(what)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._timed_out(what)
+                continue
             chunk = os.read(fd, size - got)
             if not chunk:
                 self._died(what)
@@ -179,14 +196,24 @@ class IsolatedEngine:
         raise EngineProcessDied(self.dead)
 
     def close(self) -> None:
-        """End the child: EOF on its stdin, then a kill if it does not leave within 5 s."""
+        """End the child: EOF on its stdin, then a kill of its whole session (what it forked too) if it does not
+        leave within 5 s, or at once when it is dead or stuck."""
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()
                 self.proc.wait(timeout=5 if not self.dead else 0.01)
             except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        self.proc.wait()
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            try:
+                pipe.close()
+            except OSError:
+                pass
         self._log.close()
         if os.path.exists(self._log.name):
             os.unlink(self._log.name)
@@ -204,8 +231,10 @@ def _close_all() -> None:
 # --- the child ---------------------------------------------------------------------------------------------------
 def _serve() -> None:
     """The child's loop: build the engine, then answer requests until stdin closes."""
-    channel = os.fdopen(os.dup(1), "wb", buffering=0)
+    channel = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the engine's prints go to the log, not into the protocol
+    # a process the engine forks must not hold the pipe: the parent would never see this process die
+    os.register_at_fork(after_in_child=lambda: (os.close(channel.fileno()), os.close(0)))
     sys.stdout = sys.stderr
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -214,16 +243,22 @@ def _serve() -> None:
         header = sys.stdin.buffer.read(_HEADER.size)
         if len(header) < _HEADER.size:
             return
-        request = pickle.loads(sys.stdin.buffer.read(_HEADER.unpack(header)[0]))
+        body = sys.stdin.buffer.read(_HEADER.unpack(header)[0])
         try:
+            request = pickle.loads(body)
             if request[0] == "build":
                 engine, reply = _build(*request[1:])
             else:
                 reply = _answer(engine, request)
             data = pickle.dumps(("ok", reply), protocol=pickle.HIGHEST_PROTOCOL)
         except BaseException as exc:  # every failure goes back to the parent, which decides
-            data = pickle.dumps(_failure(exc), protocol=pickle.HIGHEST_PROTOCOL)
+            try:
+                data = pickle.dumps(_failure(exc), protocol=pickle.HIGHEST_PROTOCOL)
+            except BaseException as unsendable:
+                data = pickle.dumps(("raised", type(exc).__name__, f"(its message could not be sent: {unsendable!r})",
+                                     ""), protocol=pickle.HIGHEST_PROTOCOL)
         channel.write(_HEADER.pack(len(data)) + data)
+        channel.flush()
 
 
 def _build(path: list[str], name: str, target: str, source: str, spec: Any, backend: str) -> tuple[Any, Any]:
@@ -261,6 +296,10 @@ def _answer(engine: Any, request: tuple) -> Any:
         return live_tensor_bytes()
     if kind == "unfreeze":
         return gc.unfreeze()
+    if kind == "reset":  # recompiles.recorder.isolate() where the engine compiles: count its compiles from scratch
+        from pytest_kvcompile.recompiles.recorder import isolate
+
+        return isolate()
     raise ValueError(f"unknown request {kind!r}")
 
 

@@ -228,9 +228,9 @@ OPTIONS = [
            kind="bool"),
     Option(CALL_TIMEOUT, "kv_call_timeout", "0",
            "seconds one generate() or score() call may take; a call that outlives it fails its test naming the call, "
-           "and the engine is built anew for the next test (isolated engines: their process is killed; in-process "
-           "engines: the call is interrupted by SIGALRM, which cannot stop a hang inside C code: isolate those). "
-           "0 (default): no limit", "SECONDS", number(0, what="give a number of seconds >= 0, e.g. 120 (0: no limit)")),
+           "and the engine is built anew for the next test (isolated engines: their process is killed, and building "
+           "one may take 10 x this; in-process engines: the call is interrupted by SIGALRM, which cannot stop a hang "
+           "inside C code: isolate those). 0 (default): no limit", "SECONDS", number(0, what="give a number of seconds >= 0, e.g. 120 (0: no limit)")),
     Option(ISOLATE, "kv_isolate", "declared",
            "which engines run in a process of their own, so that a crash or a hang fails one test and the run goes "
            "on: 'declared' (default: engines declaring isolated=True, e.g. native runtimes), 'all', 'none', or "
