@@ -66,6 +66,7 @@ class IsolatedEngine:
             [sys.executable, "-m", "pytest_kvcompile.run.isolation"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, start_new_session=True)
         _LIVE.add(self)
+        weakref.finalize(self, _reap, self.proc, self._log.name)  # dropped without close(): no process or log left
         what = f"its factory {target}(ModelSpec(name='{spec.name}', ...))"
         try:  # the reply to "build": what dynamo compiled and captured while the factory ran
             self.build_compiles, self.build_captures = self._ask(
@@ -220,6 +221,18 @@ class IsolatedEngine:
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' in process {self.proc.pid}>"
+
+
+def _reap(proc: subprocess.Popen, log: str) -> None:
+    """What close() guarantees, for an engine object collected without it (e.g. a fresh engine of one check)."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        proc.wait()
+    if os.path.exists(log):
+        os.unlink(log)
 
 
 @atexit.register
