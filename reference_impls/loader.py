@@ -7,10 +7,7 @@ device and assigns the checkpoint's safetensors to it as they are (parameter nam
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from pytest_kvcompile.contract.engine import ModelSpec
@@ -39,9 +36,7 @@ def load_model(spec: ModelSpec) -> nn.Module:
         )
     with torch.device("meta"):
         model = ARCHITECTURES[config.model_type](config)
-    state = {}
-    for file in sorted(Path(spec.path).glob("*.safetensors")):
-        state.update(load_file(file, device=str(spec.device)))
+    state = spec.weights(device=str(spec.device))
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state[getattr(model, "tied_embedding", "model.embed_tokens.weight")]
     model.load_state_dict(state, strict=True, assign=True)

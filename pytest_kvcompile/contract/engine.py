@@ -46,6 +46,18 @@ class ModelSpec:
     def vocab_size(self) -> int:
         return int(self.config.vocab_size)
 
+    def weights(self, device: str = "cpu") -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors by name, from every ``*.safetensors`` file in `path` (for adapters converting it)."""
+        from safetensors.torch import load_file
+
+        files = sorted(Path(self.path).glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{self.path}: no *.safetensors file in the checkpoint")
+        found: dict[str, torch.Tensor] = {}
+        for file in files:
+            found.update(load_file(file, device=device))
+        return found
+
 
 @dataclass(frozen=True)
 class Strategy:

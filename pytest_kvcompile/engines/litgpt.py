@@ -151,15 +151,9 @@ def _load(spec: ModelSpec):
         copy_weights_gemma_3,
         copy_weights_hf_llama,
     )
-    from safetensors.torch import load_file
 
     config = Config(**litgpt_config_kwargs(spec.config))
-    files = sorted(spec.path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{spec.path}: no *.safetensors file to convert")
-    hf_weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        hf_weights.update(load_file(file))
+    hf_weights = spec.weights()
     state_dict: dict[str, torch.Tensor] = {}
     if spec.config.model_type == "gemma3_text":
         copy_weights_gemma_3({}, state_dict, hf_weights, config=config)

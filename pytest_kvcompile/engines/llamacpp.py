@@ -211,7 +211,6 @@ def convert(spec: ModelSpec, root: Path | None = None) -> Path:
     """The float32 GGUF of `spec`'s checkpoint, written once under `root` (default `cache_root()`), named by the
     checkpoint's hash; written to a temporary sibling and renamed into place (concurrent builders: last rename wins,
     same bytes). ModelNotSupported when llama.cpp or this converter cannot represent the model."""
-    from safetensors.torch import load_file
 
     gguf = _import_gguf()
     arch = _architecture(spec.config)
@@ -219,12 +218,7 @@ def convert(spec: ModelSpec, root: Path | None = None) -> Path:
     final = root / f"{spec.path.name}-{_digest(spec.path)}-f32.gguf"
     if final.is_file():
         return final
-    files = sorted(spec.path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{spec.path}: no *.safetensors file to convert")
-    weights: dict[str, torch.Tensor] = {}
-    for file in files:
-        weights.update(load_file(file))
+    weights = spec.weights()
     root.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", dir=root)
     os.close(fd)
