@@ -1,5 +1,8 @@
 """Calibrate the `auto` tie tolerances: the oracle's logit gaps where CORRECT engines diverge, per dtype.
 
+float32's numbers are constants (oracles/tolerances.py) this script checks; bfloat16's and float16's are measured per
+model at run time (oracles/precision.py), and here they are what the gaps are compared with ("current").
+
 The plugin judges an engine's greedy token at each step by the oracle's logits given the engine's own prefix
 (pytest_kvcompile/oracles/token_match.py): the oracle's best there, a near tie when the best beats it by at most the
 tie tolerance (`DEFAULT_TIE_TOLERANCE` per dtype, `--kv-tie-tolerance auto`), else a mismatch. This script
@@ -70,6 +73,7 @@ from pytest_kvcompile.contract.engine import (
 from pytest_kvcompile.errors import EngineResolutionError
 from pytest_kvcompile.oracles.hf import HFEagerOracle
 from pytest_kvcompile.oracles.store import ORACLE_CHECK_TOLERANCE, independent
+from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.tolerances import (
     DEFAULT_MAX_NEAR_TIE_RATE,
     DEFAULT_MAX_NEAR_TIES,
@@ -158,12 +162,16 @@ def measure(model_name: str, dtype: str, engines: list[str], args, cache_root: P
     config = zoo.ZOO[model_name].build_config()
     path = zoo.checkpoint(model_name, cache_root)
     spec = ModelSpec(model_name, path, config, args.device, getattr(torch, dtype))
-    tol = DEFAULT_TIE_TOLERANCE[dtype]
+    noise = None if dtype in DEFAULT_TIE_TOLERANCE else precision.calibrate(  # 16-bit: measured, not a constant
+        spec, HFEagerOracle(precision.high_precision(spec)))
+    tol = DEFAULT_TIE_TOLERANCE[dtype] if noise is None else noise.tolerance
     k = args.new_tokens
     limit = min(getattr(config, "max_position_embeddings", 512), 512) - k - 1  # static caches hold 512 positions
     prompts = prompt_set(args.prompts, spec.vocab_size, limit)
     recompiles.isolate()  # fresh dynamo per group: transformers' shared forward wrapper starts at 0 compiles
-    group = {"dtype": dtype, "model": model_name, "rows": [], "skipped": [], "seconds": {}}
+    group = {"dtype": dtype, "model": model_name, "rows": [], "skipped": [], "seconds": {}, "tie_tolerance": tol,
+             "max_near_ties": DEFAULT_MAX_NEAR_TIES[dtype] if noise is None else noise.max_near_ties(k),
+             "max_near_tie_rate": DEFAULT_MAX_NEAR_TIE_RATE[dtype] if noise is None else noise.flip_rate_bound}
 
     start = time.perf_counter()
     oracle = HFEagerOracle(spec)
@@ -261,12 +269,12 @@ def summarize(groups: list[dict], suspect_gap: float = SUSPECT_GAP) -> dict:
             "divergences": sum(r["divergences"] for r in rows), "max_gap": worst,
             "worst": max(rows, key=lambda r: r["max_gap"])["engine"] if worst > 0 else None,
             "suggested_tie_tolerance": clean_ceiling(1.5 * worst) if worst > 0 else None,
-            "current_tie_tolerance": DEFAULT_TIE_TOLERANCE[dtype],
+            "current_tie_tolerance": max(g["tie_tolerance"] for g in groups if g["dtype"] == dtype),
             "over_current": sum(r.get("over_tolerance", 0) for r in rows),
             "max_per_sequence": max((r["max_per_sequence"] for r in rows), default=0),
-            "current_max_near_ties": DEFAULT_MAX_NEAR_TIES[dtype],
+            "current_max_near_ties": max(g["max_near_ties"] for g in groups if g["dtype"] == dtype),
             "max_rate": max((r["rate"] for r in rows), default=0.0),
-            "current_max_near_tie_rate": DEFAULT_MAX_NEAR_TIE_RATE[dtype],
+            "current_max_near_tie_rate": max(g["max_near_tie_rate"] for g in groups if g["dtype"] == dtype),
             "oracle_max_gap_float64": max((o["max_gap"] for o in oracles), default=0.0),
             "oracle_check_tolerance": ORACLE_CHECK_TOLERANCE[dtype],
             "oracle_margin_p1": min((m["p1"] for m in margins), default=None),

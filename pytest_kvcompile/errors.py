@@ -20,8 +20,13 @@ class NotApplicable(pytest.skip.Exception):
         super().__init__(reason, pytrace=False)
 
 
-class OracleUnreliable(Exception):
-    """The oracle disagrees with an independent path: its references cannot judge an engine."""
+class OracleUnreliable(pytest.skip.Exception):
+    """The oracle disagrees with an independent path: its references cannot judge an engine. A skip wherever it is
+    raised (the check is not judged), named in the reports and counted in the engine's verdict line; never an error
+    or a failure of the engine (issue 23)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason, pytrace=False)
 
 
 class EngineProcessDied(Exception):

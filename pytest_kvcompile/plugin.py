@@ -12,6 +12,7 @@ import contextlib
 import importlib.util
 import os
 import re
+import types
 from fnmatch import fnmatch
 from functools import cached_property
 from pathlib import Path
@@ -24,10 +25,9 @@ from pytest_kvcompile.latency import marker as latency_marker
 from pytest_kvcompile.memory import marker as memory_marker
 from pytest_kvcompile.recompiles import marker as recompile_marker
 from pytest_kvcompile.reports.results import Collector
-from pytest_kvcompile.run import fixtures, fuzz, markers, options
+from pytest_kvcompile.run import fixtures, fuzz, grouping, markers, options
 
 NO_ENGINE = options.NO_ENGINE
-LOADGROUP = "kvcompile_loadgroup"
 OPTIONS = [*options.OPTIONS, *fuzz.OPTIONS, *latency_marker.OPTIONS, *reports.OPTIONS]
 
 
@@ -47,6 +47,20 @@ def pytest_cmdline_main(config: pytest.Config):
             print(line)
         return 0
     return None
+
+
+def _session_fixtures(run: "Run") -> types.ModuleType:
+    """The ``kv_session`` fixture, on a module object: pytest 10 drops session fixtures defined as methods of a
+    plugin instance (PytestRemovedIn10Warning), and finds fixtures on a plugin's type, so not as attributes."""
+    holder = types.ModuleType("kvcompile.session")
+
+    @pytest.fixture(scope="session", name="kv_session")
+    def kv_session():
+        """The run's Session (run.session): settings, engines and oracles built so far, models, prompts."""
+        return run.session
+
+    holder.kv_session = kv_session
+    return holder
 
 
 class Run:
@@ -90,11 +104,6 @@ class Run:
         with capture.global_and_fixture_disabled() if capture else contextlib.nullcontext():
             reporter.write_line(f"kvcompile: {line}")
 
-    @pytest.fixture(scope="session")
-    def kv_session(self):
-        """The run's Session (run.session): settings, engines and oracles built so far, models, prompts."""
-        return self.session
-
     def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
         """Parametrize engine, model and prompt per the run's options (ids: names)."""
         names = metafunc.fixturenames
@@ -122,10 +131,6 @@ class Run:
             if hasattr(config, "workerinput"):  # a UsageError here would crash the xdist worker: the fixtures error
                 return
             raise pytest.UsageError(NO_ENGINE + f" ({len(engine_tests)} collected test(s) need one)")
-        if getattr(config.option, "loadgroup", False):  # xdist worker in loadgroup mode: one group per engine x model
-            for item in engine_tests:
-                params = item.callspec.params
-                item.add_marker(pytest.mark.xdist_group(f"kv:{params['kv_engine_name']}:{params.get('kv_model_name', '')}"))
 
     def declaration(self, item: pytest.Item):
         """The Declaration of the item's engine, or None when the item is not parametrized by one."""
@@ -166,13 +171,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if settings.engines or settings.models:
         run.session.models  # read configs now: a bad --kv-model/--kv-zoo is a usage error, not a collection error
     config.pluginmanager.register(run, "kvcompile.run")
+    config.pluginmanager.register(_session_fixtures(run), "kvcompile.session")
     config.pluginmanager.register(fixtures, "kvcompile.fixtures")
     markers.register(config, {"kv_requires": _kv_requires_spec(run)})
     recompile_marker.register(config)
     memory_marker.register(config)
     latency_marker.register(config, run.latency)
     reports.register(config, settings, run.collector)
-    _group_by_engine_and_model(config, settings)
+    _group_by_engine_and_model(config, run)
     _share_cores(config)
 
 
@@ -195,26 +201,12 @@ def _runs_the_suites(config: pytest.Config) -> bool:
     return False
 
 
-def _group_by_engine_and_model(config: pytest.Config, settings: options.Settings) -> None:
-    """Under pytest-xdist's default ``--dist load``, switch to ``loadgroup`` with one group per engine x model
-    (`Run.pytest_collection_modifyitems`): each engine is built and compiled in one worker, and its object serves
-    the same calls in the same order as in a serial run, so verdicts do not depend on -n. An explicit --dist wins."""
-    if getattr(config, "workerinput", {}).get(LOADGROUP):  # a worker: it parsed the original --dist load
-        config.option.loadgroup = True  # read by xdist's worker to suffix node ids with their group
-        return
-    explicit = any(a == "--dist" or a.startswith("--dist=") or a == "-d" for a in config.invocation_params.args)
-    if (settings.engines and config.pluginmanager.hasplugin("xdist") and not hasattr(config, "workerinput")
-            and getattr(config.option, "dist", "no") == "load" and not explicit):
-        config.option.dist = "loadgroup"
-        config.pluginmanager.register(_TellWorkers(), "kvcompile.loadgroup")
-
-
-class _TellWorkers:
-    """Workers re-parse the command line (``--dist load``): tell each that the controller groups by engine x model."""
-
-    @staticmethod
-    def pytest_configure_node(node) -> None:
-        node.workerinput[LOADGROUP] = True
+def _group_by_engine_and_model(config: pytest.Config, run: Run) -> None:
+    """Under pytest-xdist's default ``--dist load``, one worker per engine x model (run/grouping.py); an explicit
+    --dist wins."""
+    if grouping.wants_grouping(config, run.engines):
+        models = run.session.models if run.settings.engines or run.settings.models else {}
+        config.pluginmanager.register(grouping.SchedulerHook(run.engines, models), "kvcompile.grouping")
 
 
 def _share_cores(config: pytest.Config) -> None:

@@ -38,7 +38,7 @@ from pytest_kvcompile.contract.engine import (
     declaration_of,
 )
 from pytest_kvcompile.memory.measure import KVLayout
-from pytest_kvcompile.oracles.eviction import EMPTY, Policy, keep, order, policy_for
+from pytest_kvcompile.oracles.eviction import EMPTY, Policy, order, policy_for
 from reference_impls.compile import compile_fresh, left_pad
 from reference_impls.engine import Engine
 from reference_impls.loader import load_model
@@ -94,12 +94,17 @@ class EvictingCache(KVCache):
 
 
 def _gather_kept(policy: Policy, entries, newest):
-    """Prefill: the first `budget` candidates in the policy's order, padded with empty slots."""
+    """Prefill: the first `budget` candidates in the policy's order, padded with empty slots.
+
+    The first `budget` of the order are gathered, not sliced (`keep`): a slice of a size derived from an unbacked
+    one (prompt + budget) fails inductor's lowering on CUDA in torch < 2.12 (`KeyError: 'unbacked_bindings'`,
+    pytorch#174340; docs/gpu-results.md, finding 2)."""
     keys, values, pos, score = entries
     pad = policy.budget
     keys, values = F.pad(keys, (0, 0, 0, pad)), F.pad(values, (0, 0, 0, pad))
     pos, score = F.pad(pos, (0, pad), value=EMPTY), F.pad(score, (0, pad))
-    kept = keep(policy, pos, score, newest)
+    ranked = order(pos, score, policy.protected(pos, newest))
+    kept = ranked.gather(-1, torch.arange(pad, device=pos.device).expand(*ranked.shape[:-1], pad))
     rows = kept[..., None].expand(*kept.shape, keys.size(-1))
     return keys.gather(2, rows), values.gather(2, rows), pos.gather(2, kept), score.gather(2, kept)
 

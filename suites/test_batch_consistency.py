@@ -2,8 +2,8 @@
 
 A difference is accepted only when the oracle shows both runs are right (their flips are near ties): each run is
 then asserted against the oracle by ``kv_engine.check`` (``token_match.assert_tokens_match``, raising
-TokenMismatch). Without an oracle (a strategy declaring none) any difference fails: it cannot be told from a near
-tie. tests/test_suites_catch_bugs.py shows it failing on an engine with a padding bug.
+TokenMismatch). Without an oracle (a strategy declaring none) a difference is judged on the engine's own score()
+(``kv_engine.differs``), and fails without one: it cannot be told from a near tie. tests/test_suites_catch_bugs.py shows it failing on an engine with a padding bug.
 """
 
 import pytest
@@ -21,10 +21,12 @@ def test_batch_consistency(kv_engine, kv_oracle_or_none, kv_batch, kv_check):
         where = (f"index {i} of a batch of lengths {lengths}, which differs from the same prompt alone at step "
                  f"{step} (alone {alone[step]}, batched {batched[i][step]})")
         if kv_oracle_or_none is None:
-            pytest.fail(f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}', prompt '{prompt.name}': {where}; "
-                        f"no oracle covers strategy {kv_engine.ref.declaration.strategy}, so the difference cannot be "
-                        "told from a near tie\n  hint: check padding, attention masks and per-row positions",
-                        pytrace=False)
+            why = kv_engine.differs(prompt, alone, batched[i])
+            if why:
+                pytest.fail(f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}', prompt '{prompt.name}': "
+                            f"{where}: they differ {why}\n  hint: check padding, attention masks and per-row positions",
+                            pytrace=False)
+            continue
         reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
         kv_check(reference, got=alone, prompt=prompt, where=f"alone (vs batched: {where})")
         kv_check(reference, batched[i], prompt, where)

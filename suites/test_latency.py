@@ -21,6 +21,7 @@ def _benchmark(request: pytest.FixtureRequest):
         pytest.skip("pytest-benchmark is not installed (pip install pytest-benchmark) or disabled with -p no:benchmark")
     benchmark = request.getfixturevalue("benchmark")
     if benchmark.disabled:
+        benchmark.skipped = True  # pytest-benchmark's own flag: else it warns "fixture was not used at all"
         pytest.skip("pytest-benchmark is disabled in this run: it turns itself off under pytest-xdist (-n) and with "
                     "--benchmark-disable; run without -n to benchmark")
     return benchmark

@@ -88,8 +88,19 @@ def test_score_equals_full_forward(engine, spec):
 def test_kv_cache_bytes(engine):
     engine.generate([PROMPTS[2]], NEW)
     per_position = 2 * 2 * 2 * 16 * 4  # layers * (k, v) * kv heads * head_dim * fp32 bytes
-    held = 512 if isinstance(engine, HFStaticCompile) else len(PROMPTS[2]) + NEW - 1
+    held = 512 * 4 if isinstance(engine, HFStaticCompile) else len(PROMPTS[2]) + NEW - 1  # static: 512 slots x 4 rows
     assert engine.kv_cache_bytes() == held * per_position
+
+
+def test_static_compile_keeps_one_cache_and_resets_it(spec):
+    """One StaticCache (fixed tensors, so CUDA graphs replay instead of re-recording), reset per call: no state
+    leaks from a long prompt into a short one, and a batch larger than max_batch_size runs in chunks."""
+    engine = HFStaticCompile(spec, compile_backend="eager")
+    alone = [engine.generate([p], NEW)[0] for p in PROMPTS]
+    cache = engine.cache
+    keys = [layer.keys for layer in cache.layers]
+    assert engine.generate(PROMPTS[::-1] * 2, NEW) == (alone[::-1] * 2)  # 6 prompts: chunks of 4 and 2
+    assert engine.cache is cache and all(layer.keys is k for layer, k in zip(cache.layers, keys))  # same tensors
 
 
 def test_static_cache_overflow_raises(spec):

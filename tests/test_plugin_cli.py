@@ -172,10 +172,9 @@ def test_two_engines_parametrize_every_engine_test(kvtester):
     kvtester.makepyfile(ENGINE_TEST)
     result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-engine=kv_test_engines:Unbatched",
                                            "--kv-zoo=llama,mistral-sw", "--co", "-q")
-    result.stdout.fnmatch_lines([
-        "*test_engine?kv_test_engines:Greedy-llama?", "*test_engine?kv_test_engines:Greedy-mistral-sw?",
-        "*test_engine?kv_test_engines:Unbatched-llama?", "*test_engine?kv_test_engines:Unbatched-mistral-sw?",
-    ])
+    ids = sorted(line.split("::")[-1] for line in result.stdout.lines if "::test_engine[" in line)
+    assert ids == [f"test_engine[kv_test_engines:{engine}-{model}]" for engine in ("Greedy", "Unbatched")
+                   for model in ("llama", "mistral-sw")], result.stdout.str()  # in pytest's order (9.2 reorders)
 
 
 def test_strict_markers_clean_and_bad_kv_requires_rejected(kvtester):
@@ -214,8 +213,8 @@ def test_kv_model_adds_a_local_checkpoint(kvtester, zoo_cache):
 
 
 def test_xdist_runs_each_engine_and_model_in_one_worker(kvtester):
-    """--dist load becomes loadgroup, one group per engine x model, on the controller AND the workers (which parse
-    the original --dist load): an engine object is built, compiled and called in one worker, as in a serial run."""
+    """Under --dist load the plugin's xdist scheduler gives each engine x model to one worker (run/grouping.py): an
+    engine object is built, compiled and called in one worker, as in a serial run."""
     result = run_suites(kvtester, "--kv-engine=hf-eager", "--kv-zoo=llama,gpt2-abspos", "-n", "2", "-v",
                         "-k", "token_identity or stale_state")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -225,4 +224,16 @@ def test_xdist_runs_each_engine_and_model_in_one_worker(kvtester):
         if found:
             workers.setdefault(found[2], set()).add(found[1])
     assert set(workers) == {"llama", "gpt2-abspos"} and all(len(w) == 1 for w in workers.values()), workers
-    assert "@kv:hf-eager:llama" in result.stdout.str()  # xdist's group suffix on the node ids
+
+
+def test_scope_of_reads_engine_and_model_from_the_node_id():
+    from pytest_kvcompile.run.grouping import scope_of
+
+    engines, models = ["hf-static", "hf-static-compile", "mod:Engine"], ["gemma4", "gemma4-kvshared", "llama"]
+    assert scope_of("s/t.py::test_x[hf-static-compile-gemma4-kvshared-len1]", engines, models) == \
+        "kv:hf-static-compile:gemma4-kvshared"
+    assert scope_of("s/t.py::test_x[hf-static-gemma4]", engines, models) == "kv:hf-static:gemma4"
+    assert scope_of("s/t.py::test_x[mod:Engine-llama-decode]", engines, models) == "kv:mod:Engine:llama"
+    assert scope_of("s/t.py::test_x[mod:Engine]", engines, models) == "kv:mod:Engine:"
+    assert scope_of("tests/test_y.py::test_plain", engines, models) == "tests/test_y.py::test_plain"
+    assert scope_of("tests/test_y.py::test_p[other-llama]", engines, models) == "tests/test_y.py::test_p[other-llama]"

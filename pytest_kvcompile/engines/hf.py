@@ -31,6 +31,7 @@ from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
 _PAD_ID = 0  # left padding value; padded positions are masked, so any id works
 MAX_CACHE_LEN = 512  # hf-static-compile's fixed StaticCache length (the suites' prompts reach 266 positions)
+MAX_BATCH_SIZE = 4  # hf-static-compile's cache rows: batches are padded to it (dummy rows), larger ones chunked
 
 
 class HFEager:
@@ -124,11 +125,16 @@ class _CompiledMixin:
 
 
 class HFStaticCompile(_CompiledMixin, HFEager):
-    """`generate()` with a StaticCache of `max_cache_len` positions and its compiled decode step.
+    """`generate()` with one StaticCache of `max_cache_len` positions and `max_batch_size` rows, and its compiled
+    decode step.
 
     transformers compiles only the decode step (prefill runs eagerly) and, off CUDA, only with
-    the private `CompileConfig._compile_all_devices` flag. The cache length is fixed per engine
-    (prompt + new tokens must fit, else ValueError): sizing it per call would recompile the decode
+    the private `CompileConfig._compile_all_devices` flag. One cache serves every call, `reset()` first (the way a
+    serving engine keeps its buffers): on CUDA transformers compiles with `mode="reduce-overhead"`, and cudagraph
+    trees record a new graph whenever the cache's tensors are new ones (a fresh cache per call re-recorded a graph on
+    every call: docs/gpu-results.md, finding 1). The batch is padded to `max_batch_size` rows with one-token dummy
+    prompts, so one cache shape (and one graph) serves every batch; larger batches run in chunks. The cache length is
+    fixed per engine (prompt + new tokens must fit, else ValueError): sizing it per call would recompile the decode
     step for every new length.
     """
 
@@ -137,9 +143,9 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         scoring=True,
         kv_cache_bytes=True,
         compiled=True,
-        kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN),
-        kv_released=True,
-        description="transformers generate(), StaticCache (fixed max_cache_len), compiled decode step",
+        kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN, rows=MAX_BATCH_SIZE),
+        description="transformers generate(), one StaticCache (fixed max_cache_len, batch padded to 4 rows) reset per "
+                    "call, compiled decode step",
         known_findings=tuple(
             (f"test_no_recompiles_after_warmup*-{model}]",
              "transformers 5.23: the sliding-window cache layer guards on its Python int cumulative_length_int "
@@ -149,11 +155,13 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         ),
     )
 
-    def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN):
+    def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN,
+                 max_batch_size: int | None = MAX_BATCH_SIZE):
         super().__init__(spec)
-        self.max_cache_len = max_cache_len
+        self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
         self.compile_config = CompileConfig(backend=compile_backend)
         self.compile_config._compile_all_devices = True
+        self.cache: StaticCache | None = None  # made at the first call, then reset and reused
 
     def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
         config = super()._generation_config(max_new_tokens)
@@ -161,10 +169,13 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         return config
 
     def _cache_kwargs(self) -> dict:
-        """A fresh StaticCache of the fixed length per call. Not `cache_implementation="static"`:
-        transformers 5.2 ignores generation_config.max_cache_len there (sizes the cache prompt + new
-        tokens) and reuses one cache across calls (measured by the memory suite)."""
-        return {"past_key_values": StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)}
+        """The engine's one StaticCache, reset. Not `cache_implementation="static"`: transformers 5.2 ignores
+        generation_config.max_cache_len there (sizes the cache prompt + new tokens)."""
+        if self.cache is None:
+            self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
+        else:
+            self.cache.reset()
+        return {"past_key_values": self.cache}
 
     def _generate(self, prompts, max_new_tokens, processor=None):
         needed = max((len(p) for p in prompts), default=0) + max_new_tokens
@@ -173,7 +184,17 @@ class HFStaticCompile(_CompiledMixin, HFEager):
                 f"{type(self).__name__}: prompt + max_new_tokens = {needed} exceeds max_cache_len="
                 f"{self.max_cache_len}; build the engine with a larger max_cache_len"
             )
-        return super()._generate(prompts, max_new_tokens, processor)
+        if self.max_batch_size is None:  # generate() owns the cache (hf-static-chunked-compile)
+            return super()._generate(prompts, max_new_tokens, processor)
+        out = []
+        for start in range(0, len(prompts), self.max_batch_size):
+            out += self._padded(prompts[start:start + self.max_batch_size], max_new_tokens, processor)
+        return out
+
+    def _padded(self, prompts, max_new_tokens, processor):
+        """generate() on `prompts` plus one-token dummy rows up to max_batch_size; the dummies' tokens dropped."""
+        rows = list(prompts) + [[_PAD_ID]] * (self.max_batch_size - len(prompts))
+        return super()._generate(rows, max_new_tokens, processor)[:len(prompts)]
 
 
 PREFILL_CHUNK = 16  # hf-static-chunked-compile's prefill chunk: the suites' prompts (1..266 tokens) split unevenly
@@ -209,7 +230,7 @@ class HFStaticChunkedCompile(HFStaticCompile):
 
     def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN,
                  prefill_chunk_size: int = PREFILL_CHUNK):
-        super().__init__(spec, compile_backend, max_cache_len)
+        super().__init__(spec, compile_backend, max_cache_len, max_batch_size=None)
         self.prefill_chunk_size = prefill_chunk_size
 
     def _cache_kwargs(self) -> dict:

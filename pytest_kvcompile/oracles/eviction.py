@@ -120,6 +120,7 @@ import torch.nn.functional as F
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
+from pytest_kvcompile.oracles.precision import load_lm
 
 if TYPE_CHECKING:
     from pytest_kvcompile.oracles.hf import Reference
@@ -495,14 +496,13 @@ class EvictionOracle:
     """
 
     def __init__(self, spec: ModelSpec, strategy: Strategy):
-        from transformers import AttentionInterface, AutoModelForCausalLM
+        from transformers import AttentionInterface
         from transformers.masking_utils import AttentionMaskInterface
 
         self.spec, self.policy = spec, policy_for(strategy)
         AttentionInterface.register(ATTENTION_NAME, _attention)
         AttentionMaskInterface.register(ATTENTION_NAME, _mask)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            spec.path, dtype=spec.dtype, attn_implementation=ATTENTION_NAME).to(spec.device).eval()
+        self.model = load_lm(spec, attn_implementation=ATTENTION_NAME)
         arch = type(self.model).__name__.removesuffix("ForCausalLM").removesuffix("LMHeadModel")
         config = self.model.config
         self.sources = kv_sources(config)  # KV-sharing layer -> its source (Gemma3n/Gemma4; none elsewhere)

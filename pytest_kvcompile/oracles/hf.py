@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy
 from pytest_kvcompile.oracles.eviction import POLICIES, EvictionOracle, policy_for
+from pytest_kvcompile.oracles.precision import load_lm
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,9 @@ class Reference:
     forced: Callable[[Sequence[int], float], torch.Tensor] | None = field(default=None, compare=False, repr=False)
     #: cache entries the strategy evicted along the greedy run (None: the strategy evicts nothing)
     evicted: int | None = None
+    #: tokens -> precision.LocalNoise along prompt + tokens: the noise of equivalent 16-bit computations at each
+    #: step (the local term of the 16-bit rule, oracles/precision.py); None: the tolerance alone decides
+    noise: Callable[[Sequence[int]], Any] | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         return f"Reference(prompt of length {len(self.prompt)}, tokens={list(self.tokens)})"
@@ -64,10 +69,8 @@ class HFEagerOracle:
     source = "transformers eager greedy, full DynamicCache"
 
     def __init__(self, spec: ModelSpec, strategy: Strategy = Strategy()):
-        from transformers import AutoModelForCausalLM
-
         self.spec = spec
-        self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+        self.model = load_lm(spec)
         self._memo: dict[tuple[tuple[int, ...], int], Reference] = {}
 
     def __repr__(self) -> str:

@@ -38,6 +38,8 @@ from pytest_kvcompile.errors import OracleUnreliable
 from pytest_kvcompile.models.zoo import shared_kv_layers
 from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
 from pytest_kvcompile.oracles.hf import Reference, oracle_for
+from pytest_kvcompile.oracles import precision
+from pytest_kvcompile.oracles.precision import load_lm
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
 #: bfloat16 from data: the bfloat16 oracle's own tokens trailed its float64 path by up to 0.766 (H100,
@@ -45,14 +47,15 @@ from pytest_kvcompile.oracles.hf import Reference, oracle_for
 ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 1.0}
 
 
+_PRECISION = hashlib.sha256(inspect.getsource(precision).encode()).hexdigest()[:12]  # the rule's version, in keys
+
+
 class NoCacheRecompute:
     """transformers eager, no cache, one forward over prompt + tokens (the exact strategy's independent path)."""
 
     def __init__(self, spec: ModelSpec):
-        from transformers import AutoModelForCausalLM
-
         self.spec = spec
-        self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+        self.model = load_lm(spec)
 
     @torch.inference_mode()
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float = 0.0) -> torch.Tensor:
@@ -82,7 +85,8 @@ def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec) -> str:
     module = sys.modules[type(oracle).__module__]
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(spec.path).iterdir() if p.is_file())
     parts = [type(oracle).__qualname__, inspect.getsource(module), str(strategy), str(Path(spec.path).resolve()),
-             repr(files), str(spec.device), dtype_name(spec.dtype), torch.__version__, version("transformers")]
+             repr(files), str(spec.device), dtype_name(spec.dtype), str(getattr(spec, "weights_dtype", "")),
+             torch.__version__, version("transformers")]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -121,12 +125,14 @@ class StoredOracle:
     prompt's reference checked once against the independent path (module docstring)."""
 
     def __init__(self, oracle: Any, strategy: Strategy, spec: ModelSpec, tie_tolerance: float,
-                 cache_root: Path | None, check: bool = True):
+                 cache_root: Path | None, check: bool = True, computations: Any = None):
         self.oracle, self.strategy, self.spec, self.tie_tolerance = oracle, strategy, spec, tie_tolerance
         self.source = oracle.source
         self._disk = DiskMemo(cache_root / _fingerprint(oracle, strategy, spec) if cache_root else None)
         self._memo: dict[tuple, Any] = {}
         self._check = check
+        # 16-bit (oracles/precision.py): the equivalent computations in the run's dtype, for the noise along tokens
+        self.computations = computations
         self._independent: tuple[Any, str] | None = None
         self._checked: set[tuple] = set()
         self.unreliable: str | None = None
@@ -159,9 +165,10 @@ class StoredOracle:
                     "evicted": -1 if evicted is None else int(evicted(prompt, max_new_tokens))}
 
         found = self._cached(("reference", prompt, max_new_tokens), compute)
+        noise = (lambda got: self.local_noise(prompt, got)) if self.computations is not None else None
         ref = Reference(prompt, tuple(found["tokens"].tolist()), found["logits"], self.source,
                         lambda got, tol: self.teacher_forced(prompt, got, tol),
-                        None if found["evicted"] < 0 else found["evicted"])
+                        None if found["evicted"] < 0 else found["evicted"], noise)
         self.self_check(ref)
         return ref
 
@@ -169,6 +176,19 @@ class StoredOracle:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
         return self._cached(("forced", prompt, tokens, tie_tolerance),
                             lambda: self.oracle.teacher_forced(prompt, tokens, tie_tolerance))
+
+    def local_noise(self, prompt: Sequence[int], tokens: Sequence[int]) -> precision.LocalNoise:
+        """The equivalent 16-bit computations' logits along prompt + tokens (precision.LocalNoise), memoized."""
+        prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
+        rows = self._cached(("computations", _PRECISION, prompt, tokens),
+                            lambda: self.computations.along(prompt, tokens).float())
+        return precision.LocalNoise(rows)
+
+    def noise(self) -> precision.Noise:
+        """This model's measured 16-bit noise (precision.calibrate over this oracle, the truth), memoized."""
+        found = self._cached(("noise", _PRECISION),
+                             lambda: precision.calibrate(self.computations.spec, self.oracle, self.computations).to_dict())
+        return precision.Noise.from_dict(found)
 
     def self_check(self, ref: Reference) -> None:
         """Raise OracleUnreliable if the independent path rejects one of the oracle's tokens."""
@@ -195,9 +215,9 @@ class StoredOracle:
                     f"{len(ref.prompt)} ...{list(ref.prompt[-4:])}, step {step}: the oracle ({self.source}) chose "
                     f"{token}, but {name} prefers {best} by {gap:.4g} > {tolerance:g} (the oracle's rounding allowance in "
                     f"{dtype_name(self.spec.dtype)}). The "
-                    "oracle's references cannot judge an engine on this model, so its token checks stop here "
-                    "(this is not a verdict on the engine). Check the model's transformers implementation (cache "
-                    "bugs ship in released versions), or run another transformers version"
+                    "oracle's references cannot judge an engine on this model, so its token checks there are skipped "
+                    "as not judged (this is not a verdict on the engine). Check the model's transformers "
+                    "implementation (cache bugs ship in released versions), or run another transformers version"
                 )
                 raise OracleUnreliable(self.unreliable)
         self._checked.add(key)

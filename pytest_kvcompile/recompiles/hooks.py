@@ -50,6 +50,7 @@ import logging
 import re
 import sys
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -112,6 +113,16 @@ def limits() -> str:
 def reset() -> None:
     """Forget every compiled frame, its cache entries and its recompile count."""
     resolve("torch._dynamo.reset")()
+
+
+def import_inductor_quietly() -> None:
+    """Import inductor with one warning of torch's own ignored: torch 2.13's inductor imports
+    ``torch.utils.mkldnn``, whose classes use the deprecated ``torch.jit.script_method``, so the first compile of a
+    run put a DeprecationWarning about torch's code into the user's warnings summary (issue 31). Narrow: that
+    message, during this import only; torch versions without the warning import as usual."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
+        importlib.import_module("torch._inductor.compile_fx")
 
 
 def _frame_metrics() -> list[Any]:

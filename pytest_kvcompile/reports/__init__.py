@@ -109,14 +109,13 @@ class ResultsPlugin:
         report = yield  # outermost wrapper: sees the final outcome (xfail, no_recompile)
         found, decided = params(item), outcome(report)
         oracle_error = []
-        if decided == "failed" and call.excinfo is not None and call.excinfo.errisinstance(OracleUnreliable):
-            decided, oracle_error = "error", [str(call.excinfo.value).split(". ")[0]]
+        if decided == "skipped" and call.excinfo is not None and call.excinfo.errisinstance(OracleUnreliable):
+            oracle_error = [str(call.excinfo.value.msg).split(". ")[0]]  # not judged: named, counted, no verdict
         if found and decided:
             failures, declared, reason = [], [], ""
             if decided in ("failed", "error"):
                 crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
-                test = item.nodeid.partition("@kv:")[0]  # without xdist's loadgroup suffix: the same name serial or -n
-                failures = [{"test": test, "message": first_lines(crash or report.longreprtext)}]
+                failures = [{"test": item.nodeid, "message": first_lines(crash or report.longreprtext)}]
                 diff = getattr(call.excinfo.value, "diff", None) if call.excinfo is not None else None
                 if isinstance(diff, dict):  # a token mismatch: the data of the HTML report's token diff
                     failures[0]["diff"] = diff
@@ -167,6 +166,11 @@ class ResultsPlugin:
             tr.write_sep("-", "kvcompile: results per engine and model")
             for line in text_table(self.results["rows"]):
                 tr.write_line(line)
+        noise = {(r["model"], r["dtype"]): r["noise"] for r in self.results["rows"] if r.get("noise")}
+        if noise:
+            tr.write_sep("-", f"kvcompile: 16-bit verdict rules, measured per model ({len(noise)})")
+            for (model, dtype), found in sorted(noise.items()):
+                tr.write_line(noise_line(model, dtype, found))
         builds = sorted((r for r in self.results["rows"] if r.get("builds")), key=lambda r: -r["build_s"])[:5]
         if builds:
             tr.write_sep("-", f"kvcompile: slowest engine builds ({len(builds)})")
@@ -199,6 +203,16 @@ class ResultsPlugin:
                 tr.write_line(f"not compared: {note}")
         for flag, path in self.outputs.items():
             tr.write_line(f"kvcompile: wrote {flag.removeprefix('--kv-report-')} report to {path}")
+
+
+def noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
+    """One model's 16-bit rule as measured (oracles/precision.py: Noise.to_dict())."""
+    oracle = next(iter(noise["per_computation"].values()), {})
+    return (f"{model} ({dtype}): tie tolerance {noise['tolerance']:.3g} ({noise['factor']:g} x noise scale {noise['scale']:.3g}, or x "
+            f"the noise at the position), near-tie rate of equivalent computations {noise['flip_rate']:.1%} (bound "
+            f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g}; judged against float64 "
+            f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"
+            f"{noise['positions']} calibration positions")
 
 
 class RunNotes:

@@ -96,6 +96,9 @@ def verdicts(rows: list[dict[str, Any]], problems: list[str] | tuple[str, ...] =
         shown = ", ".join(f"{n} {name}" for name, n in counts.items() if n)
         models = len({r["model"] for r in mine})
         rule = f", {ruled} run rule(s) failed" if ruled else ""
+        unjudged = sorted({r["model"] for r in mine if r.get("oracle_errors")})
+        if unjudged:  # skips, named: the oracle failed its self-check there (oracles/store.py)
+            rule += f", not judged on {', '.join(unjudged)} (oracle unreliable)"
         found.append((engine, verdict, f"{shown or 'no tests'}{rule} ({models} model{'s' if models != 1 else ''})"))
     order = ("FAIL", "NOT CHECKED", "PASS with known findings", "PASS")
     return sorted(found, key=lambda f: order.index(f[1]))  # failures first

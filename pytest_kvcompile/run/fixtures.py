@@ -59,19 +59,16 @@ def kv_engine(kv_session: Session, kv_engine_name: str, kv_model_name: str) -> E
 
 
 @pytest.fixture
-def kv_oracle(kv_session: Session, kv_record: Recorder, kv_engine_name: str, kv_model_name: str) -> StoredOracle:
+def kv_oracle(kv_session: Session, kv_engine_name: str, kv_model_name: str) -> StoredOracle:
     """The oracle of the engine's declared strategy on the current model. Before the first test uses it, the
     model's prompt set is replayed through an independent path (oracles.store): an oracle that fails that
-    self-check is an ERROR of every token check on the model, never a verdict on the engine."""
+    self-check SKIPS every token check on the model as not judged (OracleUnreliable), never a verdict on the
+    engine."""
     session = _checked(kv_session, kv_engine_name, kv_model_name)
     oracle = session.oracle(kv_engine_name, kv_model_name)
     entry = session.models[kv_model_name]
-    try:
-        for prompt in session.prompts(kv_model_name) + batch(entry.vocab_size, entry.window):
-            oracle.reference(prompt.ids, session.settings.max_new_tokens)
-    except OracleUnreliable as exc:
-        kv_record.metric(oracle_errors=[str(exc).split(". ")[0]])
-        pytest.fail(str(exc), pytrace=False)
+    for prompt in session.prompts(kv_model_name) + batch(entry.vocab_size, entry.window):
+        oracle.reference(prompt.ids, session.settings.max_new_tokens)  # OracleUnreliable: a skip, not judged
     return oracle
 
 
@@ -81,6 +78,8 @@ def kv_oracle_or_none(request: pytest.FixtureRequest, kv_record: Recorder) -> St
     as a declared limitation): for checks that still mean something without an oracle (same prompt, same tokens)."""
     try:
         return request.getfixturevalue("kv_oracle")
+    except OracleUnreliable:  # recorded as not judged by the token checks; these checks go on without it
+        return None
     except NotApplicable as exc:
         kv_record.metric(declared_skips=[str(exc.msg)])
         return None

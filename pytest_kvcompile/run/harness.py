@@ -246,6 +246,38 @@ class EngineUnderTest:
             context=self.served(len(self.history) - 1),
         )
 
+    def differs(self, prompt: Prompt, first: Sequence[int], second: Sequence[int],
+                reference: Reference | Callable[[], Reference | None] | None = None) -> str | None:
+        """How two outputs of this engine for `prompt` (alone vs batched, repeated calls) differ beyond a near tie
+        ("at step 3 (17 vs 40): ..."), or None. Equal outputs agree; at their first difference the two tokens are
+        judged by the rule of the token checks (oracles/token_match.py: the tie tolerance, in 16-bit also the noise at
+        the position): on the oracle's logits given their shared prefix (`reference`, or a callable giving it, asked
+        only on a difference), else on the engine's own declared score(). Without either, any difference is beyond a
+        near tie: nothing can tell it from one (in 16-bit, other shapes legitimately flip near ties)."""
+        step = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), None)
+        if step is None:
+            return None if len(first) == len(second) else f"in length ({len(first)} and {len(second)} tokens)"
+        a, b = int(first[step]), int(second[step])
+        if callable(reference):
+            reference = reference()
+        if reference is not None:
+            row, judge = reference.given(first, self.tie_tolerance)[step], "the oracle"
+        elif self.ref.declaration.scoring:
+            with self._guarded(f"score(<prompt of length {len(prompt)}>, <continuation of length {len(first)}>)"):
+                scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(first))
+            row, judge = scored[step].float(), "the engine's own score()"
+        else:
+            return (f"at step {step} ({a} vs {b}): no oracle covers strategy {self.ref.declaration.strategy} and the "
+                    "engine declares no score(), so the difference cannot be told from a near tie")
+        gap, allowed = abs(float(row[a] - row[b])), self.tie_tolerance
+        if gap > allowed and reference is not None and reference.noise is not None:
+            best, other = (a, b) if row[a] >= row[b] else (b, a)
+            allowed = max(allowed, reference.noise(first).allowed(step, best, other, row))
+        if gap <= allowed:
+            return None
+        return (f"at step {step} ({a} vs {b}): {judge} separates the two by a logit gap of {gap:.4g} > {allowed:.4g}, "
+                "not a near tie")
+
     def check_score(self, reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
         """A declared score(): its rows against the oracle's along `got`, and its argmax against `got`."""
         __tracebackhide__ = True

@@ -15,6 +15,8 @@ from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
     ModelSpec,
+    Strategy,
+    dtype_name,
     missing_capability,
 )
 from pytest_kvcompile.contract.registry import EngineRef
@@ -25,7 +27,9 @@ from pytest_kvcompile.models.checkpoints import ModelEntry
 from pytest_kvcompile.models.prompts import Prompt, prompt_set
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
 from pytest_kvcompile.oracles.store import StoredOracle
-from pytest_kvcompile.oracles.tolerances import DEFAULT_SCORE_TOLERANCE
+from pytest_kvcompile.oracles import precision
+from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
+from pytest_kvcompile.recompiles.hooks import import_inductor_quietly
 from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
 from pytest_kvcompile.reports.results import Collector
 from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
@@ -44,6 +48,7 @@ class Session:
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _built: dict[tuple[str, str], EngineUnderTest | NotApplicable | str] = field(default_factory=dict)
     _oracles: dict[tuple[str, str], Any] = field(default_factory=dict)
+    _rules: dict[str, Any] = field(default_factory=dict)
 
     @property
     def models(self) -> dict[str, ModelEntry]:
@@ -106,6 +111,8 @@ class Session:
             raise NotApplicable(f"engine '{name}' does not declare {missing}")
         if ref.declaration.compiled:
             isolate()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
+            if self.settings.compile_backend == "inductor":
+                import_inductor_quietly()  # before the engine's first compile imports it, warning about torch
         recorder = CompileRecorder()
         allocated_before = cuda_allocated(spec.device)
         started = time.perf_counter()
@@ -127,32 +134,58 @@ class Session:
         self.collector.add(name, model, builds=1, build_s=round(seconds, 3))
         after = cuda_allocated(spec.device)
         grown = None if allocated_before is None else after - allocated_before
-        settings = self.settings
+        settings, rules = self.settings, self.rules(model)
+        if rules.noise is not None:
+            self.collector.add(name, model, noise=rules.noise.to_dict())
         return EngineUnderTest(
-            ref, spec, instance, settings.max_new_tokens, settings.tie_tolerance, self.models[model].window,
+            ref, spec, instance, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
             build_compiles=build_compiles, build_captures=build_captures, call_timeout=settings.call_timeout,
-            max_near_ties=settings.max_near_ties, score_tolerance=DEFAULT_SCORE_TOLERANCE[settings.dtype],
+            max_near_ties=rules.max_near_ties, score_tolerance=rules.score_tolerance,
             cuda_grown=grown, progress=self.progress,
         )
 
     def oracle(self, name: str, model: str) -> StoredOracle:
-        """The oracle of the engine's declared strategy on the model (memoized, disk-cached, self-checked)."""
-        strategy = self.engines[name].declaration.strategy
-        key = (str(strategy), model)
-        if key not in self._oracles:
-            spec = self.spec(model)
-            try:
-                raw = oracle_for(strategy, spec)
-            except (NoOracle, ModelNotSupported) as exc:
-                self._oracles[key] = f"no oracle for engine '{name}' on model '{model}': {exc}"
-            else:
-                cache = self.settings.cache_dir / "oracle"
-                self._oracles[key] = StoredOracle(raw, strategy, spec, self.settings.tie_tolerance, cache,
-                                                  check=self.settings.oracle_check)
-        found = self._oracles[key]
+        """The oracle of the engine's declared strategy on the model (memoized, disk-cached, self-checked); in a
+        16-bit run the float64 truth of the model's 16-bit weights (oracles/precision.py)."""
+        found = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
         if isinstance(found, str):
             raise NotApplicable(found + " (the oracle-free checks still run)")
         return found
+
+    def _stored(self, strategy: Strategy, model: str, who: str) -> StoredOracle | str:
+        key = (str(strategy), model)
+        if key not in self._oracles:
+            spec = self.spec(model)
+            reduced = precision.reduced(spec.dtype)
+            judged = precision.high_precision(spec) if reduced else spec
+            try:
+                raw = oracle_for(strategy, judged)
+            except (NoOracle, ModelNotSupported) as exc:
+                self._oracles[key] = f"no oracle for {who} on model '{model}': {exc}"
+            else:
+                if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
+                    raw.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE[dtype_name(spec.dtype)]
+                exact = strategy.kind == "exact"
+                self._oracles[key] = StoredOracle(
+                    raw, strategy, judged, self.settings.tie_tolerance or 0.0, self.settings.cache_dir / "oracle",
+                    # a 16-bit run's eviction truth is float64 already: its float64 replay would be itself
+                    check=self.settings.oracle_check and (exact or not reduced),
+                    computations=precision.Computations(spec) if reduced and exact else None)
+        return self._oracles[key]
+
+    def rules(self, model: str) -> precision.Rules:
+        """The verdict numbers on `model`: the options' values, and for 16-bit 'auto' ones the model's measured
+        noise (oracles/precision.py)."""
+        if model not in self._rules:
+            settings = self.settings
+            noise = None
+            if precision.reduced(settings.dtype):
+                truth = self._stored(Strategy(), model, "the noise calibration")
+                if isinstance(truth, str):
+                    raise NotApplicable(truth)
+                noise = truth.noise()
+            self._rules[model] = precision.Rules.of(settings, noise)
+        return self._rules[model]
 
     def engine_named(self, name: str, model: str, why: str) -> EngineUnderTest:
         """An engine the run did not select (a relative latency budget's), resolved now and built for `model`;

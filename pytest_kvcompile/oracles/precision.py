@@ -1,0 +1,285 @@
+"""Verdicts in reduced precision: what a bfloat16 or float16 engine may legitimately choose (issue 23).
+
+**The truth.** The model's weights rounded to the run's 16-bit dtype (what every engine holds), evaluated in float64
+(`HighPrecisionSpec`, `load_lm`): the function the engine computes, without the engine's own rounding. In a 16-bit
+run the oracle *is* this truth (the same oracle class, float64); transformers' own 16-bit path is one of the
+computations below, never the judge, so a doubt about it never reds an engine.
+
+**The noise.** Equivalent 16-bit computations of the same model (`COMPUTATIONS`: transformers eager with its cache,
+which is the 16-bit oracle's own path; SDPA without a cache; SDPA in a left-padded batch; eager with the prompt
+prefilled in chunks of 5) differ from the truth by rounding alone. What can flip a correct engine's choice between
+the truth's best token b and another token e is the error a computation makes on the difference t[b] - t[e]. Per
+model and dtype, along the truth's greedy path on `CALIBRATION` prompts (`calibrate`, stored with the oracle):
+
+- scale = the 99th percentile, over positions and computations, of the largest such error among the truth's top 8;
+- flip rate = the largest share of positions where one computation's argmax is not the truth's.
+
+**The rule.** At a step where the engine's token e is not the truth's best b (gap g = t[b] - t[e], the truth
+teacher-forced on the engine's own tokens), it is a near tie iff ``g <= NOISE_FACTOR x max(scale, local)``,
+local = the largest error the same computations make on t[b] - t[e] at this very position, along the engine's own
+tokens (`LocalNoise`): positions where the network amplifies rounding are noisy for every computation, and the
+local term covers them without widening the rule elsewhere. NOISE_FACTOR covers computations the four do not
+(fused kernels, other reduction orders); its twin in tests/ fails just outside it. A sequence may hold as many near
+ties as a correct engine flipping at the flip rate's upper bound shows with probability >= `FALSE_ALARM`
+(binomial); so may a whole run (`run_rate_exceeded`). The numbers per zoo model: docs/precision.md.
+
+float32 keeps its constants (oracles/tolerances.py): its noise is ~1e-5, far inside them (measured in the same doc).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
+from pytest_kvcompile.oracles.tolerances import FALSE_ALARM, binomial_tail
+
+REDUCED = ("bfloat16", "float16")  # dtypes judged by this module's rule
+NOISE_FACTOR = 1.5
+TOP = 8  # the truth's top tokens whose differences to the best are measured
+QUANTILE = 0.99  # of the per-position errors: the scale
+CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60), 16, 230)  # prompt lengths, new tokens, seed
+CHUNK = 5  # prefill chunk of the chunked computation
+COMPUTATIONS = ("eager, cache", "sdpa, no cache", "sdpa, left-padded batch", "eager, chunked prefill")
+
+
+def reduced(dtype: torch.dtype | str) -> bool:
+    """Whether verdicts in `dtype` follow this module's rule (bfloat16, float16)."""
+    return (dtype if isinstance(dtype, str) else dtype_name(dtype)) in REDUCED
+
+
+@dataclasses.dataclass(frozen=True)
+class HighPrecisionSpec(ModelSpec):
+    """A ModelSpec whose weights are rounded to `weights_dtype` before they are cast to `dtype` (the truth)."""
+
+    weights_dtype: torch.dtype = torch.bfloat16
+
+
+def high_precision(spec: ModelSpec) -> HighPrecisionSpec:
+    """The truth of a 16-bit `spec`: its weights rounded to spec.dtype, evaluated in float64."""
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)}
+    return HighPrecisionSpec(**{**fields, "dtype": torch.float64}, weights_dtype=spec.dtype)
+
+
+def load_lm(spec: ModelSpec, **kwargs: Any):
+    """transformers' model of the checkpoint in spec.dtype on spec.device, eval mode; a `HighPrecisionSpec`'s weights
+    pass through its weights_dtype first. Every oracle loads its model here."""
+    from transformers import AutoModelForCausalLM
+
+    through = getattr(spec, "weights_dtype", None) or spec.dtype
+    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=through, **kwargs)
+    return model.to(device=spec.device, dtype=spec.dtype).eval()
+
+
+# --------------------------------------------------------------------------- the equivalent computations
+
+
+class Computations:
+    """The equivalent 16-bit computations (`COMPUTATIONS`) of `spec` (its own dtype and device)."""
+
+    def __init__(self, spec: ModelSpec):
+        self.spec = spec
+        self.eager = load_lm(spec, attn_implementation="eager")
+        self.sdpa = load_lm(spec, attn_implementation="sdpa")
+
+    @torch.inference_mode()
+    def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        """Logits [computations, len(tokens), vocab] (float64, CPU) of each computation at every step of
+        prompt + tokens (row i predicts tokens[i])."""
+        prompt, tokens = [int(t) for t in prompt], [int(t) for t in tokens]
+        if not tokens:
+            return torch.empty(len(COMPUTATIONS), 0, self.spec.vocab_size, dtype=torch.float64)
+        rows = [self._cached(self.eager, [prompt], tokens), self._whole(self.sdpa, prompt, tokens),
+                self._padded(self.sdpa, prompt, tokens), self._cached(self.eager, _chunks(prompt), tokens)]
+        return torch.stack([r.double().cpu() for r in rows])
+
+    def _ids(self, ids) -> torch.Tensor:
+        return torch.tensor([ids], device=self.spec.device)
+
+    def _cached(self, model, prefill: list[list[int]], tokens: list[int]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        cache, rows = DynamicCache(config=model.config), []
+        for chunk in prefill:
+            logits = model(input_ids=self._ids(chunk), past_key_values=cache, use_cache=True).logits[0, -1]
+        rows.append(logits)
+        for token in tokens[:-1]:
+            rows.append(model(input_ids=self._ids([token]), past_key_values=cache, use_cache=True).logits[0, -1])
+        return torch.stack(rows)
+
+    def _whole(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        ids = prompt + tokens[:-1]
+        return model(input_ids=self._ids(ids), use_cache=False).logits[0, len(prompt) - 1:]
+
+    def _padded(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+        """The sequence left-padded beside a companion 7 tokens longer (positions count real tokens only)."""
+        ids = prompt + tokens[:-1]
+        vocab = self.spec.vocab_size
+        companion = [(t * 7 + 3) % vocab for t in ids] + [(i * 11 + 1) % vocab for i in range(7)]
+        width = len(companion)
+        batch = torch.tensor([[0] * 7 + ids, companion], device=self.spec.device)
+        mask = torch.tensor([[0] * 7 + [1] * len(ids), [1] * width], device=self.spec.device)
+        logits = model(input_ids=batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                       use_cache=False).logits
+        return logits[0, 7 + len(prompt) - 1:]
+
+
+def _chunks(prompt: list[int]) -> list[list[int]]:
+    return [prompt[i:i + CHUNK] for i in range(0, len(prompt), CHUNK)]
+
+
+def difference_errors(truth: torch.Tensor, computed: torch.Tensor, best: torch.Tensor,
+                      others: torch.Tensor) -> torch.Tensor:
+    """|(c[b] - c[o]) - (t[b] - t[o])| for each row's best b [n] and other tokens o [n, k]: [..., n, k]."""
+    error = computed - truth
+    return (error.gather(-1, others.expand(*error.shape[:-1], others.size(-1)))
+            - error.gather(-1, best[:, None].expand(*error.shape[:-1], 1))).abs()
+
+
+# --------------------------------------------------------------------------- calibration
+
+
+@dataclasses.dataclass(frozen=True)
+class Noise:
+    """The measured noise of one model in one 16-bit dtype (module docstring), and the verdict numbers it gives."""
+
+    model: str
+    dtype: str
+    scale: float  # QUANTILE of the per-position top-TOP difference errors, over computations
+    max_error: float  # the largest of them
+    median_error: float
+    flips: int  # positions where the most-flipping computation's argmax is not the truth's
+    positions: int  # positions per computation
+    logit_error: float  # the largest absolute logit error of any computation (any token): score() rows
+    per_computation: dict[str, dict[str, float]]  # name -> max, p99, flips
+
+    @property
+    def tolerance(self) -> float:
+        """The near-tie tolerance where the local term is not larger: NOISE_FACTOR x scale."""
+        return NOISE_FACTOR * self.scale
+
+    @property
+    def score_tolerance(self) -> float:
+        return NOISE_FACTOR * self.logit_error
+
+    @property
+    def flip_rate(self) -> float:
+        return self.flips / self.positions if self.positions else 0.0
+
+    @property
+    def flip_rate_bound(self) -> float:
+        """Upper 97.5% (Clopper-Pearson) bound of the flip rate: calibration sees few positions."""
+        return upper_bound(self.flips, self.positions)
+
+    def max_near_ties(self, steps: int) -> int:
+        """Near ties allowed in one sequence of `steps`: more happen with probability < FALSE_ALARM at the bound."""
+        return budget(steps, self.flip_rate_bound)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out.update(tolerance=self.tolerance, score_tolerance=self.score_tolerance, flip_rate=self.flip_rate,
+                   flip_rate_bound=self.flip_rate_bound, factor=NOISE_FACTOR)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Noise:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+    def describe(self) -> str:
+        oracle = self.per_computation.get(COMPUTATIONS[0], {})
+        return (f"{self.dtype} noise of '{self.model}': scale {self.scale:.3g} (p99 of the error on top-{TOP} logit "
+                f"differences of {len(COMPUTATIONS)} equivalent computations vs float64 over {self.positions} "
+                f"positions; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = {NOISE_FACTOR:g} x scale "
+                f"(or x the noise at the position), flip rate {self.flip_rate:.1%}; transformers' own "
+                f"{self.dtype} path flips vs the truth at {int(oracle.get('flips', 0))}/{self.positions} positions "
+                "(verdicts use the truth)")
+
+
+def calibrate(spec: ModelSpec, truth: Any, computations: Computations | None = None) -> Noise:
+    """Measure `spec`'s noise (module docstring). `truth`: the high-precision oracle (``reference(prompt, n)``)."""
+    lengths, steps, seed = CALIBRATION
+    computations = computations or Computations(spec)
+    generator = torch.Generator().manual_seed(seed)
+    top_errors, logit_error, flips = [], 0.0, torch.zeros(len(COMPUTATIONS), dtype=torch.long)
+    for length in lengths:
+        prompt = torch.randint(0, spec.vocab_size, (length,), generator=generator).tolist()
+        ref = truth.reference(prompt, steps)
+        t = ref.logits.double()
+        computed = computations.along(prompt, ref.tokens)  # [K, steps, vocab]
+        best, others = t.argmax(-1), t.topk(TOP, dim=-1).indices
+        top_errors.append(difference_errors(t, computed, best, others).amax(-1))  # [K, steps]
+        logit_error = max(logit_error, float((computed - t).abs().amax()))
+        flips += (computed.argmax(-1) != best).sum(-1)
+    errors = torch.cat(top_errors, dim=1)  # [K, positions]
+    per = {name: {"max": float(errors[i].max()), "p99": float(errors[i].quantile(QUANTILE)), "flips": int(flips[i])}
+           for i, name in enumerate(COMPUTATIONS)}
+    return Noise(spec.name, dtype_name(spec.dtype), float(errors.flatten().quantile(QUANTILE)), float(errors.max()),
+                 float(errors.flatten().median()), int(flips.max()), errors.size(1), logit_error, per)
+
+
+class LocalNoise:
+    """The rule's local term along an engine's tokens: `allowed(step, best, token, truth_row)` =
+    NOISE_FACTOR x the largest error of the computations on t[best] - t[token] at that step."""
+
+    def __init__(self, computed: torch.Tensor):
+        self.computed = computed  # [K, steps, vocab] along the engine's tokens
+
+    def error(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
+        row = self.computed[:, step].double()
+        truth_row = truth_row.double()
+        return float(((row[:, best] - row[:, token]) - (truth_row[best] - truth_row[token])).abs().max())
+
+    def allowed(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
+        return NOISE_FACTOR * self.error(step, best, token, truth_row)
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """The verdict numbers on one model: tie tolerance, near-tie budget per sequence (None: none), score()
+    tolerance, near-tie rate over the run (None: the binomial rule at the noise's flip rate), and the noise the
+    16-bit ones were measured from (None: the options' values, or float32's constants)."""
+
+    tie_tolerance: float
+    max_near_ties: int | None
+    score_tolerance: float
+    max_near_tie_rate: float | None
+    noise: Noise | None = None
+
+    @classmethod
+    def of(cls, settings: Any, noise: Noise | None) -> Rules:
+        """From the run's settings (None = measured: needs `noise`)."""
+        from pytest_kvcompile.oracles.tolerances import DEFAULT_SCORE_TOLERANCE
+
+        if noise is None:
+            return cls(settings.tie_tolerance, settings.max_near_ties, DEFAULT_SCORE_TOLERANCE[settings.dtype],
+                       settings.max_near_tie_rate)
+        return cls(noise.tolerance if settings.tie_tolerance is None else settings.tie_tolerance,
+                   noise.max_near_ties(settings.max_new_tokens) if settings.max_near_ties is None
+                   else settings.max_near_ties, noise.score_tolerance, settings.max_near_tie_rate, noise)
+
+
+# --------------------------------------------------------------------------- budgets
+
+
+def upper_bound(successes: int, trials: int, confidence: float = 0.975) -> float:
+    """Clopper-Pearson upper bound of a rate seen `successes` times in `trials` (bisection on the binomial)."""
+    if trials == 0:
+        return 1.0
+    lo, hi = successes / trials, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if 1 - binomial_tail(trials, mid, successes + 1) < 1 - confidence:  # P(X <= successes) at mid
+            hi = mid
+        else:
+            lo = mid
+    return hi
+
+
+def budget(steps: int, rate: float) -> int:
+    """The smallest k such that a sequence of `steps` at flip `rate` has more than k near ties with probability
+    below FALSE_ALARM."""
+    return next(k for k in range(steps + 1) if binomial_tail(steps, rate, k + 1) < FALSE_ALARM)

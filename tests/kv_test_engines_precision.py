@@ -1,0 +1,153 @@
+"""Engines for the 16-bit verdict rule (issue 23, pytest_kvcompile/oracles/precision.py), written against the public
+contract: correct engines that compute the model another way (they must pass in bfloat16 and float16 on every zoo
+model), engines whose bug lives in precision or head mapping (they must fail in both), and the rule's own twins, which
+take one token just inside / just outside what the rule allows."""
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from kv_test_engines import Greedy
+from pytest_kvcompile import Declaration
+
+
+# --- correct engines ----------------------------------------------------------------------------------------------
+class ChunkedPrefill(Greedy):
+    """Correct: the prompt is prefilled in chunks of 5 through one cache, then decoded token by token."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, description="test engine: prefill in chunks of 5")
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, tokens, rows = DynamicCache(config=self.model.config), [], []
+        for start in range(0, len(prompt), 5):
+            logits = self.model(input_ids=torch.tensor([prompt[start:start + 5]]), past_key_values=cache).logits[0, -1]
+        for step in range(steps):
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            logits = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1]
+        return tokens, torch.stack(rows)
+
+
+class LeftPaddedBatched(Greedy):
+    """Correct: a batch is one left-padded forward (2-D mask, positions counted over real tokens), then decoded
+    together; score() runs the same path as a batch of one."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, description="test engine: left-padded batches")
+
+    def generate(self, prompts, max_new_tokens):
+        return self._batch(prompts, max_new_tokens, None)[0]
+
+    def score(self, prompt, continuation):
+        return self._batch([prompt], len(continuation), continuation)[1][0]
+
+    @torch.inference_mode()
+    def _batch(self, prompts, steps, forced):
+        width = max(map(len, prompts))
+        inputs = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        cache, out, rows = DynamicCache(config=self.model.config), [[] for _ in prompts], []
+        for step in range(steps):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -inputs.size(1):]
+            logits = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions,
+                                past_key_values=cache).logits[:, -1]
+            rows.append(logits)
+            nxt = logits.argmax(-1) if forced is None else torch.full((len(prompts),), forced[step])
+            for row, token in zip(out, nxt.tolist()):
+                row.append(token)
+            inputs, mask = nxt[:, None], torch.cat((mask, torch.ones(len(prompts), 1, dtype=mask.dtype)), dim=1)
+        return out, torch.stack(rows, dim=1) if rows else torch.empty(len(prompts), 0, self.spec.vocab_size)
+
+
+# --- bugs ---------------------------------------------------------------------------------------------------------
+class Float8Cache(Greedy):
+    """Bug: the KV cache is kept in float8 (e4m3), rounded at every write, while the engine declares the run's dtype
+    (a quantized cache nobody declared)."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: KV cache rounded to float8_e4m3fn")
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        for step in range(steps):
+            logits = self.model(input_ids=inputs, past_key_values=cache).logits[0, -1]
+            for layer in cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys = layer.keys.to(torch.float8_e4m3fn).to(layer.keys.dtype)
+                    layer.values = layer.values.to(torch.float8_e4m3fn).to(layer.values.dtype)
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+def _tiled_heads(module, query, key, value, attention_mask, **kwargs):
+    """SDPA with grouped-query heads mapped wrongly: query head h reads KV head h % kv_heads (tiled), not
+    h // (heads / kv_heads) (transformers' repeat_kv)."""
+    groups = query.size(1) // key.size(1)
+    key, value = key.repeat(1, groups, 1, 1), value.repeat(1, groups, 1, 1)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+AttentionInterface.register("kv_test_tiled_heads", _tiled_heads)
+
+
+class WrongHeadMapping(Greedy):
+    """Bug: grouped-query attention maps query heads to the wrong KV heads (tiled instead of grouped)."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: GQA heads tiled, not grouped")
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.model.set_attn_implementation("kv_test_tiled_heads")
+
+
+# --- the rule's twins ---------------------------------------------------------------------------------------------
+class _OneFlip(Greedy):
+    """Follows the float64 truth of the run's weights (oracles/precision.py) token for token, except at the first step
+    where some token's gap behind the truth's best is a fraction of what the rule allows there (`WINDOW`, in units of
+    the allowed gap: max(tolerance, the local noise term)); it takes that token once. No such step: the truth alone."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: one flip at a chosen distance from the rule")
+    WINDOW = (0.0, 1.0)
+
+    def __init__(self, spec):
+        from pytest_kvcompile.oracles import precision
+        from pytest_kvcompile.oracles.hf import HFEagerOracle
+
+        super().__init__(spec)
+        self.truth = HFEagerOracle(precision.high_precision(spec))
+        self.computations = precision.Computations(spec)
+        self.tolerance = precision.calibrate(spec, self.truth, self.computations).tolerance
+
+    def generate(self, prompts, max_new_tokens):
+        return [self._one(list(p), max_new_tokens) for p in prompts]
+
+    def _one(self, prompt, steps):
+        from pytest_kvcompile.oracles.precision import LocalNoise
+
+        tokens = list(self.truth.reference(prompt, steps).tokens)
+        rows = self.truth.teacher_forced(prompt, tokens)
+        local = LocalNoise(self.computations.along(prompt, tokens))
+        lo, hi = self.WINDOW
+        for step in range(steps):
+            row, best = rows[step].double(), int(rows[step].argmax())
+            for token in row.argsort(descending=True)[1:8].tolist():
+                gap = float(row[best] - row[token])
+                allowed = max(self.tolerance, local.allowed(step, best, token, row))
+                if lo * allowed < gap <= hi * allowed:
+                    head = tokens[:step] + [token]
+                    return head + list(self.truth.reference(prompt + head, steps - step - 1).tokens)
+        return tokens
+
+
+class FlipJustInside(_OneFlip):
+    """Correct by the rule: one token 70-95% of the allowed gap behind the best. Must PASS (one near tie)."""
+
+    WINDOW = (0.7, 0.95)
+
+
+class FlipJustOutside(_OneFlip):
+    """Wrong by the rule: one token 105-130% of the allowed gap behind the best. Must FAIL (a mismatch)."""
+
+    WINDOW = (1.05, 1.3)

@@ -1,0 +1,138 @@
+"""Verdicts in bfloat16 and float16 (issue 23, pytest_kvcompile/oracles/precision.py): the rule's arithmetic, correct
+engines that pass in both dtypes, every token-changing bug class that still fails in both, and the rule's twins just
+inside and just outside what it allows. Real pytest runs of suites/ (pytester), engines in
+tests/kv_test_engines_precision.py and the other kv_test_engines* files."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from conftest import TOKEN_CHECKS, run_suites
+from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.oracles import precision
+from pytest_kvcompile.oracles.hf import HFEagerOracle
+from pytest_kvcompile.oracles.tolerances import FALSE_ALARM, binomial_tail, run_rate_exceeded
+
+DTYPES = ("bfloat16", "float16")
+P = "--kv-engine=kv_test_engines_precision:"
+
+
+# --- the arithmetic -----------------------------------------------------------------------------------------------
+def test_binomial_tail_bound_and_budget():
+    assert binomial_tail(3, 0.5, 2) == pytest.approx(0.5)
+    assert binomial_tail(4000, 0.05, 0) == 1.0 and binomial_tail(4000, 0.05, 4001) == 0.0
+    assert math.isfinite(binomial_tail(5000, 0.05, 300))  # log space: no overflow
+    bound = precision.upper_bound(4, 128)
+    assert 4 / 128 < bound < 0.1 and binomial_tail(128, bound, 5) == pytest.approx(0.975, abs=1e-3)
+    k = precision.budget(16, 0.078)
+    assert binomial_tail(16, 0.078, k + 1) < FALSE_ALARM <= binomial_tail(16, 0.078, k)
+    assert not run_rate_exceeded(10, 200, 0.05) and run_rate_exceeded(40, 200, 0.05)
+
+
+@pytest.fixture(scope="module")
+def llama_bf16(zoo_cache) -> ModelSpec:
+    path = zoo.checkpoint("llama", zoo_cache)
+    return ModelSpec("llama", path, AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+
+
+def test_the_truth_is_the_16_bit_weights_in_float64(llama_bf16):
+    truth = precision.load_lm(precision.high_precision(llama_bf16))
+    weight = truth.model.layers[0].self_attn.q_proj.weight
+    assert weight.dtype == torch.float64
+    assert torch.equal(weight, weight.to(torch.bfloat16).double())  # rounded to bfloat16 first, then widened
+    original = precision.load_lm(ModelSpec(**{**vars(llama_bf16), "dtype": torch.float32}))
+    assert not torch.equal(weight, original.model.layers[0].self_attn.q_proj.weight.double())
+
+
+def test_calibration_measures_the_noise_of_equivalent_computations(llama_bf16):
+    noise = precision.calibrate(llama_bf16, HFEagerOracle(precision.high_precision(llama_bf16)))
+    lengths, steps, _ = precision.CALIBRATION
+    assert noise.positions == len(lengths) * steps and set(noise.per_computation) == set(precision.COMPUTATIONS)
+    assert 0 < noise.median_error <= noise.scale <= noise.max_error
+    assert noise.tolerance == pytest.approx(precision.NOISE_FACTOR * noise.scale)
+    assert 0 < noise.max_near_ties(16) < 16 and noise.flip_rate <= noise.flip_rate_bound
+    assert precision.Noise.from_dict(noise.to_dict()) == noise
+    assert 0.05 < noise.scale < 2  # bfloat16 on the zoo's Llama: tenths of a logit (docs/precision.md)
+
+
+def test_local_noise_is_the_error_on_the_judged_difference():
+    truth = torch.tensor([3.0, 2.0, 0.0], dtype=torch.float64)
+    computed = torch.tensor([[[2.5, 2.25, 0.0]], [[3.0, 2.0, 0.0]]])  # [computations, steps, vocab]
+    local = precision.LocalNoise(computed)
+    assert local.error(0, 0, 1, truth) == pytest.approx(0.75)  # (2.5 - 2.25) vs (3 - 2)
+    assert local.allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.75)
+
+
+# --- correct engines pass in both dtypes --------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("engine", ["kv_test_engines:Greedy", "kv_test_engines_verdicts:Recompute",
+                                    "kv_test_engines_precision:ChunkedPrefill",
+                                    "kv_test_engines_precision:LeftPaddedBatched"])
+def test_correct_engines_pass_in_16_bit(kvtester, engine, dtype):
+    result = run_suites(kvtester, f"--kv-engine={engine}", f"--kv-dtype={dtype}",
+                        "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k", TOKEN_CHECKS)
+    assert result.ret == 0, result.stdout.str()[-4000:]
+    assert "failed" not in result.parseoutcomes()
+    result.stdout.fnmatch_lines([f"*16-bit verdict rules, measured per model*",
+                                 f"llama ({dtype}): tie tolerance * (1.5 x noise scale *"])
+
+
+# --- every token-changing bug class still fails in both -----------------------------------------------------------
+TWINS = {  # bug class: (engine, zoo, -k, the failure line)
+    "late token": ("kv_test_engines:WrongLateToken", "llama", "token_identity and short7 and not batched",
+                   "*diverges from the oracle*"),
+    "stale state": ("kv_test_engines:StaleCache", "llama", "stale_state and not batched", "*diverges from the oracle*"),
+    "padding": ("kv_test_engines:PaddingBug", "llama", "token_identity_batched", "*diverges from the oracle*"),
+    "positions": ("kv_test_engines_verdicts:ContinuesPositions", "gpt2-abspos", "stale_state and not batched",
+                  "*diverges from the oracle*"),
+    "pad positions": ("kv_test_engines_verdicts:PadPositions", "gpt2-abspos", "token_identity_batched",
+                      "*diverges from the oracle*"),
+    "truncation": ("kv_test_engines_verdicts:KeepsLast256", "llama", "token_identity and long250 and not batched",
+                   "*diverges from the oracle*"),
+    "prefix cache": ("kv_test_engines_verdicts:PrefixCacheBug", "llama", "shared_prefixes and not batched",
+                     "*diverges from the oracle*"),
+    "window": ("kv_test_engines_sliding:OffByOne", "mistral-sw", "token_identity and not batched",
+               "*diverges from the oracle*"),
+    "shared layers": ("kv_test_engines_kvshared:SkipsSharedLayers", "gemma4-kvshared",
+                      "token_identity and long48 and not batched", "*diverges from the oracle*"),
+    "static cache never reset": ("kv_test_engines_static:Stale", "llama", "stale_state and not batched",
+                                 "*diverges from the oracle*"),
+    "eviction": ("kv_test_engines_eviction:StreamingLLMWithoutSinks", "llama", "token_identity and not batched",
+                 "*diverges from the oracle*"),
+    "head mapping": ("kv_test_engines_precision:WrongHeadMapping", "llama", "token_identity and short7 and not batched",
+                     "*diverges from the oracle*"),
+    "tie then garbage": ("kv_test_engines_verdicts:FlipThenGarbage", "llama", "token_identity and short7 and not "
+                         "batched", "*diverges from the oracle*"),
+    "drift": ("kv_test_engines_verdicts:FlipsAtEveryCloseCall", "llama", "token_identity and long48 and not batched",
+              "*drifts from the oracle*"),
+    "float8 cache": ("kv_test_engines_precision:Float8Cache", "llama", "token_identity and not batched",
+                     "*from the oracle*"),
+    "stale without oracle": ("kv_test_engines_verdicts:StaleWithoutOracle", "llama", "stale_state and not batched",
+                             "*state leaks*"),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bug", sorted(TWINS))
+def test_every_bug_class_still_fails_in_16_bit(kvtester, bug, dtype):
+    engine, model, select, line = TWINS[bug]
+    result = run_suites(kvtester, f"--kv-engine={engine}", f"--kv-dtype={dtype}", f"--kv-zoo={model}", "-k", select)
+    assert result.parseoutcomes().get("failed"), result.stdout.str()[-4000:]
+    result.stdout.fnmatch_lines([line])
+
+
+# --- the rule's twins: just inside passes, just outside fails -----------------------------------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_flip_just_inside_the_rule_passes_and_just_outside_fails(kvtester, dtype):
+    select = ["--kv-zoo=llama", f"--kv-dtype={dtype}", "-k", "token_identity and long48 and not batched"]
+    inside = run_suites(kvtester, P + "FlipJustInside", *select)
+    assert inside.ret == 0, inside.stdout.str()[-4000:]
+    inside.stdout.fnmatch_lines(["*near ties accepted as numerics*", "*FlipJustInside / llama / long48*near tie at "
+                                 "step *"])
+    outside = run_suites(kvtester, P + "FlipJustOutside", *select)
+    outside.assert_outcomes(failed=1)
+    outside.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama', prompt 'long48'*",
+                                  "*the oracle prefers * by a logit gap of * > *, so this is a real mismatch*"])
