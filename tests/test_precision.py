@@ -107,9 +107,8 @@ TWINS = {  # bug class: (engine, zoo, -k, the failure line)
     "tie then garbage": ("kv_test_engines_verdicts:FlipThenGarbage", "llama", "token_identity and short7 and not "
                          "batched", "*diverges from the oracle*"),
     "drift": ("kv_test_engines_verdicts:FlipsAtEveryCloseCall", "llama", "token_identity and long48 and not batched",
-              "*drifts from the oracle*"),
-    "float8 cache": ("kv_test_engines_precision:Float8Cache", "llama", "token_identity and not batched",
-                     "*from the oracle*"),
+              "*from the oracle*"),  # 16-bit: its flips at gaps up to 5 are mismatches before they are drift
+    "float8 cache": ("kv_test_engines_precision:Float8Cache", "llama", TOKEN_CHECKS, "*from the oracle*"),
     "stale without oracle": ("kv_test_engines_verdicts:StaleWithoutOracle", "llama", "stale_state and not batched",
                              "*state leaks*"),
 }
@@ -127,12 +126,13 @@ def test_every_bug_class_still_fails_in_16_bit(kvtester, bug, dtype):
 # --- the rule's twins: just inside passes, just outside fails -----------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_flip_just_inside_the_rule_passes_and_just_outside_fails(kvtester, dtype):
-    select = ["--kv-zoo=llama", f"--kv-dtype={dtype}", "-k", "token_identity and long48 and not batched"]
+    """Each twin flips once per prompt where some token is that far behind (7 prompts x 32 steps: float16's
+    tolerance is a tenth of a logit, so close candidates are rare)."""
+    select = ["--kv-zoo=llama", f"--kv-dtype={dtype}", "--kv-max-new-tokens=32", "-k", "token_identity and not batched"]
     inside = run_suites(kvtester, P + "FlipJustInside", *select)
     assert inside.ret == 0, inside.stdout.str()[-4000:]
-    inside.stdout.fnmatch_lines(["*near ties accepted as numerics*", "*FlipJustInside / llama / long48*near tie at "
-                                 "step *"])
+    inside.stdout.fnmatch_lines(["*near ties accepted as numerics*", "*FlipJustInside / llama / *near tie at step *"])
     outside = run_suites(kvtester, P + "FlipJustOutside", *select)
-    outside.assert_outcomes(failed=1)
-    outside.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama', prompt 'long48'*",
+    assert outside.parseoutcomes().get("failed"), outside.stdout.str()[-4000:]
+    outside.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama'*",
                                   "*the oracle prefers * by a logit gap of * > *, so this is a real mismatch*"])

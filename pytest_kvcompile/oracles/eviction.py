@@ -483,6 +483,7 @@ class Forced:
     states: int
     capped: bool
     pruned_at: int | None
+    alternatives: tuple[torch.Tensor, ...] = ()  # per step, every live alternative's row [alternatives, vocab]
 
 
 class EvictionOracle:
@@ -575,6 +576,11 @@ class EvictionOracle:
         (`teacher_forced_run`)."""
         return self.teacher_forced_run(prompt, tokens, tie_tolerance).logits
 
+    def alternatives(self, prompt, tokens, tie_tolerance: float) -> list[torch.Tensor]:
+        """Per step, the rows [alternatives, vocab] of every alternative alive there along `tokens`: after an eviction
+        near tie an engine may be on any of them, so its ``score()`` rows are compared with the closest."""
+        return list(self.teacher_forced_run(prompt, tokens, tie_tolerance).alternatives)
+
     @torch.inference_mode()
     def teacher_forced_run(self, prompt, tokens, tie_tolerance: float) -> Forced:
         """`teacher_forced` with its bookkeeping, memoized.
@@ -591,11 +597,13 @@ class EvictionOracle:
         if key in self._forced:
             return self._forced[key]
         live, rows, states, capped, pruned_at = [self._start(self.eviction_tie_tolerance)], [], 1, False, None
+        alternatives: list[torch.Tensor] = []
         for i, token in enumerate(tokens):
             out = [self._step(b, tokens[i - 1:i] if i else key[0]) for b in live]
             gaps = [float(row.max() - row[token]) for row in out]
             best = min(range(len(live)), key=gaps.__getitem__)
             rows.append(out[best])
+            alternatives.append(torch.stack(out))
             if pruned_at is not None:
                 continue
             survivors = [b for b, gap in zip(live, gaps) if gap <= tie_tolerance]
@@ -610,5 +618,5 @@ class EvictionOracle:
             live = children[:MAX_STATES]
             states = max(states, len(live))
         logits = torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
-        self._forced[key] = Forced(logits, states, capped, pruned_at)
+        self._forced[key] = Forced(logits, states, capped, pruned_at, tuple(alternatives))
         return self._forced[key]

@@ -40,6 +40,9 @@ class Reference:
     #: tokens -> precision.LocalNoise along prompt + tokens: the noise of equivalent 16-bit computations at each
     #: step (the local term of the 16-bit rule, oracles/precision.py); None: the tolerance alone decides
     noise: Callable[[Sequence[int]], Any] | None = field(default=None, compare=False, repr=False)
+    #: (tokens, tie_tolerance) -> per step the rows [k, vocab] of every alternative the oracle follows (an eviction
+    #: oracle after near-tied evictions); None: `given` is the only one
+    alternatives: Callable[[Sequence[int], float], list] | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         return f"Reference(prompt of length {len(self.prompt)}, tokens={list(self.tokens)})"

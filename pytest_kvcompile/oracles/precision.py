@@ -42,7 +42,7 @@ REDUCED = ("bfloat16", "float16")  # dtypes judged by this module's rule
 NOISE_FACTOR = 1.5
 TOP = 8  # the truth's top tokens whose differences to the best are measured
 QUANTILE = 0.99  # of the per-position errors: the scale
-CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60), 16, 230)  # prompt lengths, new tokens, seed
+CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60, 12, 33, 70, 5, 110, 48, 21, 9), 32, 230)  # prompt lengths, steps, seed
 CHUNK = 5  # prefill chunk of the chunked computation
 COMPUTATIONS = ("eager, cache", "sdpa, no cache", "sdpa, left-padded batch", "eager, chunked prefill")
 

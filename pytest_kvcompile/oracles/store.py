@@ -166,9 +166,11 @@ class StoredOracle:
 
         found = self._cached(("reference", prompt, max_new_tokens), compute)
         noise = (lambda got: self.local_noise(prompt, got)) if self.computations is not None else None
+        forks = getattr(self.oracle, "alternatives", None)
         ref = Reference(prompt, tuple(found["tokens"].tolist()), found["logits"], self.source,
                         lambda got, tol: self.teacher_forced(prompt, got, tol),
-                        None if found["evicted"] < 0 else found["evicted"], noise)
+                        None if found["evicted"] < 0 else found["evicted"], noise,
+                        (lambda got, tol: forks(prompt, got, tol)) if forks else None)
         self.self_check(ref)
         return ref
 

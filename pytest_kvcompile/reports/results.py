@@ -60,6 +60,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "kv_bytes": None,  # {"expected": int | None, "measured": int}
         "latency": None,  # see latency.Latency.as_dict()
         "noise": None,  # 16-bit runs: the model's measured noise and the verdict numbers from it (oracles/precision.py)
+        "sequences": {},  # distinct verified sequences (key of prompt + engine tokens) -> [verified tokens, near ties]
     }
 
 
@@ -109,6 +110,7 @@ def merge_row(into: dict[str, Any], row: dict[str, Any]) -> None:
         mine["skipped"] += seen["skipped"]
         mine["reason"] = mine["reason"] or seen["reason"]
     into["failures"] += [f for f in row["failures"] if f not in into["failures"]]
+    into["sequences"] = {**into.get("sequences", {}), **row.get("sequences", {})}
     for field, merge in _OPTIONAL.items():
         if row.get(field) is not None:
             try:
@@ -223,12 +225,16 @@ class Recorder:
         self.item.user_properties.append((NOTE, (category, line)))
         self.metric(**metrics)
 
-    def verdict(self, verdict: Any, at: str, verified: int, evicted: int | None) -> None:
+    def verdict(self, verdict: Any, at: str, verified: int, evicted: int | None, sequence: str = "") -> None:
         """A token check's verdict (token_match.Verdict, or None for a mismatch) of `verified` engine tokens;
-        `at` names engine / model / prompt (where); `evicted`: cache entries the oracle evicted (None: no eviction)."""
+        `at` names engine / model / prompt (where); `evicted`: cache entries the oracle evicted (None: no eviction);
+        `sequence`: a key of the prompt and the engine's tokens, so a sequence verified again (repeated calls, other
+        checks) counts once in the run's near-tie rate."""
         if verdict is None:
             self.metric(tokens={"mismatch": 1}, verified_tokens=verified)
             return
+        if sequence:
+            self.metric(sequences={sequence: [verified, len(verdict.near_ties)]})
         for tie in verdict.near_ties:
             line = f"{at}: near tie at step {tie.step}, {tie.expected} vs {tie.got}, gap {tie.gap:.3g}"
             self(NEAR_TIES, line, near_ties=[line])
@@ -279,15 +285,17 @@ def run_problems(rows: list[dict[str, Any]], max_near_tie_rate: float | None) ->
                             "on this model)")
     by_engine: dict[tuple, list[int]] = {}
     for row in rows:
-        noise, ties, verified = row.get("noise"), row.get("near_tie_tokens", 0), row.get("verified_tokens", 0)
+        noise = row.get("noise")
         at = f"engine '{row['engine']}' on model '{row['model']}' ({row['device']}, {row['dtype']})"
-        if max_near_tie_rate is None:
+        if max_near_tie_rate is None:  # 16-bit, measured: distinct sequences, so a repeated one counts once
             rate = noise["flip_rate_bound"] if noise else None
+            distinct = row.get("sequences", {}).values()
+            verified, ties = sum(v for v, _ in distinct), sum(t for _, t in distinct)
             if rate is not None and run_rate_exceeded(ties, verified, rate):
-                problems.append(f"{at}: {ties} near ties in {verified} verified tokens ({ties / verified:.1%}): a "
-                                f"correct engine flipping at the model's measured rate (<= {rate:.1%}) shows this "
-                                f"many with probability < {FALSE_ALARM:g}: numerics drift over the run (the near ties "
-                                "are listed above)")
+                problems.append(f"{at}: {ties} near ties in {verified} verified tokens of {len(distinct)} distinct "
+                                f"sequences ({ties / verified:.1%}): a correct engine flipping at the model's measured "
+                                f"rate (<= {rate:.1%}) shows this many with probability < {FALSE_ALARM:g}: numerics "
+                                "drift over the run (the near ties are listed above)")
             continue
         found = by_engine.setdefault((row["engine"], row["device"], row["dtype"]), [0, 0])
         found[0] += row.get("near_tie_tokens", 0)

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -123,8 +124,9 @@ def check_tokens(engine: EngineUnderTest, record: Recorder, reference: Reference
     except TokenMismatch:
         record.verdict(None, "", len(got), None)
         raise
+    sequence = hashlib.sha256(repr((tuple(reference.prompt), tuple(int(t) for t in got))).encode()).hexdigest()[:16]
     record.verdict(verdict, f"{engine.name} / {engine.spec.name} / {prompt.name} ({where})", len(got),
-                   reference.evicted)
+                   reference.evicted, sequence)
     return verdict
 
 

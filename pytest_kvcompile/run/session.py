@@ -166,11 +166,12 @@ class Session:
                 if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
                     raw.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE[dtype_name(spec.dtype)]
                 exact = strategy.kind == "exact"
+                # the noise of equivalent 16-bit computations along an engine's tokens (exact attention only)
+                computations = precision.Computations(spec) if reduced and exact else None
                 self._oracles[key] = StoredOracle(
                     raw, strategy, judged, self.settings.tie_tolerance or 0.0, self.settings.cache_dir / "oracle",
                     # a 16-bit run's eviction truth is float64 already: its float64 replay would be itself
-                    check=self.settings.oracle_check and (exact or not reduced),
-                    computations=precision.Computations(spec) if reduced and exact else None)
+                    check=self.settings.oracle_check and (exact or not reduced), computations=computations)
         return self._oracles[key]
 
     def rules(self, model: str) -> precision.Rules:
