@@ -205,8 +205,7 @@ def _group_by_engine_and_model(config: pytest.Config, run: Run) -> None:
     """Under pytest-xdist's default ``--dist load``, one worker per engine x model (run/grouping.py); an explicit
     --dist wins."""
     if grouping.wants_grouping(config, run.engines):
-        models = run.session.models if run.settings.engines or run.settings.models else {}
-        config.pluginmanager.register(grouping.SchedulerHook(run.engines, models), "kvcompile.grouping")
+        config.pluginmanager.register(grouping.SchedulerHook(run.engines, run.session.models), "kvcompile.grouping")
 
 
 def _share_cores(config: pytest.Config) -> None:

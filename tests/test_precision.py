@@ -76,7 +76,7 @@ def test_correct_engines_pass_in_16_bit(kvtester, engine, dtype):
                         "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k", TOKEN_CHECKS)
     assert result.ret == 0, result.stdout.str()[-4000:]
     assert "failed" not in result.parseoutcomes()
-    result.stdout.fnmatch_lines([f"*16-bit verdict rules, measured per model*",
+    result.stdout.fnmatch_lines(["*16-bit verdict rules, measured per model*",
                                  f"llama ({dtype}): tie tolerance * (1.5 x noise scale *"])
 
 

@@ -29,7 +29,6 @@ float32 keeps its constants (oracles/tolerances.py): its noise is ~1e-5, far ins
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -240,13 +239,12 @@ class LocalNoise:
 @dataclasses.dataclass(frozen=True)
 class Rules:
     """The verdict numbers on one model: tie tolerance, near-tie budget per sequence (None: none), score()
-    tolerance, near-tie rate over the run (None: the binomial rule at the noise's flip rate), and the noise the
-    16-bit ones were measured from (None: the options' values, or float32's constants)."""
+    tolerance, and the noise the 16-bit ones were measured from (None: the options' values, or float32's constants).
+    The run's near-tie rate is a reports rule (reports/results.py: run_problems, from each row's noise)."""
 
     tie_tolerance: float
     max_near_ties: int | None
     score_tolerance: float
-    max_near_tie_rate: float | None
     noise: Noise | None = None
 
     @classmethod
@@ -255,11 +253,10 @@ class Rules:
         from pytest_kvcompile.oracles.tolerances import DEFAULT_SCORE_TOLERANCE
 
         if noise is None:
-            return cls(settings.tie_tolerance, settings.max_near_ties, DEFAULT_SCORE_TOLERANCE[settings.dtype],
-                       settings.max_near_tie_rate)
+            return cls(settings.tie_tolerance, settings.max_near_ties, DEFAULT_SCORE_TOLERANCE[settings.dtype])
         return cls(noise.tolerance if settings.tie_tolerance is None else settings.tie_tolerance,
                    noise.max_near_ties(settings.max_new_tokens) if settings.max_near_ties is None
-                   else settings.max_near_ties, noise.score_tolerance, settings.max_near_tie_rate, noise)
+                   else settings.max_near_ties, noise.score_tolerance, noise)
 
 
 # --------------------------------------------------------------------------- budgets

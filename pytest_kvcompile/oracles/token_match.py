@@ -77,20 +77,27 @@ def compare(reference: Reference, got: Sequence[int], tie_tolerance: float,
     if first is None:
         return verdict
     rows = reference.given(got, tie_tolerance)
-    local = None
     for step in range(first, verdict.steps):
         row, token = rows[step], int(got[step])
         best = int(row.argmax())
         gap = float(row[best] - row[token])
         if token != best and gap >= 0:
-            allowed = tie_tolerance
-            if gap > allowed and reference.noise is not None:  # 16-bit: the noise at this very position may be larger
-                local = local or reference.noise(got)
-                allowed = max(allowed, local.allowed(step, best, token, row))
+            allowed = allowed_gap(reference, got, step, best, token, gap, tie_tolerance)
             verdict.divergences.append(Divergence(step, best, token, gap, gap <= allowed, allowed))
             if verdict.mismatch:
                 break
     return verdict
+
+
+def allowed_gap(reference: Reference, got: Sequence[int], step: int, best: int, token: int, gap: float,
+                tie_tolerance: float) -> float:
+    """The largest logit gap between `best` and `token` at `step` (the oracle's row along `got`) that is a near tie:
+    the tie tolerance, or in 16-bit, where larger, the noise of equivalent computations at this very position
+    (`Reference.noise`, oracles/precision.py), looked up only for a gap past the tolerance."""
+    if gap <= tie_tolerance or reference.noise is None:
+        return tie_tolerance
+    row = reference.given(got, tie_tolerance)[step]
+    return max(tie_tolerance, reference.noise(got).allowed(step, best, token, row))
 
 
 def assert_tokens_match(

@@ -28,6 +28,7 @@ from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.hf import Reference
 from pytest_kvcompile.oracles.token_match import (
     Verdict,
+    allowed_gap,
     assert_score_matches,
     assert_tokens_match,
 )
@@ -270,9 +271,9 @@ class EngineUnderTest:
             return (f"at step {step} ({a} vs {b}): no oracle covers strategy {self.ref.declaration.strategy} and the "
                     "engine declares no score(), so the difference cannot be told from a near tie")
         gap, allowed = abs(float(row[a] - row[b])), self.tie_tolerance
-        if gap > allowed and reference is not None and reference.noise is not None:
+        if reference is not None:
             best, other = (a, b) if row[a] >= row[b] else (b, a)
-            allowed = max(allowed, reference.noise(first).allowed(step, best, other, row))
+            allowed = allowed_gap(reference, first, step, best, other, gap, self.tie_tolerance)
         if gap <= allowed:
             return None
         return (f"at step {step} ({a} vs {b}): {judge} separates the two by a logit gap of {gap:.4g} > {allowed:.4g}, "
