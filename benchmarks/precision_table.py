@@ -7,7 +7,8 @@ engines run through the suites' token checks (their JSON report: near-tie tokens
 
 Each (dtype, engine) is one pytest run of suites/ (token checks, every model given) under
 --kv-compile-backend (default aot_eager: the reference engines' guards and numerics of their graphs, at a fraction
-of inductor's compile time) writing --kv-report-json; the noise columns are the rows' "noise".
+of inductor's compile time) writing --kv-report-json; the noise columns are the rows' "noise", the eviction table
+their "eviction_noise" (scoring eviction policies).
 """
 
 from __future__ import annotations
@@ -60,6 +61,13 @@ def markdown(runs: list[dict]) -> str:
         lines.append(f"| {model} | {dtype} | {n['scale']:.3g} | {n['max_error']:.3g} | {n['tolerance']:.3g} | "
                      f"{n['flip_rate']:.1%} ({n['flip_rate_bound']:.1%}) | {_budget(n)} | {n['score_tolerance']:.3g} | "
                      f"{own['flips']}/{n['positions']} flips | {', '.join(rates.get((model, dtype), [])) or '-'} |")
+    evictions = {(row["model"], row["dtype"], row["eviction_noise"]["policy"]): row["eviction_noise"]
+                 for r in runs for row in r["rows"] if row.get("eviction_noise")}
+    if evictions:
+        lines += ["", "| model | dtype | policy | cuts | score noise (p99, relative) | max error | eviction tie tolerance "
+                  "| cuts kept otherwise by the 16-bit computation |", "|---|---|---|---:|---:|---:|---:|---:|"]
+        lines += [f"| {model} | {dtype} | `{policy}` | {n['cuts']} | {n['scale']:.3g} | {n['max_error']:.3g} | "
+                  f"{n['tolerance']:.3g} | {n['flips']} |" for (model, dtype, policy), n in sorted(evictions.items())]
     verdicts = [f"- `{r['engine']}` {r['dtype']}: exit {r['exit']}, {r['summary']}" for r in runs]
     return "\n".join(lines + ["", *verdicts]) + "\n"
 

@@ -1,6 +1,7 @@
 """Helpers for the plugin's own tests: real pytest runs (pytester) against tests/kv_test_engines.py."""
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,14 @@ def assert_matches_oracle(oracle, prompt: list[int], got: list[int], what: str =
     gap = float(logits[step, want[step]] - logits[step, got[step]])
     assert gap <= TIE, (f"{what + ', ' if what else ''}prompt len {len(prompt)}: step {step} got {got[step]}, "
                         f"oracle {want[step]} (gap {gap:.2e})")
+
+
+def pytest_configure(config):
+    """One torch thread per xdist worker, as in the pytester runs (`kvtester`): two workers share the 2 cores."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")

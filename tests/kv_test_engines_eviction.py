@@ -68,6 +68,20 @@ class _Nudged(eviction.TOVA):
         return super().score(prev, weights, pos) * (1 + NUDGE / 2 * (pos % 2 * 2 - 1))  # odd positions up, even down
 
 
+def tova_nudged(spec, nudge: float) -> TOVA:
+    """TOVA(16) with every score moved by `nudge` / 2 of itself (odd positions up, even down): cuts nearer than
+    `nudge` (relative) may go the other way (the 16-bit twins of the measured eviction tolerance)."""
+
+    @dataclass(frozen=True)
+    class Nudged(eviction.TOVA):
+        def score(self, prev, weights, pos, keys=None):
+            return super().score(prev, weights, pos) * (1 + nudge / 2 * (pos % 2 * 2 - 1))
+
+    engine = TOVA(spec)
+    engine.policy = Nudged(engine.policy.budget)
+    return engine
+
+
 class TOVANudged(TOVA):
     """Correct within the near-tie rule for a relative score tolerance of NUDGE: TOVA(16) with every score moved
     by NUDGE / 2 of itself (odd positions up, even down), so cuts nearer than NUDGE may go the other way."""

@@ -136,3 +136,47 @@ def test_a_flip_just_inside_the_rule_passes_and_just_outside_fails(kvtester, dty
     assert outside.parseoutcomes().get("failed"), outside.stdout.str()[-4000:]
     outside.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama'*",
                                   "*the oracle prefers * by a logit gap of * > *, so this is a real mismatch*"])
+
+
+# --- the eviction near-tie rule: measured per policy, its twins just inside and outside -----------------------------
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype):
+    """The relative score tolerance of a scoring policy's cuts is measured (16-bit oracle vs the float64 truth at the
+    truth's cuts); TOVA with every cut moved by up to that tolerance passes on every prompt, moved by twice it fails
+    on some, and TOVA evicting the most attended token fails on all (tests/kv_test_engines_eviction.py)."""
+    import kv_test_engines_eviction as engines
+    from pytest_kvcompile.contract.engine import declaration_of
+    from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, EvictionOracle, calibrate_scores
+    from pytest_kvcompile.oracles.token_match import compare
+
+    path = zoo.checkpoint("llama", zoo_cache)
+    spec = ModelSpec("llama", path, AutoConfig.from_pretrained(path), dtype=getattr(torch, dtype))
+    strategy = declaration_of(engines.TOVA).strategy
+    truth = EvictionOracle(precision.high_precision(spec), strategy)
+    noise = calibrate_scores(spec, strategy, truth)
+    assert noise.cuts > 500 and 0 < noise.scale <= noise.max_error
+    assert noise.tolerance == pytest.approx(precision.NOISE_FACTOR * noise.scale)
+    assert noise.tolerance > 100 * EVICTION_TIE_TOLERANCE["float32"]  # 16-bit cuts are far noisier than float32's
+    h2o = calibrate_scores(spec, declaration_of(engines.H2O).strategy)
+    assert h2o.tolerance < noise.tolerance  # per policy: H2O's summed scores are steadier than TOVA's one row
+    truth.eviction_tie_tolerance = noise.tolerance
+    logits = precision.calibrate(spec, HFEagerOracle(precision.high_precision(spec))).tolerance
+    gen = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (17, 24, 33, 40, 48, 64, 20, 30)]
+
+    def mismatches(engine) -> int:
+        return sum(compare(truth.reference(p, 16), engine.generate([p], 16)[0], logits).mismatch is not None
+                   for p in prompts)
+
+    assert mismatches(engines.tova_nudged(spec, noise.tolerance)) == 0
+    assert mismatches(engines.tova_nudged(spec, 2 * noise.tolerance)) >= 1
+    assert mismatches(engines.TOVAEvictsTheMostAttended(spec)) == len(prompts)
+
+
+def test_a_16_bit_eviction_run_prints_its_measured_eviction_rule(kvtester):
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines_eviction:TOVA", "--kv-dtype=bfloat16",
+                        "-k", "token_identity and not batched")
+    assert result.ret == 0, result.stdout.str()[-4000:]
+    result.stdout.fnmatch_lines(["*16-bit verdict rules, measured per model*",
+                                 "llama (bfloat16) tova(budget=16): eviction near-tie tolerance * relative (1.5 x p99 *"
+                                 " at * calibration cuts; it kept another set at *)"])

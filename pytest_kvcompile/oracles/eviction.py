@@ -92,19 +92,18 @@ an unspecified order; we take the lower positions (`order`).
 
 Near ties (score-based policies: h2o, tova, snapkv_prefill, tova_prefill, knorm_prefill; position rules are
 exact). A correct engine in bfloat16, or with fused kernels, computes slightly different scores and may take
-the other side of a close cut, then legitimately generate other tokens. Rule: where the last kept and the
-first evicted candidate (by `order`; neither protected nor empty) score within ``EVICTION_TIE_TOLERANCE[dtype]``
-of each other RELATIVE to the larger, ``|s_kept - s_evicted| <= tol * max(|s_kept|, |s_evicted|)``, either
-may stay (one choice per KV head, or per layer for per-layer policies). The greedy `reference` takes the
-rule's own side; `teacher_forced` follows both (`EvictionOracle.teacher_forced_run`).
-Measured (scripts not kept): ref-h2o and ref-tova (inductor) against this oracle in the same dtype, zoo Llama,
-28 prompts of 5-64 tokens, 16 steps teacher-forced on the oracle's tokens, 1260-1520 cuts per run; at each
-of the oracle's cuts, |engine gap - oracle gap| of the same two entries, relative to the larger score:
-float32 max 1.9e-6 (h2o) / 4.7e-6 (tova), no side taken differently; float16 max 6.2e-3 / 1.3e-2, 1 cut
-taken the other way (oracle gap 3e-4); bfloat16 max 3.9e-2 / 0.149 (p99 0.024 / 0.098), 2 + 8 cuts taken the
-other way (oracle gaps 4e-3 and 7e-3 / at most 4.3e-4). Absolute errors differ 50-fold between the two
-policies' score scales (float32 9.1e-6 / 4.5e-8, bfloat16 0.14 / 2.8e-3), relative ones 4-fold: hence
-relative. Chosen: float32 1e-4, float16 3e-2, bfloat16 0.2.
+the other side of a close cut, then legitimately generate other tokens. Rule: any kept and any evicted candidate
+(neither protected nor empty) whose scores are within the eviction tie tolerance of each other RELATIVE to the
+larger, ``|s_kept - s_evicted| <= tol * max(|s_kept|, |s_evicted|)``, may swap (per KV head, or per layer for
+per-layer policies): several candidates often sit within it of the cut (attention near uniform), so the swap is not
+only the last kept with the first evicted. The greedy `reference` takes the rule's own side; `teacher_forced`
+follows the swaps (`EvictionOracle.teacher_forced_run`), cheapest first.
+The tolerance: float32 ``EVICTION_TIE_TOLERANCE`` (1e-4: a float32 computation's score differences are ~5e-6 from
+float64 at the cuts, measured below); bfloat16 and float16 are measured per model and policy at run time
+(`calibrate_scores`: a 16-bit computation vs the float64 truth at the truth's cuts, NOISE_FACTOR x the p99 relative
+error; docs/precision.md). Zoo Llama, CPU: TOVA bfloat16 0.213, float16 0.040; H2O bfloat16 0.040, float16 0.0062
+(H2O sums a token's weights over steps: steadier than TOVA's one row); float32 both ~5e-6 before the floor.
+Relative, not absolute: the two policies' score scales differ 50-fold, their relative errors 4-fold.
 """
 
 from __future__ import annotations
@@ -120,7 +119,7 @@ import torch.nn.functional as F
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
-from pytest_kvcompile.oracles.precision import load_lm
+from pytest_kvcompile.oracles.precision import NOISE_FACTOR, load_lm
 
 if TYPE_CHECKING:
     from pytest_kvcompile.oracles.hf import Reference
@@ -332,11 +331,11 @@ def kv_sources(config) -> dict[int, int]:
     return {i: max(j for j in range(first) if (j in sliding) == (i in sliding)) for i in shared}
 
 
-#: Near-tie tolerance on policy scores, per dtype, relative to the larger score: at a cut whose two sides score
-#: within it, either side may stay (module docstring, "Near ties", where the numbers come from). Other dtypes
-#: (float64) use float32's.
-EVICTION_TIE_TOLERANCE = {"float32": 1e-4, "bfloat16": 0.2, "float16": 3e-2}
-MAX_STATES = 8  # live alternatives `teacher_forced` follows at most
+#: Near-tie tolerance on policy scores in float32 (and float64), relative to the larger score (module docstring,
+#: "Near ties"); 16-bit runs measure theirs (`calibrate_scores`, set by the run's StoredOracle).
+EVICTION_TIE_TOLERANCE = {"float32": 1e-4}
+MAX_STATES = 64  # live alternatives `teacher_forced` follows at most
+FLIPS_PER_STEP = 3  # near-tied swaps one alternative may take in one step (`_Branch.forks`)
 
 
 class _Masks:
@@ -351,13 +350,13 @@ class _Masks:
         self.alive: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, n] bool, after the step's eviction
         self.scores: dict[int, torch.Tensor] = {}
         self.seen: dict[int, torch.Tensor] = {}  # layer -> [1, kv_heads, n] bool: the candidates of this step
-        self.ties: list[tuple[int, tuple[int, ...], int, int]] = []  # (layer, kv heads, last kept, first evicted)
+        self.ties: list[tuple[int, tuple[int, ...], int, int, float]] = []  # (layer, kv heads, kept, evicted, cost)
 
     def fork(self, flips=()) -> _Masks:
         """A copy taking the other side at each tie of `flips` (entries of `ties`)."""
         new = copy.copy(self)
         new.alive, new.scores, new.seen, new.ties = dict(self.alive), dict(self.scores), dict(self.seen), []
-        for layer, heads, kept, evicted in flips:
+        for layer, heads, kept, evicted, _ in flips:
             alive = new.alive[layer] = new.alive[layer].clone()
             alive[0, list(heads), kept], alive[0, list(heads), evicted] = False, True
         return new
@@ -407,19 +406,24 @@ class _Masks:
         self.alive[layer] = torch.zeros_like(alive).scatter(-1, ranked[..., :budget], True) & alive
         self.scores[layer] = score
         if self.tolerance is not None and self.policy.scored and n > budget:
-            self._near_ties(layer, cand, score, protected, ranked[0, :, budget - 1], ranked[0, :, budget])
+            self._near_ties(layer, cand, score, protected, ranked, budget)
         return result
 
-    def _near_ties(self, layer, cand, score, protected, last, first):
-        """Record the cuts where the last kept and the first evicted candidate, neither protected nor empty, score
-        within `tolerance` relative to the larger: per KV head, or once per layer for a per-layer policy."""
+    def _near_ties(self, layer, cand, score, protected, ranked, budget):
+        """Record the near-tied swaps of this cut: every kept and evicted candidate (neither protected nor empty) whose
+        scores are within `tolerance` of each other relative to the larger, with the swap's cost (its margin in units
+        of `tolerance`, 0 = exact tie); per KV head, or once per layer for a per-layer policy."""
+        usable = (cand[0] >= 0) & ~protected[0].expand_as(cand[0])  # [kv_heads, n]
+        kept = torch.zeros_like(usable).scatter(-1, ranked[0, :, :budget], True)
+        s = score[0].double()
         for head in range(cand.size(1)) if self.policy.per_head else (0,):
-            a, b = int(last[head]), int(first[head])
-            s_a, s_b = float(score[0, head, a]), float(score[0, head, b])
-            if min(cand[0, head, a], cand[0, head, b]) >= 0 and not (protected[0, head, a] or protected[0, head, b]) \
-                    and s_a - s_b <= self.tolerance * max(abs(s_a), abs(s_b)):
-                heads = (head,) if self.policy.per_head else tuple(range(cand.size(1)))
-                self.ties.append((layer, heads, a, b))
+            heads = (head,) if self.policy.per_head else tuple(range(cand.size(1)))
+            a, b = (usable[head] & kept[head]).nonzero()[:, 0], (usable[head] & ~kept[head]).nonzero()[:, 0]
+            s_a, s_b = s[head, a][:, None], s[head, b][None, :]
+            margin = (s_a - s_b) / torch.maximum(s_a.abs(), s_b.abs()).clamp(min=1e-300)
+            for i, j in (margin <= self.tolerance).nonzero().tolist():
+                cost = max(float(margin[i, j]), 0.0) / self.tolerance if self.tolerance else 0.0
+                self.ties.append((layer, heads, int(a[i]), int(b[j]), cost))
 
 
 def _rotate(x, angle):
@@ -459,19 +463,28 @@ def _mask(*args, **kwargs):
 
 @dataclass
 class _Branch:
-    """One generation in progress: its cache (every key), masks, and the given tokens' summed gap so far."""
+    """One generation in progress: its cache (every key), masks, and its cost so far: the noise events it needs to
+    explain the given tokens, each in units of its tolerance (a logit gap / the tie tolerance, a swap's score
+    margin / the eviction tie tolerance), so the most plausible alternatives are the ones kept."""
 
     cache: object
     masks: _Masks
-    gap: float = 0.0
+    cost: float = 0.0
     flips: int = 0  # non-default choices taken so far
 
     def forks(self, most: int) -> list[_Branch]:
-        """Itself, then copies taking the other side of this step's ties (single flips first), `most` in all."""
-        ties = self.masks.ties
-        subsets = (c for r in range(1, len(ties) + 1) for c in itertools.combinations(ties, r))
-        return [self] + [_Branch(copy.deepcopy(self.cache), self.masks.fork(c), self.gap, self.flips + len(c))
-                         for c in itertools.islice(subsets, most - 1)]
+        """Itself, then copies taking the other side of this step's near-tied swaps, cheapest first (up to
+        `FLIPS_PER_STEP` swaps at once, no candidate swapped twice), `most` in all."""
+        ties = sorted(self.masks.ties, key=lambda t: t[4])
+        subsets = []
+        for r in range(1, FLIPS_PER_STEP + 1):  # r swaps at once among the cheapest most, 12, 6 (r = 1, 2, 3)
+            for c in itertools.combinations(ties[: most if r == 1 else 24 // 2 ** (r - 1)], r):
+                touched = [(layer, h, p) for layer, heads, a, b, _ in c for h in heads for p in (a, b)]
+                if len(touched) == len(set(touched)):
+                    subsets.append((sum(t[4] for t in c), r, c))
+        subsets.sort(key=lambda x: x[:2])
+        return [self] + [_Branch(copy.deepcopy(self.cache), self.masks.fork(c), self.cost + cost, self.flips + r)
+                         for cost, r, c in subsets[: most - 1]]
 
 
 @dataclass(frozen=True)
@@ -492,8 +505,8 @@ class EvictionOracle:
     Any model whose attention goes through transformers' AttentionInterface (Llama, Mistral, Gemma3, Gemma4 text
     with KV sharing, GPT-2, ...). Attention weights are computed explicitly (no SDPA) and the policy decides
     evictions with the same rule as any engine (`order`). One prompt at a time, greedy, raw-logit argmax.
-    `eviction_tie_tolerance` (from EVICTION_TIE_TOLERANCE by dtype; None: no forks) drives `teacher_forced`;
-    an oracle checking another dtype's tokens (float64 checking bfloat16) needs that dtype's value.
+    `eviction_tie_tolerance` (float32's EVICTION_TIE_TOLERANCE; None: no forks) drives `teacher_forced`; an oracle
+    checking 16-bit tokens (the float64 truth of a bfloat16 run) gets that dtype's measured value (`calibrate_scores`).
     """
 
     def __init__(self, spec: ModelSpec, strategy: Strategy):
@@ -517,8 +530,7 @@ class EvictionOracle:
                          else rotary.inv_freq for i, kind in enumerate(types)}  # per layer type (Gemma) or one
         once = " (once, after prefill)" if self.policy.prefill_only else ""
         self.source = f"transformers eager {arch}, all keys kept, evicted ones masked by {self.policy.strategy}{once}"
-        self.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE.get(str(spec.dtype).removeprefix("torch."),
-                                                                 EVICTION_TIE_TOLERANCE["float32"])
+        self.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE["float32"]
         self._memo: dict[tuple[tuple[int, ...], int], tuple[Reference, _Masks]] = {}
         self._forced: dict[tuple, Forced] = {}
 
@@ -587,8 +599,8 @@ class EvictionOracle:
 
         At each step every live alternative is fed the given input; one whose row puts the given token more than
         `tie_tolerance` behind its best is pruned; each survivor forks at this step's near-tied cuts (module
-        docstring). The cap: at most MAX_STATES alternatives live, those with the smallest summed gap of the given
-        tokens (then the fewest non-default choices); forks are made single flips first. Row i is the row of the
+        docstring). The cap: at most MAX_STATES alternatives live, the cheapest (`_Branch`: the summed noise events,
+        each in units of its tolerance; then the fewest non-default choices). Row i is the row of the
         live alternative with the smallest gap for tokens[i]. If every alternative is pruned at step k, the one
         with the smallest gap there goes on alone (no pruning, no forks) to fill the rows after k.
         """
@@ -612,11 +624,105 @@ class EvictionOracle:
                 live[0].masks.tolerance = None
                 continue
             for b, gap in zip(live, gaps):
-                b.gap += gap
-            children = sorted((c for b in survivors for c in b.forks(MAX_STATES)), key=lambda b: (b.gap, b.flips))
+                b.cost += gap / tie_tolerance if tie_tolerance > 0 else 0.0
+            children = sorted((c for b in survivors for c in b.forks(MAX_STATES)), key=lambda b: (b.cost, b.flips))
             capped |= len(children) > MAX_STATES
             live = children[:MAX_STATES]
             states = max(states, len(live))
         logits = torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
         self._forced[key] = Forced(logits, states, capped, pruned_at, tuple(alternatives))
         return self._forced[key]
+
+
+# --------------------------------------------------------------------------- 16-bit eviction noise
+
+CUT_BAND = 8  # kept and evicted candidates nearest a cut whose score differences are measured
+
+
+@dataclass(frozen=True)
+class ScoreNoise:
+    """The measured 16-bit noise of a scoring policy's cuts on one model (`calibrate_scores`) and the eviction tie
+    tolerance it gives: NOISE_FACTOR x `scale`."""
+
+    policy: str
+    scale: float  # QUANTILE over cuts of the largest relative error on a score difference near the cut
+    max_error: float
+    cuts: int  # cuts measured
+    flips: int  # cuts where the 16-bit computation kept another set than the truth
+
+    @property
+    def tolerance(self) -> float:
+        """NOISE_FACTOR x scale, never below float32's constant."""
+        return max(NOISE_FACTOR * self.scale, EVICTION_TIE_TOLERANCE["float32"])
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "tolerance": self.tolerance, "factor": NOISE_FACTOR}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ScoreNoise:
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+
+
+def _cut_errors(truth: torch.Tensor, low: torch.Tensor, alive: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
+    """Per KV head [kv_heads]: the largest |(l_a - l_b) - (t_a - t_b)| / max(|t_a|, |t_b|) over the CUT_BAND lowest
+    kept a and highest evicted b (truth's scores); -1 where a head has no cut."""
+    out = torch.full((truth.size(0),), -1.0, dtype=torch.float64)
+    for head in range(truth.size(0)):
+        kept = (alive[head] & usable[head]).nonzero()[:, 0]
+        gone = (~alive[head] & usable[head]).nonzero()[:, 0]
+        if not len(kept) or not len(gone):
+            continue
+        a = kept[truth[head, kept].argsort()[:CUT_BAND]]
+        b = gone[truth[head, gone].argsort(descending=True)[:CUT_BAND]]
+        t_a, t_b, l_a, l_b = truth[head, a][:, None], truth[head, b][None], low[head, a][:, None], low[head, b][None]
+        error = ((l_a - l_b) - (t_a - t_b)).abs() / torch.maximum(t_a.abs(), t_b.abs()).clamp(min=1e-300)
+        out[head] = error.max()
+    return out
+
+
+@torch.inference_mode()
+def calibrate_scores(spec: ModelSpec, strategy: Strategy, truth: EvictionOracle | None = None) -> ScoreNoise | None:
+    """Measure how far a 16-bit computation of `strategy`'s scores is from the truth at the cuts (None: the policy
+    ranks by position, nothing to measure). The 16-bit oracle (`spec`) and the float64 truth of its weights run in
+    lockstep on `precision.CALIBRATION` prompts along the truth's greedy tokens; after each step the 16-bit one is
+    given the truth's kept sets (its own scores, H2O's sums included, go on), so every cut is measured where the truth
+    makes it. Per cut (per KV head, or per layer for a per-layer policy): the largest error on a score difference
+    between the CUT_BAND lowest kept and highest evicted candidates, relative to the larger truth score."""
+    from pytest_kvcompile.oracles.precision import CALIBRATION, QUANTILE, high_precision
+
+    policy = policy_for(strategy)
+    if not policy.scored:
+        return None
+    truth = truth or EvictionOracle(high_precision(spec), strategy)
+    low = EvictionOracle(spec, strategy)
+    lengths, steps, seed = CALIBRATION
+    generator = torch.Generator().manual_seed(seed)
+    errors, flips = [], 0
+    for length in lengths:
+        prompt = torch.randint(0, spec.vocab_size, (length,), generator=generator).tolist()
+        tokens = truth.reference(prompt, steps).tokens
+        t, l_ = truth._start(), low._start()
+        for i in range(steps):
+            inputs = tokens[i - 1:i] if i else prompt
+            before = set(t.masks.alive)
+            truth._step(t, inputs)
+            low._step(l_, inputs)
+            for layer, alive in t.masks.alive.items():
+                if policy.prefill_only and layer in before:  # compressed once, then keeps everything
+                    continue
+                seen = t.masks.seen[layer][0]
+                n = seen.size(-1)
+                pos = torch.where(seen, torch.arange(n, device=seen.device), EMPTY)
+                usable = seen & ~policy.protected(pos, torch.tensor(n - 1, device=seen.device))
+                if int((alive[0] != seen).sum()) == 0:  # nothing evicted at this step
+                    continue
+                found = _cut_errors(t.masks.scores[layer][0].double().cpu(), l_.masks.scores[layer][0].double().cpu(),
+                                    alive[0].cpu(), usable.cpu())
+                found = found if policy.per_head else found[:1]
+                errors += [float(e) for e in found if e >= 0]
+                flips += int(not torch.equal(l_.masks.alive[layer], alive))
+                l_.masks.alive[layer] = alive.clone()
+    if not errors:
+        return ScoreNoise(str(policy.strategy), 0.0, 0.0, 0, 0)
+    found = torch.tensor(errors, dtype=torch.float64)
+    return ScoreNoise(str(policy.strategy), float(found.quantile(QUANTILE)), float(found.max()), len(errors), flips)

@@ -36,7 +36,7 @@ import torch
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import OracleUnreliable
 from pytest_kvcompile.models.zoo import shared_kv_layers
-from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
+from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
 from pytest_kvcompile.oracles.hf import Reference, oracle_for
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.precision import load_lm
@@ -66,8 +66,8 @@ class NoCacheRecompute:
 
 def independent(strategy: Strategy, spec: ModelSpec) -> tuple[Any, str]:
     """The independent path for `strategy` on `spec`, and its name for messages. An eviction oracle's float64
-    replay accepts eviction near ties with the tolerance of the dtype being checked (its choices may differ
-    from float64's exactly where the scores are that close)."""
+    replay accepts eviction near ties with float32's tolerance (its choices may differ from float64's exactly where
+    the scores are that close); a 16-bit run's eviction oracle is the float64 truth already and is not replayed."""
     wide = dataclasses.replace(spec, dtype=torch.float64)
     if strategy.kind == "exact" and not shared_kv_layers(spec.config):
         return NoCacheRecompute(wide), "transformers eager in float64 without a cache (one full recompute)"
@@ -75,7 +75,7 @@ def independent(strategy: Strategy, spec: ModelSpec) -> tuple[Any, str]:
            if strategy.kind == "exact" else f"the '{strategy.kind}' oracle has no cache-free form")
     path = oracle_for(strategy, wide)
     if hasattr(path, "eviction_tie_tolerance"):
-        path.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE[dtype_name(spec.dtype)]
+        path.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE["float32"]  # float32 runs: 16-bit ones are not replayed
     return path, f"the same oracle in float64 (not cache-free: {why})"
 
 
@@ -136,6 +136,17 @@ class StoredOracle:
         self._independent: tuple[Any, str] | None = None
         self._checked: set[tuple] = set()
         self.unreliable: str | None = None
+        self.score_noise: ScoreNoise | None = None  # 16-bit eviction oracles: the measured noise of the policy's cuts
+
+    def measure_score_noise(self, spec: ModelSpec) -> None:
+        """16-bit runs of a scoring eviction policy: measure its cuts' noise in `spec` (the run's dtype) against this
+        oracle, the float64 truth (eviction.calibrate_scores; memoized), and let the oracle's forks follow it."""
+        if not getattr(getattr(self.oracle, "policy", None), "scored", False):
+            return
+        found = self._cached(("score_noise", _PRECISION, dtype_name(spec.dtype)),
+                             lambda: calibrate_scores(spec, self.strategy, self.oracle).to_dict())
+        self.score_noise = ScoreNoise.from_dict(found)
+        self.oracle.eviction_tie_tolerance = self.score_noise.tolerance
 
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"
@@ -176,7 +187,8 @@ class StoredOracle:
 
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
-        return self._cached(("forced", prompt, tokens, tie_tolerance),
+        eviction = getattr(self.oracle, "eviction_tie_tolerance", None)
+        return self._cached(("forced", prompt, tokens, tie_tolerance) + ((eviction,) if eviction is not None else ()),
                             lambda: self.oracle.teacher_forced(prompt, tokens, tie_tolerance))
 
     def local_noise(self, prompt: Sequence[int], tokens: Sequence[int]) -> precision.LocalNoise:

@@ -171,6 +171,10 @@ class ResultsPlugin:
             tr.write_sep("-", f"kvcompile: 16-bit verdict rules, measured per model ({len(noise)})")
             for (model, dtype), found in sorted(noise.items()):
                 tr.write_line(noise_line(model, dtype, found))
+            evictions = {(r["model"], r["dtype"], r["eviction_noise"]["policy"]): r["eviction_noise"]
+                         for r in self.results["rows"] if r.get("eviction_noise")}
+            for (model, dtype, _), found in sorted(evictions.items()):
+                tr.write_line(eviction_noise_line(model, dtype, found))
         builds = sorted((r for r in self.results["rows"] if r.get("builds")), key=lambda r: -r["build_s"])[:5]
         if builds:
             tr.write_sep("-", f"kvcompile: slowest engine builds ({len(builds)})")
@@ -213,6 +217,13 @@ def noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
             f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g}; judged against float64 "
             f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"
             f"{noise['positions']} calibration positions")
+
+
+def eviction_noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
+    """One model's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise.to_dict())."""
+    return (f"{model} ({dtype}) {noise['policy']}: eviction near-tie tolerance {noise['tolerance']:.3g} relative "
+            f"({noise['factor']:g} x p99 {noise['scale']:.3g} of the score-difference errors of a {dtype} computation vs float64 at "
+            f"{noise['cuts']} calibration cuts; it kept another set at {noise['flips']})")
 
 
 class RunNotes:

@@ -60,6 +60,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "kv_bytes": None,  # {"expected": int | None, "measured": int}
         "latency": None,  # see latency.Latency.as_dict()
         "noise": None,  # 16-bit runs: the model's measured noise and the verdict numbers from it (oracles/precision.py)
+        "eviction_noise": None,  # 16-bit runs of a scoring eviction policy: its cuts' noise (oracles/eviction.py)
         "sequences": {},  # distinct verified sequences (key of prompt + engine tokens) -> [verified tokens, near ties]
     }
 
@@ -92,7 +93,7 @@ def _merge_latency(a, b):
 
 
 _OPTIONAL = {"compiles": _merge_compiles, "kv_bytes": _merge_kv_bytes, "latency": _merge_latency,
-             "noise": lambda a, b: a}  # one measurement per model and dtype: the same in every worker
+             "noise": lambda a, b: a, "eviction_noise": lambda a, b: a}  # one measurement per model and dtype: the same in every worker
 
 
 def merge_row(into: dict[str, Any], row: dict[str, Any]) -> None:

@@ -28,7 +28,6 @@ from pytest_kvcompile.models.prompts import Prompt, prompt_set
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
 from pytest_kvcompile.oracles.store import StoredOracle
 from pytest_kvcompile.oracles import precision
-from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
 from pytest_kvcompile.recompiles.hooks import import_inductor_quietly
 from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
 from pytest_kvcompile.reports.results import Collector
@@ -137,6 +136,9 @@ class Session:
         settings, rules = self.settings, self.rules(model)
         if rules.noise is not None:
             self.collector.add(name, model, noise=rules.noise.to_dict())
+            stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
+            if not isinstance(stored, str) and stored.score_noise is not None:
+                self.collector.add(name, model, eviction_noise=stored.score_noise.to_dict())
         return EngineUnderTest(
             ref, spec, instance, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
             build_compiles=build_compiles, build_captures=build_captures, call_timeout=settings.call_timeout,
@@ -163,15 +165,15 @@ class Session:
             except (NoOracle, ModelNotSupported) as exc:
                 self._oracles[key] = f"no oracle for {who} on model '{model}': {exc}"
             else:
-                if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
-                    raw.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE[dtype_name(spec.dtype)]
                 exact = strategy.kind == "exact"
                 # the noise of equivalent 16-bit computations along an engine's tokens (exact attention only)
                 computations = precision.Computations(spec) if reduced and exact else None
-                self._oracles[key] = StoredOracle(
+                stored = self._oracles[key] = StoredOracle(
                     raw, strategy, judged, self.settings.tie_tolerance or 0.0, self.settings.cache_dir / "oracle",
                     # a 16-bit run's eviction truth is float64 already: its float64 replay would be itself
                     check=self.settings.oracle_check and (exact or not reduced), computations=computations)
+                if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
+                    stored.measure_score_noise(spec)
         return self._oracles[key]
 
     def rules(self, model: str) -> precision.Rules:
