@@ -25,7 +25,6 @@ Not supported (UnsupportedModel): MoE blocks, `attention_k_eq_v`, double-wide ML
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pytest_kvcompile.oracles.eviction import kv_sources
@@ -39,6 +38,7 @@ from reference_impls.model import (
     apply_rope,
     layer_types,
     rope_tables,
+    sdpa,
 )
 
 
@@ -90,8 +90,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         k, v = cache.update(layer, *self.kv(x, rope)) if source is None else cache.layers[source]
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)), *rope)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           scale=1.0, enable_gqa=True)
+        y = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, 1.0, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_impls.model import FULL, Decoder, UnsupportedModel
+from reference_impls.model import FULL, Decoder, UnsupportedModel, sdpa
 
 
 class Conv1D(nn.Module):
@@ -57,8 +57,7 @@ class Attention(nn.Module):
         if cache.past is None:  # views of c_attn's output: copy, so the cache is fresh and contiguous (no stride guards)
             k, v = k.contiguous(), v.contiguous()
         k, v = cache.update(layer, k, v)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-                                           scale=self.scale)
+        y = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)
         return self.c_proj(y.transpose(1, 2).reshape(b, t, self.dim))
 
 

@@ -15,9 +15,20 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pytest_kvcompile.contract.engine import ModelNotSupported
 from pytest_kvcompile.models.zoo import sliding_layers
+
+
+def sdpa(q, k, v, mask, scale: float | None, enable_gqa: bool = False):
+    """`F.scaled_dot_product_attention`; compiled on CUDA in 16-bit it is held to the math backend: there the fused
+    backends' eligibility checks guard on the prompt width, which the compiled engines leave unbacked, and dynamo
+    fails (`Could not guard on data-dependent expression Eq(u0, 1)`, torch 2.11 on an H100: docs/gpu-results.md)."""
+    if torch.compiler.is_compiling() and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
 class UnsupportedModel(ModelNotSupported):
@@ -198,7 +209,7 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask):
         """q [b, heads, t, d], k and v [b, kv_heads, n, d], mask [b, 1, t, n] -> [b, heads, t, d]."""
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
+        return sdpa(q, k, v, mask, self.scale, enable_gqa=True)
 
     def forward(self, x, rope, mask, cache: KVCache, layer: int):
         """x [b, t, dim]; rope: (cos, sin) [b, t, 1, d], or None (no rotation here, `KVCache.keys_rotated`)."""

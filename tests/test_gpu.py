@@ -37,6 +37,17 @@ def prompt(length: int, seed: int = 0) -> list[int]:
     return torch.randint(0, 256, (length,), generator=torch.Generator().manual_seed(seed + length)).tolist()
 
 
+# --- 16-bit compiles (issue 30) -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_the_compiled_reference_engines_compile_in_16_bit_on_cuda(kvtester, dtype):
+    """SDPA's fused CUDA backends guard `Eq(u0, 1)` on the unbacked prompt width (torch 2.11): reference_impls.model.sdpa
+    holds compiled 16-bit CUDA attention to the math backend. Without it every engine here errors at its first call."""
+    result = run_suites(kvtester, "--kv-engine=ref-compiled-dynamic", "--kv-engine=ref-static", CUDA,
+                        f"--kv-dtype={dtype}", "-k", "token_identity or recompiles")
+    assert result.ret == 0, result.stdout.str()[-4000:]
+    result.stdout.fnmatch_lines(["*ref-compiled-dynamic / llama: *, 0 after warmup over*"])
+
+
 # --- ref-static-cudagraph ------------------------------------------------------------------------------------------
 def test_the_cudagraph_engine_passes_the_suite_on_cuda(kvtester):
     result = run_suites(kvtester, "--kv-engine=ref-static-cudagraph", CUDA,
