@@ -1,12 +1,13 @@
-"""Fuzzing (``--kv-fuzz=N``, off by default): hypothesis draws call sequences against one engine object and
-shrinks a failure to the shortest sequence that still fails (pytest_kvcompile/run/fuzz.py for the rules and
-profiles). Every row is judged by the oracle under the verdict rules (without an oracle: an exact repeat must
+"""Fuzzing (``--kv-fuzz=N``, off by default): a covering walk calls every ordered pair of call kinds in turn, then
+hypothesis draws call sequences against one engine object and shrinks a failure to the shortest sequence that still
+fails (pytest_kvcompile/run/fuzz.py for the kinds, rules and profiles). Every row is judged by the oracle under the verdict rules (without an oracle: an exact repeat must
 give the same tokens); an engine that ran compiled code must compile nothing after the warmup calls."""
 
 import pytest
 
 from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.oracles.hf import budget_of
+from pytest_kvcompile.reports.results import coverage_line
 from pytest_kvcompile.run import fuzz
 
 
@@ -22,7 +23,10 @@ def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, 
     limit = (max_positions(kv_engine.spec.config) or 512) - max(fuzz.NEW_TOKENS)
     lengths = fuzz.lengths_for(kv_engine.window, (budget,) if budget else (), limit)
     key = f"{kv_engine.name}|{kv_engine.spec.name}|{kv_settings.dtype}|{kv_settings.device}"
+    covered = {}
     examples = fuzz.run(kv_engine, kv_oracle_or_none, lengths, kv_engine.compiled_observed, settings, by_len[7],
-                        kv_settings.cache_dir / "fuzz-db", key, kv_check)
-    kv_record("fuzz", f"{kv_engine.name} / {kv_engine.spec.name}: {examples} example(s) of up to "
-              f"{8 if settings.profile == 'ci' else 24} calls, profile {settings.profile}, no failure")
+                        kv_settings.cache_dir / "fuzz-db", key, kv_check,
+                        on_coverage=lambda found: (covered.update(found), kv_record.metric(fuzz_coverage=found)))
+    kv_record("fuzz", f"{kv_engine.name} / {kv_engine.spec.name}: covering walk: {coverage_line(covered)}; then "
+              f"{examples} hypothesis example(s) of up to {8 if settings.profile == 'ci' else 24} calls, profile "
+              f"{settings.profile}, no failure")

@@ -1,8 +1,10 @@
 """Zero recompiles after warmup, observed not declared.
 
-Every engine runs this check: it is warmed up on prompt lengths 7 and 48 (and a batch of both if it batches),
-then given unseen lengths (1, 2, 3, 13, 33, 100 and the model's sliding-window lengths W-1, W, W+1, 2W+3),
-batch sizes 1..4 and 32-step decodes (which cross the window). Every call runs under the compile recorder
+Every engine runs this check: it is warmed up on prompt lengths 7 and 48 (and a batch of both if it batches) with
+32-step decodes, then given calls that each change ONE dimension warmup fixed, so a compile names the one that was
+new (issue 24): unseen lengths (1, 2, 3, 13, 33, 100 and the model's sliding-window lengths W-1, W, W+1, 2W+3),
+a prompt past 256 positions, more decode steps than warmup took (64 on the warmup lengths), batch sizes warmup
+never used (3 and 4 rows of the warmup lengths); then calls that change several at once. Every call runs under the compile recorder
 (pytest_kvcompile/run/harness.py), which sees what dynamo compiled and whether compiled code matched its guards
 and ran. If dynamo compiled nothing and no compiled code ran, the check has nothing to judge: it is skipped
 for an engine that does not declare ``compiled``, and FAILS one that declares it. Otherwise it fails on:
@@ -25,24 +27,35 @@ during generate() (an engine compiling at build time, as vLLM does: later recomp
 
 import pytest
 
+from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.models.prompts import Prompt, of_length
 from pytest_kvcompile.recompiles.recorder import CAPTURE_HINT, explain
 
 DECODE_STEPS = 32
 UNSEEN_LENGTHS = (1, 2, 3, 13, 33, 100)
+LONG_STEPS = 2 * DECODE_STEPS  # more decode steps than warmup took
+PAST_256 = 300  # a prompt past 256 positions (where it fits with the decode steps)
 
 
-def _calls(prompts: list[Prompt], batching: bool, vocab: int):
-    """(warmup calls, unseen calls): each call is a list of prompts."""
+def _calls(prompts: list[Prompt], batching: bool, vocab: int, limit: int | None):
+    """(warmup calls, unseen calls): a warmup call is a list of prompts; an unseen call is (prompts, new tokens,
+    what is new in it compared with warmup). Calls that change one dimension come first."""
     by_len = {len(p): p for p in prompts}
     short, long = by_len[7], by_len[48]
     warmup = [[short], [long]] + ([[short, long]] if batching else [])
     others = {len(p): p for p in prompts if p not in (short, long) and len(p) <= 100}
     others.update({n: of_length(n, vocab, salt=2) for n in UNSEEN_LENGTHS if n not in others})
     others = [others[n] for n in sorted(others)]
-    unseen = [[p] for p in others]
+    unseen = [([p], DECODE_STEPS, f"new prompt length {len(p)}") for p in others]
+    if (limit or 512) >= PAST_256 + DECODE_STEPS:
+        unseen.append(([of_length(PAST_256, vocab, salt=2)], DECODE_STEPS, f"a prompt past 256 positions ({PAST_256})"))
+    unseen += [([p], LONG_STEPS, f"more decode steps ({LONG_STEPS}) than warmup's {DECODE_STEPS}, on warmup length "
+                                 f"{len(p)}") for p in (short, long)]
     if batching:
-        unseen += [[others[0], others[-1]], others[1:4], [long] + others[2:5]]
+        unseen += [([short, long, short], DECODE_STEPS, "a batch size warmup never used (3 rows of warmup lengths)"),
+                   ([short, long, long, short], DECODE_STEPS, "a batch size warmup never used (4 rows of warmup lengths)")]
+        unseen += [(call, DECODE_STEPS, "new lengths and batch size together")
+                   for call in ([others[0], others[-1]], others[1:4], [long] + others[2:5])]
     return warmup, unseen
 
 
@@ -67,15 +80,17 @@ def _timeline(build, warm_calls, after_calls) -> list[dict]:
 
 def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_settings):
     declared = kv_engine.ref.declaration
-    warmup, unseen = _calls(kv_prompts, declared.batching, kv_engine.spec.vocab_size)
+    warmup, unseen = _calls(kv_prompts, declared.batching, kv_engine.spec.vocab_size,
+                            max_positions(kv_engine.spec.config))
     kv_engine.isolate_compiles()  # count this engine's compiles from scratch (in its process, if isolated)
     start = len(kv_engine.history)
     for call in warmup:
         kv_engine.generate(call, DECODE_STEPS)
     warm_calls = kv_engine.history[start:]
-    for call in unseen:
-        kv_engine.generate(call, DECODE_STEPS)
+    for call, steps, _ in unseen:
+        kv_engine.generate(call, steps)
     after_calls = kv_engine.history[start + len(warm_calls):]
+    new = {id(c): what for c, (_, _, what) in zip(after_calls, unseen)}
     build = list(kv_engine.build_compiles)
     warm = [e for c in warm_calls for e in c.compiles]
     after = [e for c in after_calls for e in c.compiles]
@@ -114,8 +129,9 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
     })
 
     problems = []
-    culprits = [f"  {c}: {len(c.compiles)} compile(s)" for c in after_calls if c.compiles]
-    culprits += [f"  {c}: CUDA graph capture after warmup: {site}" for c in after_calls for site in c.captures]
+    culprits = [f"  {c} [new: {new[id(c)]}]: {len(c.compiles)} compile(s)" for c in after_calls if c.compiles]
+    culprits += [f"  {c} [new: {new[id(c)]}]: CUDA graph capture after warmup: {site}" for c in after_calls
+                 for site in c.captures]
     if captured[2]:
         culprits.append(CAPTURE_HINT)
     if after:

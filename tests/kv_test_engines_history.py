@@ -1,9 +1,11 @@
 """Engines whose bug lives in the call history (issue 24, suites/test_call_history.py): each is right on a fresh
-call and wrong only after a particular earlier call. Built on the correct left-padded batched engine."""
+call and wrong only after a particular earlier call, or compiles again only on a call unlike the warmup's. Built on
+the correct left-padded batched engine and the correct compiled greedy engine."""
 
 import torch
 from transformers import DynamicCache
 
+from kv_test_engines import CompiledGreedy
 from kv_test_engines_precision import LeftPaddedBatched
 from pytest_kvcompile import Declaration
 
@@ -53,3 +55,92 @@ class WrongSingleAfterBatchOf3(LeftPaddedBatched):
         if len(prompts) == 1 and last and len(last) == 3 and min(last) < n and 16 <= n <= 31:
             return super().generate([list(prompts[0])[-min(last):]], max_new_tokens)
         return super().generate(prompts, max_new_tokens)
+
+
+def _decode_logits(logits, room):
+    """The decode step's last logits, checked against the room left in a preallocated output buffer."""
+    return logits[:, -1] + 0 * room[:1, :1].sum()
+
+
+class RecompilesPastWarmupSteps(CompiledGreedy):
+    """Bug: the compiled decode step takes an output buffer sized to max_new_tokens rounded up to 32 (compiled with
+    dynamic=False), so the first call decoding more tokens than the warmup did compiles again."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, compiled=True,
+                                 description="test engine: recompiles past the warmup's decode steps")
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.decode = torch.compile(_decode_logits, backend="eager", dynamic=False)
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        room = torch.zeros(-(-steps // 32) * 32, 1)
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        for step in range(steps):
+            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits
+            logits = (self.decode(logits, room) if step else logits[:, -1])[0]
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+class _WrongRightAfter(LeftPaddedBatched):
+    """Wrong only on a call of one kind right after a call of another (`after(last rows, last n)` and `on(rows, n,
+    earlier prompts)`): the first row then loses its first token (an offset left by the call before)."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: wrong on one pair of call kinds")
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.last, self.seen = None, set()
+
+    def generate(self, prompts, max_new_tokens):
+        rows = [tuple(p) for p in prompts]
+        last, self.last = self.last, (rows, max_new_tokens)
+        hit = last is not None and self.after(*last) and self.on(rows, max_new_tokens, self.seen)
+        self.seen |= set(rows)
+        if hit and len(rows[0]) > 1:
+            return super().generate([list(rows[0][1:])] + [list(r) for r in rows[1:]], max_new_tokens)
+        return super().generate(prompts, max_new_tokens)
+
+
+class WrongBatchOf2AfterLongSingle(_WrongRightAfter):
+    """A batch of exactly 2 right after a single prompt of 128-255 tokens."""
+
+    def after(self, rows, n):
+        return len(rows) == 1 and 128 <= len(rows[0]) <= 255
+
+    def on(self, rows, n, seen):
+        return len(rows) == 2
+
+
+class WrongRepeatAfterBatchOf4(_WrongRightAfter):
+    """A single exact repeat of an earlier prompt right after a batch of 4."""
+
+    def after(self, rows, n):
+        return len(rows) == 4
+
+    def on(self, rows, n, seen):
+        return len(rows) == 1 and rows[0] in seen
+
+
+class WrongLongDecodeAfterShortRows(_WrongRightAfter):
+    """A call decoding more than 32 tokens right after a call whose shortest row had 2-15 tokens."""
+
+    def after(self, rows, n):
+        return 2 <= min(map(len, rows)) <= 15
+
+    def on(self, rows, n, seen):
+        return n > 32
+
+
+class WrongShortSingleAfterLongDecode(_WrongRightAfter):
+    """A single prompt of 2-15 tokens right after a batch of 3 that decoded more than 32 tokens."""
+
+    def after(self, rows, n):
+        return len(rows) == 3 and n > 32
+
+    def on(self, rows, n, seen):
+        return len(rows) == 1 and 2 <= len(rows[0]) <= 15

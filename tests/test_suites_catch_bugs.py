@@ -107,9 +107,11 @@ def test_recompiling_engine_fails_the_recompile_check_and_a_compiled_one_passes(
                         "--kv-engine=kv_test_engines:CompiledGreedy", "-k", "recompiles")
     result.assert_outcomes(passed=3, failed=1)  # both engines pass test_identical_calls_compile_nothing
     result.stdout.fnmatch_lines([
-        "*engine 'kv_test_engines:RecompilingGreedy' on model 'llama': 5 dynamo compile(s) after warmup, 0 allowed*",
-        "*generate(<1 prompt(s) of lengths ?2?>, 32): 1 compile(s)",
-        "*generate(<1 prompt(s) of lengths ?100?>, 32): 1 compile(s)",
+        "*engine 'kv_test_engines:RecompilingGreedy' on model 'llama': 6 dynamo compile(s) after warmup, 0 allowed; "
+        "dynamo hit recompile_limit=8 compiling _last_logits*",
+        "*generate(<1 prompt(s) of lengths ?2?>, 32) ?new: new prompt length 2?: 1 compile(s)",
+        "*generate(<1 prompt(s) of lengths ?100?>, 32) ?new: new prompt length 100?: 1 compile(s)",
+        "*generate(<1 prompt(s) of lengths ?300?>, 32) ?new: a prompt past 256 positions (300)?: 1 compile(s)",
         "*guard failed: tensor 'logits' size mismatch at index 1. expected 7, actual 2",
         "*kvcompile: compiles (2)*",
         "kv_test_engines:CompiledGreedy / llama: * compile(s) while building, * warmup compile(s) over 3 call(s), "
@@ -134,7 +136,7 @@ def test_an_engine_declaring_compiled_that_compiles_nothing_fails(kvtester):
     result.assert_outcomes(failed=1, skipped=1)
     result.stdout.fnmatch_lines([
         "*engine 'kv_test_engines:DeclaredCompiledButIsNot' on model 'llama' declares compiled=True but no compiled code "
-        "ran: dynamo compiled nothing while it was built or in 12 generate() calls*",
+        "ran: dynamo compiled nothing while it was built or in 17 generate() calls*",
     ])
 
 

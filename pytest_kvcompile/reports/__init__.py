@@ -21,6 +21,7 @@ from pytest_kvcompile.reports.results import (
     NOTE,
     WORKER_KEY,
     Collector,
+    coverage_line,
     first_lines,
     merge,
     outcome,
@@ -175,6 +176,11 @@ class ResultsPlugin:
                          for r in self.results["rows"] if r.get("eviction_noise")}
             for (model, dtype, _), found in sorted(evictions.items()):
                 tr.write_line(eviction_noise_line(model, dtype, found))
+        fuzzed = [r for r in self.results["rows"] if r.get("fuzz_coverage")]
+        if fuzzed:
+            tr.write_sep("-", f"kvcompile: fuzz pair coverage ({len(fuzzed)})")
+            for r in fuzzed:
+                tr.write_line(f"{r['engine']} / {r['model']}: {coverage_line(r['fuzz_coverage'])}")
         builds = sorted((r for r in self.results["rows"] if r.get("builds")), key=lambda r: -r["build_s"])[:5]
         if builds:
             tr.write_sep("-", f"kvcompile: slowest engine builds ({len(builds)})")

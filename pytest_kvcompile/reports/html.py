@@ -14,7 +14,7 @@ from html import escape
 from typing import Any
 
 from pytest_kvcompile.reports.baseline import Change
-from pytest_kvcompile.reports.results import stats
+from pytest_kvcompile.reports.results import coverage_line, stats
 from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats, verdicts
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
@@ -163,7 +163,9 @@ def _engine_section(engine: str, rows: list[dict[str, Any]], all_rows: list[dict
     shown = (f'<h4>failures ({len(failures)})</h4>' + "".join(_failure(f) for f in failures)) if failures else ""
     return (f'<section class="engine" id="engine-{escape(engine)}"><h2>{escape(engine)}</h2>'
             + _table(rows, all_rows) + charts + shown + _list("recompiles after warmup", reasons, "bad") + timelines
-            + layers + _list("near ties", [t for r in rows for t in r["near_ties"]]) + "</section>")
+            + layers + _list("fuzz pair coverage", [f"{r['model']}: {coverage_line(r['fuzz_coverage'])}" for r in rows
+                                                    if r.get("fuzz_coverage")])
+            + _list("near ties", [t for r in rows for t in r["near_ties"]]) + "</section>")
 
 
 def baseline_table(changes: list[Change]) -> str:

@@ -61,6 +61,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "latency": None,  # see latency.Latency.as_dict()
         "noise": None,  # 16-bit runs: the model's measured noise and the verdict numbers from it (oracles/precision.py)
         "eviction_noise": None,  # 16-bit runs of a scoring eviction policy: its cuts' noise (oracles/eviction.py)
+        "fuzz_coverage": None,  # --kv-fuzz: ordered pairs of call kinds the covering walk made (run/fuzz.py)
         "sequences": {},  # distinct verified sequences (key of prompt + engine tokens) -> [verified tokens, near ties]
     }
 
@@ -93,7 +94,8 @@ def _merge_latency(a, b):
 
 
 _OPTIONAL = {"compiles": _merge_compiles, "kv_bytes": _merge_kv_bytes, "latency": _merge_latency,
-             "noise": lambda a, b: a, "eviction_noise": lambda a, b: a}  # one measurement per model and dtype: the same in every worker
+             "noise": lambda a, b: a, "eviction_noise": lambda a, b: a,
+             "fuzz_coverage": lambda a, b: max(a, b, key=lambda x: (x["covered"], x["calls"]))}  # one measurement per model and dtype: the same in every worker
 
 
 def merge_row(into: dict[str, Any], row: dict[str, Any]) -> None:
@@ -133,6 +135,13 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
             else:
                 rows[key] = copy.deepcopy(row)
     return {"runs": runs, "rows": [rows[k] for k in sorted(rows)]}
+
+
+def coverage_line(found: dict[str, Any]) -> str:
+    """The ordered pairs of call kinds the fuzzer's covering walk made (run/fuzz.py: Coverage.to_dict())."""
+    parts = ", ".join(f"{p} {c}/{n}" for p, (c, n) in found["parts"].items())
+    return (f"{found['covered']}/{found['possible']} ordered pairs of call kinds covered ({parts}) in "
+            f"{found['calls']} calls, {found['seconds']} s")
 
 
 def stats(samples: list[float] | tuple[float, ...]) -> dict[str, float]:

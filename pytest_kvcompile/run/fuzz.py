@@ -14,6 +14,16 @@ calls follow the previous example's; the neutral call at its start overwrites wh
 whose state outlives several calls can make a failure flaky: hypothesis then says so). A failure message ends
 with the shrunk sequence as a snippet to replay on a fresh engine.
 
+Before hypothesis draws anything, a covering walk (``walk``) makes one long call sequence in which every ordered
+pair of call kinds follows each other at least once (issue 24). A kind is the call's shape (rows 1..4 x the length
+class of its shortest row: 1, 2-15, 16-31, 32-63, 64-127, 128-255, 256+) and its mode (new tokens up to the
+warmup's 32 or past them x the first row's relation to earlier prompts: fresh, an exact repeat, a shared prefix).
+The walk covers every ordered pair of shapes, every ordered pair of modes, and every shape -> mode and mode ->
+shape pair (a mixed-strength covering array over consecutive calls, built greedily as AETG does: each next kind is
+the one that covers the most pairs not yet covered). A bug that needs "a call of kind B right after one of kind A"
+is found by construction, not by luck; the pairs covered over the pairs possible are reported per engine and model.
+The walk stops at 3/4 of ``--kv-fuzz-budget`` (``WALK_SHARE``): a budget too short for every pair reports fewer.
+
 Profiles (``--kv-fuzz-profile``): ``ci`` is derandomized (the same examples every run: a failure is found again),
 4..8 steps per example; ``dev`` draws new examples each run, longer sequences, and keeps failing examples in
 hypothesis' database under ``<cache dir>/fuzz-db`` so the next run replays them first. ``--kv-fuzz-budget``
@@ -83,13 +93,13 @@ def tokens(seed: int, length: int, vocab: int) -> tuple[int, ...]:
     return of_length(length, vocab, salt=10_000 + seed).ids
 
 
-def replay(calls: list[tuple[list[tuple[int, ...]], int]]) -> str:
+def replay(calls: list[tuple[list[tuple[int, ...]], int]], what: str = "the shortest failing call sequence found") -> str:
     """The call sequence as Python to replay on a fresh engine."""
     lines = [f"    engine.generate({[list(p) for p in prompts]}, {n})" for prompts, n in calls]
-    return "\n".join(["  the shortest failing call sequence found (replay it on a fresh engine, in this order):", *lines])
+    return "\n".join([f"  {what} (replay it on a fresh engine, in this order):", *lines])
 
 
-def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, settings: FuzzSettings,
+def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadline: float,
             neutral: Prompt, stats: dict[str, Any], check: Any = None) -> Any:
     """A RuleBasedStateMachine class fuzzing `kv_engine` (EngineUnderTest) against `oracle` (None: oracle-free:
     an exact repeat must give the same tokens). `check(reference, got, prompt, where)` judges a row (default:
@@ -103,17 +113,14 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, setting
         rule,
     )
 
-    from pytest_kvcompile.oracles.token_match import TokenMismatch
-
     vocab, batch = kv_engine.spec.vocab_size, 4 if kv_engine.ref.declaration.batching else 1
-    deadline = time.monotonic() + settings.budget_s
 
     class EngineFuzz(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
             self.calls: list[tuple[list[tuple[int, ...]], int]] = []
             self.prompts: list[tuple[int, ...]] = []
-            self.outputs: dict[tuple[tuple[int, ...], int], list[int]] = {}
+            self.caller = Caller(kv_engine, oracle, check_compiles, check)
 
         @initialize()
         def start(self) -> None:
@@ -130,30 +137,12 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, setting
             if self.idle:
                 return
             try:
-                outputs = kv_engine.generate([Prompt(f"fuzz{len(p)}", p) for p in prompts], n)
-                where = f"index {{}} of fuzz call {len(self.calls)} {kv_engine.history[-1]}"
-                for i, (prompt, got) in enumerate(zip(prompts, outputs)):
-                    self._verify(Prompt(f"fuzz/len{len(prompt)}", prompt), got, n, where.format(i))
-                call = kv_engine.history[-1]
-                if check_compiles and call.compiles:
-                    raise TokenMismatch(
-                        f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}' compiled {len(call.compiles)} "
-                        f"frame(s) during fuzz call {len(self.calls)} {call}, after the warmup:\n"
-                        + "\n".join(e.describe() for e in call.compiles))
+                self.caller(prompts, n, f"fuzz call {len(self.calls)}")
             except BaseException as exc:
                 stats.setdefault("found", (stats["examples"], time.monotonic()))
                 if isinstance(exc, AssertionError) or type(exc).__name__ == "Failed":
                     raise type(exc)(f"{exc}\n{replay(self.calls)}") from None
                 raise
-
-        def _verify(self, prompt: Prompt, got: list[int], n: int, where: str) -> None:
-            if oracle is not None:
-                (check or kv_engine.check)(oracle.reference(prompt.ids, n), got, prompt, where)
-                return
-            seen = self.outputs.setdefault((prompt.ids, n), got)
-            if seen != got:
-                raise TokenMismatch(f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': {prompt.name} gave "
-                                    f"{seen} earlier and {got} at {where} (no oracle: a repeat must give the same tokens)")
 
         @rule(size=st.sampled_from(range(1, batch + 1)),
               rows=st.lists(st.tuples(st.sampled_from(lengths) | st.integers(1, max(lengths)), st.integers(0, 2**16)),
@@ -181,6 +170,181 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, setting
     return EngineFuzz
 
 
+LENGTH_CLASSES = ((1, 1), (2, 15), (16, 31), (32, 63), (64, 127), (128, 255), (256, 1 << 30))  # shortest row
+NEW_TOKEN_CLASSES = ((1, 32), (33, 64))  # up to the warmup's 32 decode steps; past them
+RELATIONS = ("fresh", "repeat", "shared prefix")  # the first row vs the earlier prompts
+WALK_SHARE = 0.75  # of --kv-fuzz-budget at most for the covering walk: hypothesis always gets the rest
+
+
+def length_class(n: int) -> int:
+    return next(i for i, (lo, hi) in enumerate(LENGTH_CLASSES) if lo <= n <= hi)
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A call's kind: its shape (rows, length class of the shortest row) and mode (new-token class, relation)."""
+
+    rows: int
+    length: int  # index into LENGTH_CLASSES
+    new: int  # index into NEW_TOKEN_CLASSES
+    relation: str
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.length
+
+    @property
+    def mode(self) -> tuple[int, str]:
+        return self.new, self.relation
+
+    def __str__(self) -> str:
+        lo, hi = LENGTH_CLASSES[self.length]
+        span = f"{lo}" if lo == hi else f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
+        return (f"{self.rows} row(s), shortest {span} tokens, {'%d-%d' % NEW_TOKEN_CLASSES[self.new]} new tokens, "
+                f"{self.relation}")
+
+
+class Coverage:
+    """The ordered pairs of consecutive call kinds a walk must cover, and those it has (module docstring)."""
+
+    PARTS = ("shape>shape", "mode>mode", "shape>mode", "mode>shape")
+
+    def __init__(self, kinds: list[Kind]) -> None:
+        shapes = sorted({k.shape for k in kinds})
+        modes = sorted({k.mode for k in kinds}, key=str)
+        self.possible = {
+            "shape>shape": {(a, b) for a in shapes for b in shapes}, "mode>mode": {(a, b) for a in modes for b in modes},
+            "shape>mode": {(a, b) for a in shapes for b in modes}, "mode>shape": {(a, b) for a in modes for b in shapes}}
+        self.covered: dict[str, set] = {part: set() for part in self.PARTS}
+
+    @staticmethod
+    def pairs(a: Kind, b: Kind) -> dict[str, tuple]:
+        return {"shape>shape": (a.shape, b.shape), "mode>mode": (a.mode, b.mode), "shape>mode": (a.shape, b.mode),
+                "mode>shape": (a.mode, b.shape)}
+
+    def gain(self, a: Kind, b: Kind) -> int:
+        return sum(pair not in self.covered[part] for part, pair in self.pairs(a, b).items())
+
+    def add(self, a: Kind, b: Kind) -> None:
+        for part, pair in self.pairs(a, b).items():
+            if pair in self.possible[part]:
+                self.covered[part].add(pair)
+
+    @property
+    def complete(self) -> bool:
+        return all(self.covered[p] == self.possible[p] for p in self.PARTS)
+
+    def to_dict(self, calls: int, seconds: float) -> dict[str, Any]:
+        parts = {p: [len(self.covered[p]), len(self.possible[p])] for p in self.PARTS}
+        return {"covered": sum(c for c, _ in parts.values()), "possible": sum(n for _, n in parts.values()),
+                "parts": parts, "calls": calls, "seconds": round(seconds, 1)}
+
+
+def kinds_for(batch: int, lengths: list[int]) -> list[Kind]:
+    """Every kind an engine taking up to `batch` rows can be given within the fuzzed lengths."""
+    classes = sorted({length_class(n) for n in lengths})
+    return [Kind(r, c, n, rel) for r in range(1, batch + 1) for c in classes for n in range(len(NEW_TOKEN_CLASSES))
+            for rel in RELATIONS]
+
+
+class Walk:
+    """The covering walk: plans each next kind greedily, realizes it as a concrete call, and runs it."""
+
+    def __init__(self, kinds: list[Kind], lengths: list[int], vocab: int, seed: int) -> None:
+        import random
+
+        self.kinds, self.lengths, self.vocab = kinds, lengths, vocab
+        self.rng, self.coverage = random.Random(seed), Coverage(kinds)
+        self.prompts: list[tuple[int, ...]] = []
+        self.fresh, self.calls, self.seconds = 0, [], 0.0
+
+    def next_kind(self, last: Kind | None) -> Kind:
+        if last is None:
+            return self.rng.choice(self.kinds)
+        best = max(self.coverage.gain(last, k) for k in self.kinds)
+        return self.rng.choice([k for k in self.kinds if self.coverage.gain(last, k) == best])
+
+    def _length(self, cls: int, at_least: int = 1) -> int:
+        lo, hi = LENGTH_CLASSES[cls]
+        lo, hi = max(lo, at_least), min(hi, max(self.lengths))
+        edges = [n for n in self.lengths if lo <= n <= hi]
+        return self.rng.choice(edges) if edges and self.rng.random() < 0.5 else self.rng.randint(lo, max(lo, hi))
+
+    def _tokens(self, n: int) -> tuple[int, ...]:
+        self.fresh += 1
+        return tokens(20_000 + self.fresh, n, self.vocab)
+
+    def realize(self, kind: Kind) -> tuple[list[tuple[int, ...]], int, Kind]:
+        """A call of `kind`, as near as the earlier prompts allow, and the kind it is."""
+        shortest, relation = self._length(kind.length), "fresh"
+        first = self._tokens(shortest)
+        same_class = [p for p in self.prompts if length_class(len(p)) == kind.length]
+        if kind.relation == "repeat" and same_class:
+            first, relation = self.rng.choice(same_class), "repeat"
+        elif kind.relation != "fresh" and self.prompts:
+            earlier = self.rng.choice(self.prompts)
+            k = self.rng.randint(1, min(len(earlier), shortest))
+            first = earlier[:k] + (self._tokens(shortest - k) if shortest > k else ())
+            relation = "repeat" if first in self.prompts else "shared prefix"
+        top = max(map(length_class, self.lengths))
+        rows = [first] + [self._tokens(self._length(self.rng.randint(kind.length, top), at_least=len(first)))
+                          for _ in range(kind.rows - 1)]
+        lo, hi = NEW_TOKEN_CLASSES[kind.new]
+        edges = [n for n in NEW_TOKENS if lo <= n <= hi]
+        n = self.rng.choice(edges) if edges and self.rng.random() < 0.5 else self.rng.randint(lo, hi)
+        return rows, n, Kind(len(rows), length_class(min(map(len, rows))), kind.new, relation)
+
+    def run(self, run_call, deadline: float) -> None:
+        """Call `run_call(prompts, n, what)` (it verifies every row and raises on a failure) until every pair is
+        covered or the deadline passes."""
+        started, last = time.monotonic(), None
+        try:
+            while not self.coverage.complete and time.monotonic() < deadline:
+                rows, n, kind = self.realize(self.next_kind(last))
+                self.calls.append((rows, n))
+                run_call(rows, n, f"covering-walk call {len(self.calls)} of kind [{kind}]"
+                         + (f", right after a call of kind [{last}]" if last else ""))
+                if last is not None:
+                    self.coverage.add(last, kind)
+                self.prompts += [r for r in rows if r not in self.prompts]
+                last = kind
+        finally:
+            self.seconds = time.monotonic() - started
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.coverage.to_dict(len(self.calls), self.seconds)
+
+
+class Caller:
+    """One verified generate() call of the fuzzer: every row judged by the oracle (`check(reference, got, prompt,
+    where)`), or without one, an exact repeat must give the same tokens; and no compile after the warmup."""
+
+    def __init__(self, kv_engine, oracle, check_compiles: bool, check: Any = None) -> None:
+        self.engine, self.oracle, self.check_compiles = kv_engine, oracle, check_compiles
+        self.check = check or kv_engine.check
+        self.outputs: dict[tuple[tuple[int, ...], int], list[int]] = {}
+
+    def __call__(self, prompts: list[tuple[int, ...]], n: int, what: str) -> None:
+        from pytest_kvcompile.oracles.token_match import TokenMismatch
+
+        engine = self.engine
+        outputs = engine.generate([Prompt(f"fuzz{len(p)}", p) for p in prompts], n)
+        call = engine.history[-1]
+        for i, (ids, got) in enumerate(zip(prompts, outputs)):
+            prompt, where = Prompt(f"fuzz/len{len(ids)}", ids), f"index {i} of {what} {call}"
+            if self.oracle is not None:
+                self.check(self.oracle.reference(prompt.ids, n), got, prompt, where)
+                continue
+            seen = self.outputs.setdefault((prompt.ids, n), got)
+            if seen != got:
+                raise TokenMismatch(f"engine '{engine.name}' on model '{engine.spec.name}': {prompt.name} gave "
+                                    f"{seen} earlier and {got} at {where} (no oracle: a repeat must give the same tokens)")
+        if self.check_compiles and call.compiles:
+            raise TokenMismatch(
+                f"engine '{engine.name}' on model '{engine.spec.name}' compiled {len(call.compiles)} frame(s) during "
+                f"{what} {call}, after the warmup:\n" + "\n".join(e.describe() for e in call.compiles))
+
+
 def hypothesis_settings(settings: FuzzSettings, database_dir) -> Any:
     """hypothesis settings of the profile (module docstring)."""
     from hypothesis import HealthCheck, Phase
@@ -197,13 +361,35 @@ def hypothesis_settings(settings: FuzzSettings, database_dir) -> Any:
 
 
 def run(kv_engine, oracle, lengths, check_compiles, settings: FuzzSettings, neutral: Prompt, database_dir, key: str,
-        check: Any = None) -> int:
-    """Fuzz until the examples or the budget run out; raise the shrunk failure, noting when it was first found.
-    Returns the examples run."""
+        check: Any = None, on_coverage: Any = None) -> int:
+    """The covering walk, then hypothesis until the examples or the budget run out; raise the first failure (the
+    walk's with its last calls, hypothesis' shrunk), noting when it was found. `on_coverage(Walk.to_dict())` gets the
+    walk's pair coverage, failing or not. Returns the hypothesis examples run."""
+    import random
+
     from hypothesis.stateful import run_state_machine_as_test
 
+    started = time.monotonic()
+    deadline = started + settings.budget_s
+    batch = 4 if kv_engine.ref.declaration.batching else 1
+    seed = 0 if settings.seed is None and settings.profile == "ci" else settings.seed
+    plan = Walk(kinds_for(batch, lengths), lengths, kv_engine.spec.vocab_size,
+                random.randrange(2**32) if seed is None else seed)
+    kv_engine.generate([neutral], 2)
+    try:
+        plan.run(Caller(kv_engine, oracle, check_compiles, check), started + WALK_SHARE * settings.budget_s)
+    except BaseException as exc:
+        if isinstance(exc, AssertionError) or type(exc).__name__ == "Failed":
+            raise type(exc)(f"{exc}\n{_walk_replay(kv_engine, oracle, check, neutral, plan)}") from None
+        raise
+    finally:
+        if on_coverage is not None:
+            on_coverage(plan.to_dict())
+    if time.monotonic() >= deadline:
+        return 0
+
     stats: dict[str, Any] = {"examples": 0}
-    factory = machine(kv_engine, oracle, lengths, check_compiles, settings, neutral, stats, check)
+    factory = machine(kv_engine, oracle, lengths, check_compiles, deadline, neutral, stats, check)
     factory._hypothesis_internal_add_digest = key.encode()  # one database entry per engine, model and dtype
     if settings.seed is not None:
         factory._hypothesis_internal_use_seed = settings.seed
@@ -214,10 +400,28 @@ def run(kv_engine, oracle, lengths, check_compiles, settings: FuzzSettings, neut
         exc = _unflaky(exc)
         if "found" in stats and hasattr(exc, "add_note"):
             example, when = stats["found"]
-            exc.add_note(f"fuzz: first failure in example {example}, {when - started:.1f} s in; shrunk in "
-                         f"{time.monotonic() - when:.1f} s ({stats['examples']} examples run in all)")
+            exc.add_note(f"fuzz: first failure in hypothesis example {example}, {when - started:.1f} s after the "
+                         f"covering walk; shrunk in {time.monotonic() - when:.1f} s ({stats['examples']} examples run "
+                         "in all)")
         raise exc from None
     return stats["examples"]
+
+
+def _walk_replay(kv_engine, oracle, check, neutral: Prompt, plan: Walk) -> str:
+    """The covering walk's failing call and the one before it, replayed once more after a neutral call on the same
+    engine object: if they fail again, they are the whole story; if not, the walk's last calls are listed."""
+    last = plan.calls[-2:]
+    found = f"fuzz: found by the covering walk at call {len(plan.calls)}, {plan.seconds:.1f} s in"
+    try:
+        kv_engine.generate([neutral], 2)
+        caller = Caller(kv_engine, oracle, False, check)
+        for i, (rows, n) in enumerate(last):
+            caller(rows, n, f"replay call {i + 1}")
+    except BaseException:
+        return (f"{found}; these {len(last)} calls fail again after a neutral call on the same engine object\n"
+                + replay(last, "the failing call and the one before it"))
+    return (f"{found}; its last {len(last)} calls alone did not fail again, so the bug needs more of the history: "
+            "the walk's last 8 calls\n" + replay(plan.calls[-8:], "the covering walk's last calls"))
 
 
 def _unflaky(exc: BaseException) -> BaseException:
