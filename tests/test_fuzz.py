@@ -38,7 +38,7 @@ def test_a_bug_on_one_narrow_pair_of_call_kinds_is_found_by_the_covering_walk(kv
     """Issue 24's twin: wrong only on a single prompt of 16-31 tokens right after a batch of exactly 3 whose
     shortest row is shorter; hypothesis alone missed it at 200 examples and in 3 dev seeds."""
     found = run_suites(kvtester, "--kv-engine=kv_test_engines_history:WrongSingleAfterBatchOf3", "--kv-fuzz=1",
-                       "-k", "fuzz")
+                       "--kv-fuzz-budget=900", "-k", "fuzz")  # a walk long enough to reach the pair on a loaded machine
     found.assert_outcomes(failed=1)
     found.stdout.fnmatch_lines(["*right after a call of kind ?3 row(s), shortest *",
                                 "*fuzz: found by the covering walk at call *"])

@@ -224,7 +224,7 @@ class HFStaticChunkedCompile(HFStaticCompile):
         ), (
             "test_fuzz*",
             "the same finding, met by the fuzzer (docs/released-bugs.md)",
-            r"compiled \d+ frame\(s\) during fuzz call",
+            r"compiled \d+ frame\(s\) during (fuzz|covering-walk) call",
         )),
     )
 
@@ -267,7 +267,7 @@ class HFDynamicCompile(_CompiledMixin, HFEager):
             "test_fuzz*",
             "the same finding, met by the fuzzer: a 1-token prompt after the warmup recompiles the forward, which "
             "has hit dynamo's recompile limit (docs/findings.md)",
-            r"compiled \d+ frame\(s\) during fuzz call",
+            r"compiled \d+ frame\(s\) during (fuzz|covering-walk) call",
         )),
     )
 

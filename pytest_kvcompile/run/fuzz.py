@@ -287,8 +287,9 @@ class Walk:
             first = earlier[:k] + (self._tokens(shortest - k) if shortest > k else ())
             relation = "repeat" if first in self.prompts else "shared prefix"
         top = max(map(length_class, self.lengths))
-        rows = [first] + [self._tokens(self._length(self.rng.randint(kind.length, top), at_least=len(first)))
-                          for _ in range(kind.rows - 1)]
+        rows = [first] + [self._tokens(self._length(self.rng.randint(kind.length, min(top, kind.length + 1)),
+                                                    at_least=len(first)))
+                          for _ in range(kind.rows - 1)]  # the other rows: the shortest's class or the next (cost)
         lo, hi = NEW_TOKEN_CLASSES[kind.new]
         edges = [n for n in NEW_TOKENS if lo <= n <= hi]
         n = self.rng.choice(edges) if edges and self.rng.random() < 0.5 else self.rng.randint(lo, hi)
