@@ -1,7 +1,8 @@
-"""Fuzzing (``--kv-fuzz=N``, off by default): a covering walk calls every ordered pair of call kinds in turn, then
-hypothesis draws call sequences against one engine object and shrinks a failure to the shortest sequence that still
-fails (pytest_kvcompile/run/fuzz.py for the kinds, rules and profiles). Every row is judged by the oracle under the verdict rules (without an oracle: an exact repeat must
-give the same tokens); an engine that ran compiled code must compile nothing after the warmup calls."""
+"""Fuzzing (``--kv-fuzz=N``, off by default): on one engine object a covering walk makes every ordered pair of call
+kinds follow each other, then hypothesis draws call sequences and shrinks a failure to the shortest sequence that
+still fails (pytest_kvcompile/run/fuzz.py for the kinds, rules and profiles). Every row is judged by the oracle
+under the verdict rules (without an oracle: an exact repeat must give the same tokens); an engine that ran compiled
+code must compile nothing after the warmup calls."""
 
 import pytest
 

@@ -90,7 +90,7 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
     for call, steps, _ in unseen:
         kv_engine.generate(call, steps)
     after_calls = kv_engine.history[start + len(warm_calls):]
-    new = {id(c): what for c, (_, _, what) in zip(after_calls, unseen)}
+    new = [what for _, _, what in unseen]  # one history entry per call, in order
     build = list(kv_engine.build_compiles)
     warm = [e for c in warm_calls for e in c.compiles]
     after = [e for c in after_calls for e in c.compiles]
@@ -129,8 +129,8 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
     })
 
     problems = []
-    culprits = [f"  {c} [new: {new[id(c)]}]: {len(c.compiles)} compile(s)" for c in after_calls if c.compiles]
-    culprits += [f"  {c} [new: {new[id(c)]}]: CUDA graph capture after warmup: {site}" for c in after_calls
+    culprits = [f"  {c} [new: {what}]: {len(c.compiles)} compile(s)" for c, what in zip(after_calls, new) if c.compiles]
+    culprits += [f"  {c} [new: {what}]: CUDA graph capture after warmup: {site}" for c, what in zip(after_calls, new)
                  for site in c.captures]
     if captured[2]:
         culprits.append(CAPTURE_HINT)

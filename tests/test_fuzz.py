@@ -34,13 +34,17 @@ def test_a_bug_needing_a_combination_of_calls_is_found_by_the_fixed_history_chec
                                 "pairs of call kinds covered (shape>shape */784, mode>mode */36, *) in * calls*"])
 
 
-def test_a_bug_on_one_narrow_pair_of_call_kinds_is_found_by_the_covering_walk(kvtester):
-    """Issue 24's twin: wrong only on a single prompt of 16-31 tokens right after a batch of exactly 3 whose
-    shortest row is shorter; hypothesis alone missed it at 200 examples and in 3 dev seeds."""
-    found = run_suites(kvtester, "--kv-engine=kv_test_engines_history:WrongSingleAfterBatchOf3", "--kv-fuzz=1",
-                       "--kv-fuzz-budget=900", "-k", "fuzz")  # a walk long enough to reach the pair on a loaded machine
+@pytest.mark.parametrize("twin", ["WrongSingleAfterBatchOf3", "WrongBatchOf2AfterLongSingle",
+                                  "WrongRepeatAfterBatchOf4", "WrongLongDecodeAfterShortRows",
+                                  "WrongShortSingleAfterLongDecode"])
+def test_a_bug_on_one_pair_of_call_kinds_is_found_by_the_covering_walk(kvtester, twin):
+    """Issue 24's family: wrong only on a call of kind B right after one of kind A (WrongSingleAfterBatchOf3: a single
+    of 16-31 tokens after a batch of exactly 3 with a shorter row; hypothesis alone missed it at 200 examples and in 3
+    dev seeds). The walk reaches every pair; the budget is long so that it does on a loaded machine."""
+    found = run_suites(kvtester, f"--kv-engine=kv_test_engines_history:{twin}", "--kv-fuzz=1",
+                       "--kv-fuzz-budget=900", "-k", "fuzz")
     found.assert_outcomes(failed=1)
-    found.stdout.fnmatch_lines(["*right after a call of kind ?3 row(s), shortest *",
+    found.stdout.fnmatch_lines(["*covering-walk call * of kind *, right after a call of kind *",
                                 "*fuzz: found by the covering walk at call *"])
 
 

@@ -94,8 +94,10 @@ def _merge_latency(a, b):
 
 
 _OPTIONAL = {"compiles": _merge_compiles, "kv_bytes": _merge_kv_bytes, "latency": _merge_latency,
+             # one measurement per model and dtype: the same in every worker
              "noise": lambda a, b: a, "eviction_noise": lambda a, b: a,
-             "fuzz_coverage": lambda a, b: max(a, b, key=lambda x: (x["covered"], x["calls"]))}  # one measurement per model and dtype: the same in every worker
+             # one walk per engine and model in a run; across runs, the one that covered most
+             "fuzz_coverage": lambda a, b: max(a, b, key=lambda x: (x["covered"], x["calls"]))}
 
 
 def merge_row(into: dict[str, Any], row: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ calls follow the previous example's; the neutral call at its start overwrites wh
 whose state outlives several calls can make a failure flaky: hypothesis then says so). A failure message ends
 with the shrunk sequence as a snippet to replay on a fresh engine.
 
-Before hypothesis draws anything, a covering walk (``walk``) makes one long call sequence in which every ordered
+Before hypothesis draws anything, a covering walk (``Walk``) makes one long call sequence in which every ordered
 pair of call kinds follows each other at least once (issue 24). A kind is the call's shape (rows 1..4 x the length
 class of its shortest row: 1, 2-15, 16-31, 32-63, 64-127, 128-255, 256+) and its mode (new tokens up to the
 warmup's 32 or past them x the first row's relation to earlier prompts: fresh, an exact repeat, a shared prefix).
@@ -253,7 +253,7 @@ class Walk:
     def __init__(self, kinds: list[Kind], lengths: list[int], vocab: int, seed: int) -> None:
         import random
 
-        self.kinds, self.lengths, self.vocab = kinds, lengths, vocab
+        self.kinds, self.lengths, self.vocab, self.seed = kinds, lengths, vocab, seed
         self.rng, self.coverage = random.Random(seed), Coverage(kinds)
         self.prompts: list[tuple[int, ...]] = []
         self.fresh, self.calls, self.seconds = 0, [], 0.0
@@ -261,8 +261,8 @@ class Walk:
     def next_kind(self, last: Kind | None) -> Kind:
         if last is None:
             return self.rng.choice(self.kinds)
-        best = max(self.coverage.gain(last, k) for k in self.kinds)
-        return self.rng.choice([k for k in self.kinds if self.coverage.gain(last, k) == best])
+        gains = [self.coverage.gain(last, k) for k in self.kinds]
+        return self.rng.choice([k for k, g in zip(self.kinds, gains) if g == max(gains)])
 
     def _length(self, cls: int, at_least: int = 1) -> int:
         lo, hi = LENGTH_CLASSES[cls]
@@ -313,7 +313,7 @@ class Walk:
             self.seconds = time.monotonic() - started
 
     def to_dict(self) -> dict[str, Any]:
-        return self.coverage.to_dict(len(self.calls), self.seconds)
+        return {**self.coverage.to_dict(len(self.calls), self.seconds), "seed": self.seed}
 
 
 class Caller:
@@ -412,13 +412,14 @@ def _walk_replay(kv_engine, oracle, check, neutral: Prompt, plan: Walk) -> str:
     """The covering walk's failing call and the one before it, replayed once more after a neutral call on the same
     engine object: if they fail again, they are the whole story; if not, the walk's last calls are listed."""
     last = plan.calls[-2:]
-    found = f"fuzz: found by the covering walk at call {len(plan.calls)}, {plan.seconds:.1f} s in"
+    found = (f"fuzz: found by the covering walk at call {len(plan.calls)}, {plan.seconds:.1f} s in (walk seed "
+             f"{plan.seed}: --kv-fuzz-seed={plan.seed} walks the same calls)")
     try:
         kv_engine.generate([neutral], 2)
         caller = Caller(kv_engine, oracle, False, check)
         for i, (rows, n) in enumerate(last):
             caller(rows, n, f"replay call {i + 1}")
-    except BaseException:
+    except Exception:
         return (f"{found}; these {len(last)} calls fail again after a neutral call on the same engine object\n"
                 + replay(last, "the failing call and the one before it"))
     return (f"{found}; its last {len(last)} calls alone did not fail again, so the bug needs more of the history: "
