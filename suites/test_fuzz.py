@@ -1,8 +1,8 @@
-"""Fuzzing (``--kv-fuzz=N``, off by default): on one engine object a covering walk makes every ordered pair of call
-kinds follow each other, then hypothesis draws call sequences and shrinks a failure to the shortest sequence that
-still fails (pytest_kvcompile/run/fuzz.py for the kinds, rules and profiles). Every row is judged by the oracle
-under the verdict rules (without an oracle: an exact repeat must give the same tokens); an engine that ran compiled
-code must compile nothing after the warmup calls."""
+"""Fuzzing (``--kv-fuzz=N``, off by default): on one engine object a covering walk makes every condition on up to
+four factors of two consecutive calls true (kinds of call followed by kinds of call), then hypothesis draws call
+sequences and shrinks a failure to the shortest sequence that still fails (pytest_kvcompile/run/fuzz.py for the
+kinds, rules and profiles). Every row is judged by the oracle under the verdict rules (without an oracle: an exact
+repeat must give the same tokens); an engine that ran compiled code must compile nothing after the warmup calls."""
 
 import pytest
 
@@ -19,7 +19,7 @@ def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, 
     by_len = {len(p): p for p in kv_prompts}
     warmup = [[by_len[7]], [by_len[48]]] + ([[by_len[7], by_len[48]]] if kv_engine.ref.declaration.batching else [])
     for call in warmup:  # the compiled code (if any) now exists: it must serve every fuzz call without compiling
-        kv_engine.generate(call, 32)
+        kv_engine.generate(call, fuzz.WARMUP_STEPS)
     budget = budget_of(kv_engine.ref.declaration.strategy)
     limit = (max_positions(kv_engine.spec.config) or 512) - max(fuzz.NEW_TOKENS)
     lengths = fuzz.lengths_for(kv_engine.window, (budget,) if budget else (), limit)

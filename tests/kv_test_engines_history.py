@@ -87,8 +87,9 @@ class RecompilesPastWarmupSteps(CompiledGreedy):
 
 
 class _WrongRightAfter(LeftPaddedBatched):
-    """Wrong only on a call of one kind right after a call of another (`after(last rows, last n)` and `on(rows, n,
-    earlier prompts)`): the first row then loses its first token (an offset left by the call before)."""
+    """Wrong only on a call of one kind right after a call of another (`after(rows, n, prompts before it)` of the call
+    before, and `on(rows, n, prompts before it)`): the first row then loses its first token (an offset left by the
+    call before)."""
 
     kv_declaration = Declaration(batching=True, description="test engine: wrong on one pair of call kinds")
 
@@ -98,7 +99,7 @@ class _WrongRightAfter(LeftPaddedBatched):
 
     def generate(self, prompts, max_new_tokens):
         rows = [tuple(p) for p in prompts]
-        last, self.last = self.last, (rows, max_new_tokens)
+        last, self.last = self.last, (rows, max_new_tokens, frozenset(self.seen))
         hit = last is not None and self.after(*last) and self.on(rows, max_new_tokens, self.seen)
         self.seen |= set(rows)
         if hit and len(rows[0]) > 1:
@@ -109,7 +110,7 @@ class _WrongRightAfter(LeftPaddedBatched):
 class WrongBatchOf2AfterLongSingle(_WrongRightAfter):
     """A batch of exactly 2 right after a single prompt of 128-255 tokens."""
 
-    def after(self, rows, n):
+    def after(self, rows, n, seen):
         return len(rows) == 1 and 128 <= len(rows[0]) <= 255
 
     def on(self, rows, n, seen):
@@ -119,7 +120,7 @@ class WrongBatchOf2AfterLongSingle(_WrongRightAfter):
 class WrongRepeatAfterBatchOf4(_WrongRightAfter):
     """A single exact repeat of an earlier prompt right after a batch of 4."""
 
-    def after(self, rows, n):
+    def after(self, rows, n, seen):
         return len(rows) == 4
 
     def on(self, rows, n, seen):
@@ -129,7 +130,7 @@ class WrongRepeatAfterBatchOf4(_WrongRightAfter):
 class WrongLongDecodeAfterShortRows(_WrongRightAfter):
     """A call decoding more than 32 tokens right after a call whose shortest row had 2-15 tokens."""
 
-    def after(self, rows, n):
+    def after(self, rows, n, seen):
         return 2 <= min(map(len, rows)) <= 15
 
     def on(self, rows, n, seen):
@@ -139,8 +140,20 @@ class WrongLongDecodeAfterShortRows(_WrongRightAfter):
 class WrongShortSingleAfterLongDecode(_WrongRightAfter):
     """A single prompt of 2-15 tokens right after a batch of 3 that decoded more than 32 tokens."""
 
-    def after(self, rows, n):
+    def after(self, rows, n, seen):
         return len(rows) == 3 and n > 32
 
     def on(self, rows, n, seen):
         return len(rows) == 1 and 2 <= len(rows[0]) <= 15
+
+
+class WrongBatchOf2AfterLongRepeat(_WrongRightAfter):
+    """A batch of exactly 2 whose shortest row has 32-63 tokens right after a call whose first row repeated an earlier
+    prompt exactly and that decoded more than 32 tokens (four factors: the call before's relation and new tokens,
+    this call's rows and length class)."""
+
+    def after(self, rows, n, seen):
+        return rows[0] in seen and n > 32
+
+    def on(self, rows, n, seen):
+        return len(rows) == 2 and 32 <= min(map(len, rows)) <= 63

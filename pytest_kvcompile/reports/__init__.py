@@ -178,7 +178,7 @@ class ResultsPlugin:
                 tr.write_line(eviction_noise_line(model, dtype, found))
         fuzzed = [r for r in self.results["rows"] if r.get("fuzz_coverage")]
         if fuzzed:
-            tr.write_sep("-", f"kvcompile: fuzz pair coverage ({len(fuzzed)})")
+            tr.write_sep("-", f"kvcompile: fuzz covering walk ({len(fuzzed)})")
             for r in fuzzed:
                 tr.write_line(f"{r['engine']} / {r['model']}: {coverage_line(r['fuzz_coverage'])}")
         builds = sorted((r for r in self.results["rows"] if r.get("builds")), key=lambda r: -r["build_s"])[:5]

@@ -163,7 +163,7 @@ def _engine_section(engine: str, rows: list[dict[str, Any]], all_rows: list[dict
     shown = (f'<h4>failures ({len(failures)})</h4>' + "".join(_failure(f) for f in failures)) if failures else ""
     return (f'<section class="engine" id="engine-{escape(engine)}"><h2>{escape(engine)}</h2>'
             + _table(rows, all_rows) + charts + shown + _list("recompiles after warmup", reasons, "bad") + timelines
-            + layers + _list("fuzz pair coverage", [f"{r['model']}: {coverage_line(r['fuzz_coverage'])}" for r in rows
+            + layers + _list("fuzz covering walk", [f"{r['model']}: {coverage_line(r['fuzz_coverage'])}" for r in rows
                                                     if r.get("fuzz_coverage")])
             + _list("near ties", [t for r in rows for t in r["near_ties"]]) + "</section>")
 

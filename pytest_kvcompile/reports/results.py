@@ -61,7 +61,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "latency": None,  # see latency.Latency.as_dict()
         "noise": None,  # 16-bit runs: the model's measured noise and the verdict numbers from it (oracles/precision.py)
         "eviction_noise": None,  # 16-bit runs of a scoring eviction policy: its cuts' noise (oracles/eviction.py)
-        "fuzz_coverage": None,  # --kv-fuzz: ordered pairs of call kinds the covering walk made (run/fuzz.py)
+        "fuzz_coverage": None,  # --kv-fuzz: conditions on two consecutive calls the covering walk made (run/fuzz.py)
         "sequences": {},  # distinct verified sequences (key of prompt + engine tokens) -> [verified tokens, near ties]
     }
 
@@ -140,9 +140,9 @@ def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def coverage_line(found: dict[str, Any]) -> str:
-    """The ordered pairs of call kinds the fuzzer's covering walk made (run/fuzz.py: Coverage.to_dict())."""
+    """The conditions on two consecutive calls the fuzzer's covering walk made true (run/fuzz.py: Coverage)."""
     parts = ", ".join(f"{p} {c}/{n}" for p, (c, n) in found["parts"].items())
-    return (f"{found['covered']}/{found['possible']} ordered pairs of call kinds covered ({parts}) in "
+    return (f"{found['covered']}/{found['possible']} conditions on two consecutive calls covered ({parts}) in "
             f"{found['calls']} calls, {found['seconds']} s")
 
 

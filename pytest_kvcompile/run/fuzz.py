@@ -14,15 +14,19 @@ calls follow the previous example's; the neutral call at its start overwrites wh
 whose state outlives several calls can make a failure flaky: hypothesis then says so). A failure message ends
 with the shrunk sequence as a snippet to replay on a fresh engine.
 
-Before hypothesis draws anything, a covering walk (``Walk``) makes one long call sequence in which every ordered
-pair of call kinds follows each other at least once (issue 24). A kind is the call's shape (rows 1..4 x the length
-class of its shortest row: 1, 2-15, 16-31, 32-63, 64-127, 128-255, 256+) and its mode (new tokens up to the
-warmup's 32 or past them x the first row's relation to earlier prompts: fresh, an exact repeat, a shared prefix).
-The walk covers every ordered pair of shapes, every ordered pair of modes, and every shape -> mode and mode ->
-shape pair (a mixed-strength covering array over consecutive calls, built greedily as AETG does: each next kind is
-the one that covers the most pairs not yet covered). A bug that needs "a call of kind B right after one of kind A"
-is found by construction, not by luck; the pairs covered over the pairs possible are reported per engine and model.
-The walk stops at 3/4 of ``--kv-fuzz-budget`` (``WALK_SHARE``): a budget too short for every pair reports fewer.
+Before hypothesis draws anything, a covering walk (``Walk``) makes one long call sequence over the kinds of call
+(issue 24). A kind has four factors: rows (1..4), the length class of the shortest row (1, 2-15, 16-31, 32-63,
+64-127, 128-255, 256+), new tokens (1: prefill only; 2-32: decode up to the warmup's 32 steps; 33-64: past them) and
+the first row's relation to earlier prompts (fresh, an exact repeat, a shared prefix). A bug of the form "wrong on a
+call of kind B right after one of kind A" names some of the eight factors of A and B; the walk makes every condition
+on 2..4 of them (at least one of each call) true at least once: a covering array of strength 4 over consecutive
+calls (``Coverage``), built greedily as AETG does: each next kind is the one that covers the most conditions not yet
+covered; ties go to kinds not decoding past the warmup's 32 steps (cost); where no kind covers anything right after
+the last call, the one leading to the most. Each kind is realized cheaply (a boundary length or new-token count half
+the time, else anywhere in its length class and the lower quarter of its new-token class) and classified again, so
+what is counted is what ran. Such a bug is found by construction, not by luck; the conditions covered over those
+possible are reported per engine and model. The walk stops at 3/4 of ``--kv-fuzz-budget`` (``WALK_SHARE``): a budget
+too short for every condition reports fewer.
 
 Profiles (``--kv-fuzz-profile``): ``ci`` is derandomized (the same examples every run: a failure is found again),
 4..8 steps per example; ``dev`` draws new examples each run, longer sequences, and keeps failing examples in
@@ -51,7 +55,7 @@ NEW_TOKENS = (1, 2, 3, 8, 15, 16, 17, 32, 33, 63, 64)
 class FuzzSettings:
     examples: int
     profile: str = "ci"
-    budget_s: float = 120.0
+    budget_s: float = 240.0
     seed: int | None = None
 
 
@@ -63,9 +67,9 @@ OPTIONS = [
            "'ci' (default): derandomized, the same examples every run, 8 steps each; 'dev': new examples each run, "
            "24 steps, failures kept in hypothesis' database under the cache dir and replayed first", "ci|dev",
            choice(*PROFILES)),
-    Option(FUZZ_BUDGET, "kv_fuzz_budget", "120",
-           "seconds per engine x model after which fuzzing draws no new examples (default: 120)", "SECONDS",
-           number(0, what="give seconds > 0, e.g. 120", low_open=True)),
+    Option(FUZZ_BUDGET, "kv_fuzz_budget", "240",
+           "seconds per engine x model: the covering walk stops at 3/4 of it, hypothesis draws no new examples after "
+           "it (default: 240)", "SECONDS", number(0, what="give seconds > 0, e.g. 240", low_open=True)),
     Option(FUZZ_SEED, "kv_fuzz_seed", "",
            "a seed for the fuzzer (random examples, reproducible): measures time-to-find over seeds", "N",
            whole(0, "give a whole number")),
@@ -171,9 +175,15 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
 
 
 LENGTH_CLASSES = ((1, 1), (2, 15), (16, 31), (32, 63), (64, 127), (128, 255), (256, 1 << 30))  # shortest row
-NEW_TOKEN_CLASSES = ((1, 32), (33, 64))  # up to the warmup's 32 decode steps; past them
+NEW_TOKEN_CLASSES = ((1, 1), (2, 32), (33, 64))  # prefill only; decode up to the warmup's 32 steps; past them
 RELATIONS = ("fresh", "repeat", "shared prefix")  # the first row vs the earlier prompts
+WARMUP_STEPS = 32  # the decode steps of suites/test_fuzz.py's warmup calls
+STRENGTH = 4  # the covering walk's: conditions on up to 4 factors of two consecutive calls
 WALK_SHARE = 0.75  # of --kv-fuzz-budget at most for the covering walk: hypothesis always gets the rest
+
+
+def _span(lo: int, hi: int) -> str:
+    return f"{lo}" if lo == hi else f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
 
 
 def length_class(n: int) -> int:
@@ -182,62 +192,73 @@ def length_class(n: int) -> int:
 
 @dataclass(frozen=True)
 class Kind:
-    """A call's kind: its shape (rows, length class of the shortest row) and mode (new-token class, relation)."""
+    """A call's kind: rows, the length class of its shortest row, its new-token class and the first row's relation to
+    the earlier prompts (module docstring)."""
+
+    FACTORS = ("rows", "length", "new", "relation")
 
     rows: int
     length: int  # index into LENGTH_CLASSES
     new: int  # index into NEW_TOKEN_CLASSES
     relation: str
 
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.length
-
-    @property
-    def mode(self) -> tuple[int, str]:
-        return self.new, self.relation
-
     def __str__(self) -> str:
-        lo, hi = LENGTH_CLASSES[self.length]
-        span = f"{lo}" if lo == hi else f"{lo}+" if hi >= 1 << 30 else f"{lo}-{hi}"
-        return (f"{self.rows} row(s), shortest {span} tokens, {'%d-%d' % NEW_TOKEN_CLASSES[self.new]} new tokens, "
-                f"{self.relation}")
+        return (f"{self.rows} row(s), shortest {_span(*LENGTH_CLASSES[self.length])} tokens, "
+                f"{_span(*NEW_TOKEN_CLASSES[self.new])} new token(s), {self.relation}")
 
 
 class Coverage:
-    """The ordered pairs of consecutive call kinds a walk must cover, and those it has (module docstring)."""
-
-    PARTS = ("shape>shape", "mode>mode", "shape>mode", "mode>shape")
+    """The conditions on two consecutive calls a walk must make true at least once, and those it has: every choice of
+    values for 2..STRENGTH of the eight factors (each call's ``Kind.FACTORS``), at least one factor from each call
+    (a covering array of strength 4 over consecutive calls; module docstring)."""
 
     def __init__(self, kinds: list[Kind]) -> None:
-        shapes = sorted({k.shape for k in kinds})
-        modes = sorted({k.mode for k in kinds}, key=str)
-        self.possible = {
-            "shape>shape": {(a, b) for a in shapes for b in shapes}, "mode>mode": {(a, b) for a in modes for b in modes},
-            "shape>mode": {(a, b) for a in shapes for b in modes}, "mode>shape": {(a, b) for a in modes for b in shapes}}
-        self.covered: dict[str, set] = {part: set() for part in self.PARTS}
+        import itertools
+        import math
 
-    @staticmethod
-    def pairs(a: Kind, b: Kind) -> dict[str, tuple]:
-        return {"shape>shape": (a.shape, b.shape), "mode>mode": (a.mode, b.mode), "shape>mode": (a.shape, b.mode),
-                "mode>shape": (a.mode, b.shape)}
+        import torch
 
-    def gain(self, a: Kind, b: Kind) -> int:
-        return sum(pair not in self.covered[part] for part, pair in self.pairs(a, b).items())
+        self.kinds, self.index = kinds, {k: i for i, k in enumerate(kinds)}
+        levels = [sorted({getattr(k, f) for k in kinds}, key=str) for f in Kind.FACTORS]
+        values = torch.tensor([[levels[f].index(getattr(k, name)) for f, name in enumerate(Kind.FACTORS)]
+                               for k in kinds])
+        sizes = [len(v) for v in levels] * 2  # factor j < 4: the earlier call's, j >= 4: the later call's
+        varied = [j for j in range(8) if sizes[j] > 1]  # a factor with one value adds no condition
+        cells, self.ways, offset = [], {}, 0
+        for t in range(2, STRENGTH + 1):
+            start = offset
+            for subset in itertools.combinations(varied, t):
+                if min(subset) >= 4 or max(subset) < 4:
+                    continue
+                cell = torch.zeros(len(kinds), len(kinds), dtype=torch.long)
+                for j in subset:  # mixed radix over the subset's factors; rows: earlier call, columns: later call
+                    cell = cell * sizes[j] + (values[:, j, None] if j < 4 else values[None, :, j - 4])
+                cells.append(cell + offset)
+                offset += math.prod(sizes[j] for j in subset)
+            self.ways[f"{t}-way"] = (start, offset)
+        self.cells = torch.stack(cells, 1).contiguous()  # [earlier kind, factor subsets, later kind] -> condition
+        self.covered = torch.zeros(offset, dtype=torch.bool)
+
+    def gains(self, last: Kind) -> list[int]:
+        """Per kind (in `kinds` order): the conditions not yet covered that a call of it right after `last` covers."""
+        return (~self.covered[self.cells[self.index[last]]]).sum(0).tolist()
+
+    def reach(self) -> list[int]:
+        """Per kind: the most conditions a call right after one of it could cover (to leave a kind covering none)."""
+        return (~self.covered[self.cells]).sum(1).amax(1).tolist()
 
     def add(self, a: Kind, b: Kind) -> None:
-        for part, pair in self.pairs(a, b).items():
-            if pair in self.possible[part]:
-                self.covered[part].add(pair)
+        if a in self.index and b in self.index:
+            self.covered[self.cells[self.index[a], :, self.index[b]]] = True
 
     @property
     def complete(self) -> bool:
-        return all(self.covered[p] == self.possible[p] for p in self.PARTS)
+        return bool(self.covered.all())
 
     def to_dict(self, calls: int, seconds: float) -> dict[str, Any]:
-        parts = {p: [len(self.covered[p]), len(self.possible[p])] for p in self.PARTS}
-        return {"covered": sum(c for c, _ in parts.values()), "possible": sum(n for _, n in parts.values()),
-                "parts": parts, "calls": calls, "seconds": round(seconds, 1)}
+        parts = {way: [int(self.covered[lo:hi].sum()), hi - lo] for way, (lo, hi) in self.ways.items()}
+        return {"covered": int(self.covered.sum()), "possible": len(self.covered), "parts": parts, "calls": calls,
+                "seconds": round(seconds, 1)}
 
 
 def kinds_for(batch: int, lengths: list[int]) -> list[Kind]:
@@ -255,14 +276,21 @@ class Walk:
 
         self.kinds, self.lengths, self.vocab, self.seed = kinds, lengths, vocab, seed
         self.rng, self.coverage = random.Random(seed), Coverage(kinds)
-        self.prompts: list[tuple[int, ...]] = []
-        self.fresh, self.calls, self.seconds = 0, [], 0.0
+        self.prompts: list[tuple[int, ...]] = []  # every prompt so far, in order, and by length class
+        self.known: set[tuple[int, ...]] = set()
+        self.by_class: dict[int, list[tuple[int, ...]]] = {}
+        self.fresh, self.calls, self.made, self.seconds = 0, [], [], 0.0  # made: the kind of each call
 
     def next_kind(self, last: Kind | None) -> Kind:
         if last is None:
             return self.rng.choice(self.kinds)
-        gains = [self.coverage.gain(last, k) for k in self.kinds]
-        return self.rng.choice([k for k, g in zip(self.kinds, gains) if g == max(gains)])
+        gains = self.coverage.gains(last)
+        if not max(gains):  # nothing new right after `last`: go where the call after can cover the most
+            gains = self.coverage.reach()
+        top = max(gains)
+        best = [k for k, g in zip(self.kinds, gains) if g == top]
+        within = [k for k in best if NEW_TOKEN_CLASSES[k.new][1] <= WARMUP_STEPS]  # ties: not past the warmup's steps
+        return self.rng.choice(within or best)
 
     def _length(self, cls: int, at_least: int = 1) -> int:
         lo, hi = LENGTH_CLASSES[cls]
@@ -278,36 +306,45 @@ class Walk:
         """A call of `kind`, as near as the earlier prompts allow, and the kind it is."""
         shortest, relation = self._length(kind.length), "fresh"
         first = self._tokens(shortest)
-        same_class = [p for p in self.prompts if length_class(len(p)) == kind.length]
+        same_class = self.by_class.get(kind.length)
         if kind.relation == "repeat" and same_class:
             first, relation = self.rng.choice(same_class), "repeat"
         elif kind.relation != "fresh" and self.prompts:
             earlier = self.rng.choice(self.prompts)
             k = self.rng.randint(1, min(len(earlier), shortest))
             first = earlier[:k] + (self._tokens(shortest - k) if shortest > k else ())
-            relation = "repeat" if first in self.prompts else "shared prefix"
+            relation = "repeat" if first in self.known else "shared prefix"
         top = max(map(length_class, self.lengths))
         rows = [first] + [self._tokens(self._length(self.rng.randint(kind.length, min(top, kind.length + 1)),
                                                     at_least=len(first)))
                           for _ in range(kind.rows - 1)]  # the other rows: the shortest's class or the next (cost)
         lo, hi = NEW_TOKEN_CLASSES[kind.new]
         edges = [n for n in NEW_TOKENS if lo <= n <= hi]
-        n = self.rng.choice(edges) if edges and self.rng.random() < 0.5 else self.rng.randint(lo, hi)
+        # a boundary half the time, else the class's lower quarter: the walk needs the class, hypothesis draws the rest
+        n = self.rng.choice(edges) if edges and self.rng.random() < 0.5 else self.rng.randint(lo, lo + (hi - lo) // 4)
         return rows, n, Kind(len(rows), length_class(min(map(len, rows))), kind.new, relation)
 
+    def remember(self, rows: list[tuple[int, ...]]) -> None:
+        for row in rows:
+            if row not in self.known:
+                self.known.add(row)
+                self.prompts.append(row)
+                self.by_class.setdefault(length_class(len(row)), []).append(row)
+
     def run(self, run_call, deadline: float) -> None:
-        """Call `run_call(prompts, n, what)` (it verifies every row and raises on a failure) until every pair is
-        covered or the deadline passes."""
+        """Call `run_call(prompts, n, what)` (it verifies every row and raises on a failure) until every condition
+        is covered or the deadline passes."""
         started, last = time.monotonic(), None
         try:
             while not self.coverage.complete and time.monotonic() < deadline:
                 rows, n, kind = self.realize(self.next_kind(last))
                 self.calls.append((rows, n))
+                self.made.append(kind)
                 run_call(rows, n, f"covering-walk call {len(self.calls)} of kind [{kind}]"
                          + (f", right after a call of kind [{last}]" if last else ""))
                 if last is not None:
                     self.coverage.add(last, kind)
-                self.prompts += [r for r in rows if r not in self.prompts]
+                self.remember(rows)
                 last = kind
         finally:
             self.seconds = time.monotonic() - started
@@ -365,7 +402,7 @@ def run(kv_engine, oracle, lengths, check_compiles, settings: FuzzSettings, neut
         check: Any = None, on_coverage: Any = None) -> int:
     """The covering walk, then hypothesis until the examples or the budget run out; raise the first failure (the
     walk's with its last calls, hypothesis' shrunk), noting when it was found. `on_coverage(Walk.to_dict())` gets the
-    walk's pair coverage, failing or not. Returns the hypothesis examples run."""
+    walk's coverage, failing or not. Returns the hypothesis examples run."""
     import random
 
     from hypothesis.stateful import run_state_machine_as_test
