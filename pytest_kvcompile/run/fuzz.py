@@ -218,7 +218,7 @@ class Coverage:
 
         import torch
 
-        self.kinds, self.index = kinds, {k: i for i, k in enumerate(kinds)}
+        self.index = {k: i for i, k in enumerate(kinds)}
         levels = [sorted({getattr(k, f) for k in kinds}, key=str) for f in Kind.FACTORS]
         values = torch.tensor([[levels[f].index(getattr(k, name)) for f, name in enumerate(Kind.FACTORS)]
                                for k in kinds])
