@@ -71,6 +71,7 @@ class Run:
         self.config, self.settings, self.latency = config, settings, latency
         self.collector = Collector(settings.device, settings.dtype)
         self.engines: dict[str, Any] = {}
+        self.oracles: dict[str, Any] = {}  # engine NAME -> oracles.engine.Choice (only with --kv-oracle)
         if settings.engines:
             from pytest_kvcompile.contract import registry
             from pytest_kvcompile.oracles.hf import check_strategy
@@ -80,6 +81,11 @@ class Run:
                 problem = check_strategy(ref.declaration.strategy)
                 if problem:
                     raise pytest.UsageError(f"engine '{name}' declares strategy {ref.declaration.strategy}: {problem}")
+            if settings.oracles:
+                from pytest_kvcompile.oracles.engine import choose
+
+                self.oracles = {name: choose(name, ref, settings.oracle(name), registry.resolve)
+                                for name, ref in self.engines.items()}
         unknown = [n for n in settings.isolate if n not in self.engines] if isinstance(settings.isolate, tuple) else []
         if unknown:
             raise pytest.UsageError(f"{options.ISOLATE}={','.join(settings.isolate)}: {', '.join(unknown)} "
@@ -91,7 +97,7 @@ class Run:
     def session(self):
         from pytest_kvcompile.run.session import Session
 
-        return Session(self.settings, self.engines, self.collector, self.latency, self.progress)
+        return Session(self.settings, self.engines, self.collector, self.latency, self.progress, oracles=self.oracles)
 
     def progress(self, line: str) -> None:
         """Long work as it happens (an engine build, a call that compiled), one terminal line each: inductor

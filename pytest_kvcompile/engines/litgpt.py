@@ -230,6 +230,7 @@ class LitGPTCompiled(LitGPT):
     `next_token`, i.e. the model's forward plus argmax)."""
 
     kv_declaration = Declaration(
+        eager="litgpt",
         scoring=True,
         kv_cache_bytes=True,
         compiled=True,

@@ -67,10 +67,13 @@ def _import_vllm():
 def head_sizes(config) -> set[int]:
     """Attention head sizes of a transformers config: ``head_dim``, and per layer where the config has a
     per-layer view (Gemma4's full layers: ``global_head_dim``, kept in ``per_layer_config`` on 5.23)."""
+    def size(layer) -> int:  # GPT-2 configs have no head_dim: hidden size over heads
+        return getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
+
     per_layer = getattr(config, "per_layer_config", None)
     if per_layer is not None:  # config.head_dim itself raises there when layers differ
-        return {per_layer[i].head_dim for i in range(config.num_hidden_layers)}
-    sizes = {getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads}
+        return {size(per_layer[i]) for i in range(config.num_hidden_layers)}
+    sizes = {size(config)}
     if getattr(config, "global_head_dim", None):
         sizes.add(config.global_head_dim)
     return sizes
@@ -129,6 +132,7 @@ class VLLMCompiled(VLLMEager):
     """vLLM ``LLM.generate`` on CPU through vLLM's own ``torch.compile`` path (its default)."""
 
     kv_declaration = Declaration(
+        eager="vllm",
         batching=True,
         compiled=True,
         devices=("cpu",),

@@ -6,6 +6,8 @@ window; zoo weights are built on first use and cached on disk (see ``zoo``).
 
 from __future__ import annotations
 
+import json
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,10 +26,13 @@ class ModelEntry:
     config: Any | None
     path: Path | None  # None for zoo models: built on demand
     unavailable: str | None = None
+    own: bool = False  # not a transformers checkpoint: `config` is its config.json as the engine's own (OwnConfig)
 
     @property
     def window(self) -> int | None:
-        return zoo.attention_window(self.config) if self.config is not None else None
+        if self.config is None or self.own:
+            return getattr(self.config, "sliding_window", None) if self.own else None
+        return zoo.attention_window(self.config)
 
     @property
     def vocab_size(self) -> int:
@@ -57,7 +62,8 @@ def collect(settings: Settings) -> dict[str, ModelEntry]:
         except zoo.ModelUnavailable as exc:
             entries[name] = ModelEntry(name, None, None, unavailable=str(exc))
     for path in settings.models:
-        entries[_local_name(path, entries)] = _local_entry(path, _local_name(path, entries))
+        entries[_local_name(path, entries)] = _local_entry(path, _local_name(path, entries),
+                                                           any(o != "hf" for _, o in settings.oracles))
     return entries
 
 
@@ -66,16 +72,41 @@ def _local_name(path: Path, taken: dict) -> str:
     return name if name not in taken else f"{name}@{abs(hash(str(path.resolve()))) % 10**6}"
 
 
-def _local_entry(path: Path, name: str) -> ModelEntry:
+class OwnConfig(types.SimpleNamespace):
+    """The config.json of a checkpoint transformers cannot read, as the engine's own (its keys as attributes). The
+    suite reads `vocab_size` (required), `max_position_embeddings` and `sliding_window` from it; checks that need a
+    transformers config skip by name."""
+
+    model_type = "own"
+
+
+def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
+    """A --kv-model directory: a transformers checkpoint, or with an engine oracle (own_allowed) any directory whose
+    config.json gives its vocab_size."""
+    fix = ("; checked against an engine (--kv-oracle=eager or NAME), any directory with a config.json giving "
+           "vocab_size works" if not own_allowed else "")
     if not (path / "config.json").is_file():
-        raise pytest.UsageError(f"{MODEL}={path}: not a local Hugging Face checkpoint directory (no config.json there)")
+        own = ('; checked against an engine, a directory whose config.json (a JSON object) gives "vocab_size" also '
+               "works" if own_allowed else fix)
+        raise pytest.UsageError(f"{MODEL}={path}: not a local Hugging Face checkpoint directory (no config.json "
+                                f"there){own}")
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(path, local_files_only=True)
+        return ModelEntry(name, AutoConfig.from_pretrained(path, local_files_only=True), path)
     except Exception as exc:
-        raise pytest.UsageError(f"{MODEL}={path}: transformers cannot read its config.json: {exc}") from None
-    return ModelEntry(name, config, path)
+        if not own_allowed:
+            raise pytest.UsageError(f"{MODEL}={path}: transformers cannot read its config.json: {exc}{fix}") from None
+    try:
+        raw = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise pytest.UsageError(f"{MODEL}={path}: its config.json is not JSON ({exc})") from None
+    vocab = raw.get("vocab_size") if isinstance(raw, dict) else None
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
+        raise pytest.UsageError(f"{MODEL}={path}: transformers cannot read its config.json and it gives no "
+                                f"\"vocab_size\" (a whole number >= 2; got {vocab!r}): the suite draws prompt token "
+                                "ids from it")
+    return ModelEntry(name, OwnConfig(**raw), path, own=True)
 
 
 def spec_for(entry: ModelEntry, settings: Settings) -> ModelSpec:

@@ -27,11 +27,12 @@ from pytest_kvcompile.oracles.precision import load_lm
 
 @dataclass(frozen=True)
 class Reference:
-    """The oracle's continuation of one prompt, with its logits per step ([steps, vocab], fp32, CPU)."""
+    """The oracle's continuation of one prompt, with its logits per step ([steps, vocab], fp32, CPU); logits None:
+    an engine oracle without score() (oracles/engine.py), whose tokens alone are the reference (exact equality)."""
 
     prompt: tuple[int, ...]
     tokens: tuple[int, ...]
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     source: str
     #: (tokens, tie_tolerance) -> the oracle's logits along `tokens` (its teacher_forced, bound to this prompt)
     forced: Callable[[Sequence[int], float], torch.Tensor] | None = field(default=None, compare=False, repr=False)
@@ -47,8 +48,16 @@ class Reference:
     def __repr__(self) -> str:
         return f"Reference(prompt of length {len(self.prompt)}, tokens={list(self.tokens)})"
 
+    @property
+    def scored(self) -> bool:
+        """Whether the oracle gives logits, so a divergence can be judged a near tie (else tokens must be equal)."""
+        return self.logits is not None
+
     def given(self, tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
         """The oracle's logits [steps, vocab] at each step given this prompt + `tokens` before it."""
+        if self.logits is None:
+            raise ValueError(f"{self!r} has no logits (its oracle, {self.source}, declares no score()): only equal "
+                             "tokens can be verified")
         if tuple(int(t) for t in tokens) == self.tokens:
             return self.logits
         if self.forced is None:

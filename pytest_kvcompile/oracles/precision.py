@@ -249,11 +249,13 @@ class Rules:
 
     @classmethod
     def of(cls, settings: Any, noise: Noise | None) -> Rules:
-        """From the run's settings (None = measured: needs `noise`)."""
+        """From the run's settings (None = measured: needs `noise`). Without noise in 16-bit (a model transformers
+        cannot run, with the numbers given explicitly) the given tie tolerance also bounds score() rows."""
         from pytest_kvcompile.oracles.tolerances import DEFAULT_SCORE_TOLERANCE
 
         if noise is None:
-            return cls(settings.tie_tolerance, settings.max_near_ties, DEFAULT_SCORE_TOLERANCE[settings.dtype])
+            return cls(settings.tie_tolerance, settings.max_near_ties,
+                       DEFAULT_SCORE_TOLERANCE.get(settings.dtype, settings.tie_tolerance))
         return cls(noise.tolerance if settings.tie_tolerance is None else settings.tie_tolerance,
                    noise.max_near_ties(settings.max_new_tokens) if settings.max_near_ties is None
                    else settings.max_near_ties, noise.score_tolerance, noise)

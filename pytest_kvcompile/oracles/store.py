@@ -64,10 +64,13 @@ class NoCacheRecompute:
         return logits.float().cpu()
 
 
-def independent(strategy: Strategy, spec: ModelSpec) -> tuple[Any, str]:
-    """The independent path for `strategy` on `spec`, and its name for messages. An eviction oracle's float64
+def independent(strategy: Strategy, spec: ModelSpec, oracle: Any = None) -> tuple[Any, str]:
+    """The independent path for `strategy` on `spec`, and its name for messages (path None: there is none, the name
+    says why). An engine oracle (oracles/engine.py) names its own. An eviction oracle's float64
     replay accepts eviction near ties with float32's tolerance (its choices may differ from float64's exactly where
     the scores are that close); a 16-bit run's eviction oracle is the float64 truth already and is not replayed."""
+    if hasattr(oracle, "independent"):
+        return oracle.independent()
     wide = dataclasses.replace(spec, dtype=torch.float64)
     if strategy.kind == "exact" and not shared_kv_layers(spec.config):
         return NoCacheRecompute(wide), "transformers eager in float64 without a cache (one full recompute)"
@@ -84,9 +87,10 @@ def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec) -> str:
 
     module = sys.modules[type(oracle).__module__]
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(spec.path).iterdir() if p.is_file())
+    who = oracle.identity() if hasattr(oracle, "identity") else version("transformers")  # an engine oracle: its own
     parts = [type(oracle).__qualname__, inspect.getsource(module), str(strategy), str(Path(spec.path).resolve()),
              repr(files), str(spec.device), dtype_name(spec.dtype), str(getattr(spec, "weights_dtype", "")),
-             torch.__version__, version("transformers")]
+             torch.__version__, who]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
@@ -134,6 +138,7 @@ class StoredOracle:
         # 16-bit (oracles/precision.py): the equivalent computations in the run's dtype, for the noise along tokens
         self.computations = computations
         self._independent: tuple[Any, str] | None = None
+        self.check_absent: str | None = None  # why no independent path exists for this oracle (reported)
         self._checked: set[tuple] = set()
         self.unreliable: str | None = None
         self.score_noise: ScoreNoise | None = None  # 16-bit eviction oracles: the measured noise of the policy's cuts
@@ -150,6 +155,18 @@ class StoredOracle:
 
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"
+
+    def facts(self) -> dict[str, Any]:
+        """The oracle as the reports show it: its source, and what it cannot do (named, never silent)."""
+        limits = []
+        if getattr(self.oracle, "scored", True) is False:
+            limits.append("tokens must be equal: the oracle declares no score(), so no near tie can be judged")
+        if self.check_absent:
+            limits.append(f"no float64 self-check of the oracle ({self.check_absent})")
+        if hasattr(self.oracle, "identity") and self.strategy.kind != "exact":  # an engine oracle of an eviction engine
+            limits.append(f"the oracle engine reports no evictions, so whether strategy {self.strategy} had to evict "
+                          "is not checked")
+        return {"source": self.source, "engine": hasattr(self.oracle, "identity"), "limitations": limits}
 
     def __getattr__(self, name: str) -> Any:  # oracle-specific extras (kept(), evicted(), ...)
         if name == "oracle":
@@ -172,14 +189,16 @@ class StoredOracle:
         def compute():
             ref = self.oracle.reference(prompt, max_new_tokens)
             evicted = getattr(self.oracle, "evicted", None)
-            return {"tokens": torch.tensor(ref.tokens, dtype=torch.long), "logits": ref.logits,
+            return {"tokens": torch.tensor(ref.tokens, dtype=torch.long),
+                    "logits": ref.logits if ref.scored else torch.empty(0), "scored": ref.scored,
                     "evicted": -1 if evicted is None else int(evicted(prompt, max_new_tokens))}
 
         found = self._cached(("reference", prompt, max_new_tokens), compute)
         noise = (lambda got: self.local_noise(prompt, got)) if self.computations is not None else None
         forks = getattr(self.oracle, "alternatives", None)
-        ref = Reference(prompt, tuple(found["tokens"].tolist()), found["logits"], self.source,
-                        lambda got, tol: self.teacher_forced(prompt, got, tol),
+        scored = found.get("scored", True)
+        ref = Reference(prompt, tuple(found["tokens"].tolist()), found["logits"] if scored else None, self.source,
+                        (lambda got, tol: self.teacher_forced(prompt, got, tol)) if scored else None,
                         None if found["evicted"] < 0 else found["evicted"], noise,
                         (lambda got, tol: forks(prompt, got, tol)) if forks else None)
         self.self_check(ref)
@@ -212,8 +231,11 @@ class StoredOracle:
         if not self._check or key in self._checked or not ref.tokens:
             return
         if self._independent is None:
-            self._independent = independent(self.strategy, self.spec)
+            self._independent = independent(self.strategy, self.spec, self.oracle)
         path, name = self._independent
+        if path is None:
+            self.check_absent = name
+            return
         tolerance = ORACLE_CHECK_TOLERANCE[dtype_name(self.spec.dtype)]
         rows = self._cached(("independent", ref.prompt, ref.tokens, tolerance),
                             lambda: path.teacher_forced(ref.prompt, ref.tokens, tolerance))
@@ -223,15 +245,18 @@ class StoredOracle:
             if gap > tolerance:
                 from importlib.metadata import version
 
+                who = "" if hasattr(self.oracle, "identity") else f"transformers {version('transformers')}, "
                 self.unreliable = (
-                    f"oracle unreliable: transformers {version('transformers')}, torch {torch.__version__}, model "
+                    f"oracle unreliable: {who}torch {torch.__version__}, model "
                     f"'{self.spec.name}' ({dtype_name(self.spec.dtype)}, {self.spec.device}), prompt of length "
                     f"{len(ref.prompt)} ...{list(ref.prompt[-4:])}, step {step}: the oracle ({self.source}) chose "
                     f"{token}, but {name} prefers {best} by {gap:.4g} > {tolerance:g} (the oracle's rounding allowance in "
                     f"{dtype_name(self.spec.dtype)}). The "
                     "oracle's references cannot judge an engine on this model, so its token checks there are skipped "
-                    "as not judged (this is not a verdict on the engine). Check the model's transformers "
-                    "implementation (cache bugs ship in released versions), or run another transformers version"
+                    "as not judged (this is not a verdict on the engine). " + (
+                        "Check the oracle engine: its run-dtype path and its float64 path disagree" if who == "" else
+                        "Check the model's transformers implementation (cache bugs ship in released versions), or "
+                        "run another transformers version")
                 )
                 raise OracleUnreliable(self.unreliable)
         self._checked.add(key)

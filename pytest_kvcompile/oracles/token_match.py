@@ -15,6 +15,7 @@ computing what the model computes).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -75,6 +76,9 @@ def compare(reference: Reference, got: Sequence[int], tie_tolerance: float,
     verdict = Verdict(steps=len(reference.tokens), max_near_ties=max_near_ties)
     first = next((i for i, (e, g) in enumerate(zip(reference.tokens, got)) if e != g), None)
     if first is None:
+        return verdict
+    if not reference.scored:  # an oracle without logits: nothing tells a near tie from a bug
+        verdict.divergences.append(Divergence(first, reference.tokens[first], int(got[first]), math.inf, False))
         return verdict
     rows = reference.given(got, tie_tolerance)
     for step in range(first, verdict.steps):
@@ -143,13 +147,13 @@ def assert_tokens_match(
 def _diff(ref: Reference, got: list[int], verdict: Verdict, tol: float, prompt: str, where: str, hint: str) -> dict:
     bad = verdict.mismatch
     top = []
-    if bad is not None:
+    if bad is not None and ref.scored:
         row = ref.given(got, tol)[bad.step].float()
         values, ids = row.topk(min(3, row.numel()))
         top = [[int(i), round(float(v), 4)] for v, i in zip(values, ids)]
     return {"prompt": prompt, "where": where, "prompt_tail": [int(t) for t in ref.prompt[-8:]],
             "prompt_length": len(ref.prompt), "oracle": [int(t) for t in ref.tokens], "engine": got,
-            "step": bad.step if bad else None, "gap": round(bad.gap, 6) if bad else None, "tolerance": tol,
+            "step": bad.step if bad else None, "gap": round(bad.gap, 6) if bad and ref.scored else None, "tolerance": tol,
             "top3": top, "near_ties": [[t.step, t.expected, t.got, round(t.gap, 6)] for t in verdict.near_ties],
             "kind": "mismatch" if bad else "drift", "hint": hint}
 
@@ -157,6 +161,19 @@ def _diff(ref: Reference, got: list[int], verdict: Verdict, tol: float, prompt: 
 def _mismatch(ref: Reference, got, verdict: Verdict, tol, engine, at, where, window) -> list[str]:
     bad = verdict.mismatch
     n, plen = len(ref.tokens), len(ref.prompt)
+    if not ref.scored:
+        return [
+            f"engine '{engine}' diverges from the oracle {at}: step {bad.step} of {n}",
+            f"  expected token {bad.expected}, got {bad.got}: the oracle has no logits (it declares no score()), so "
+            "every token must be equal: a near tie cannot be told from a bug here",
+            f"  context: prompt ...{list(ref.prompt[-4:])} | generated {got[max(0, bad.step - 6):bad.step]}"
+            f" -> expected {bad.expected}, got {bad.got}",
+            f"  oracle: {list(ref.tokens)}",
+            f"  engine: {got}",
+            f"  reference: {ref.source}",
+            "  hint: " + _hint(bad.step, plen, window, where) + "; if this is a near tie, give the oracle engine "
+            "score() (Declaration(scoring=True)) so near ties can be judged",
+        ]
     given = " (given the engine's own tokens before it, which left the oracle's path at an earlier near tie)" \
         if verdict.near_ties else ""
     rows = ref.given(got, tol)
@@ -227,7 +244,10 @@ def assert_score_matches(reference: Reference, got: Sequence[int], scored: torch
     difference."""
     __tracebackhide__ = True
     got = [int(t) for t in got]
-    oracle = reference.given(got, tie_tolerance)
+    if not reference.scored:  # an oracle without logits: only score() against generate() can be checked
+        oracle = scored.float()
+    else:
+        oracle = reference.given(got, tie_tolerance)
     diff = (scored.float() - oracle).abs()
     if reference.alternatives is not None and diff.numel():  # after an eviction near tie: the closest alternative
         rows = reference.alternatives(got, tie_tolerance)

@@ -72,6 +72,7 @@ PRIVATE_APIS = (
     "torch._dynamo.reset",
     "torch._C._dynamo.eval_frame.set_guard_complete_hook",
     "torch.cuda.graphs.CUDAGraph",
+    "torch._dynamo.eval_frame._stance",
 )
 _METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type", "fail_reason")
 
@@ -108,6 +109,11 @@ def limits() -> str:
     """dynamo's current recompile limits, as ``recompile_limit=8 or accumulated_recompile_limit=256``."""
     return " or ".join(f"{name}={resolve('torch._dynamo.config.' + name)}"
                      for name in ("recompile_limit", "accumulated_recompile_limit"))
+
+
+def forced_eager() -> bool:
+    """Whether ``torch.compiler.set_stance("force_eager")`` is in effect (torch.compile directives ignored)."""
+    return resolve("torch._dynamo.eval_frame._stance").stance == "force_eager"
 
 
 def reset() -> None:

@@ -62,6 +62,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "noise": None,  # 16-bit runs: the model's measured noise and the verdict numbers from it (oracles/precision.py)
         "eviction_noise": None,  # 16-bit runs of a scoring eviction policy: its cuts' noise (oracles/eviction.py)
         "fuzz_coverage": None,  # --kv-fuzz: conditions on two consecutive calls the covering walk made (run/fuzz.py)
+        "oracle": None,  # {"source", "engine": an engine oracle, "limitations": [str]} (oracles/store.py: facts)
         "sequences": {},  # distinct verified sequences (key of prompt + engine tokens) -> [verified tokens, near ties]
     }
 
@@ -96,6 +97,7 @@ def _merge_latency(a, b):
 _OPTIONAL = {"compiles": _merge_compiles, "kv_bytes": _merge_kv_bytes, "latency": _merge_latency,
              # one measurement per model and dtype: the same in every worker
              "noise": lambda a, b: a, "eviction_noise": lambda a, b: a,
+             "oracle": lambda a, b: {**a, "limitations": list(dict.fromkeys(a["limitations"] + b["limitations"]))},
              # one walk per engine and model in a run; across runs, the one that covered most
              "fuzz_coverage": lambda a, b: max(a, b, key=lambda x: (x["covered"], x["calls"]))}
 

@@ -99,6 +99,10 @@ def verdicts(rows: list[dict[str, Any]], problems: list[str] | tuple[str, ...] =
         unjudged = sorted({r["model"] for r in mine if r.get("oracle_errors")})
         if unjudged:  # skips, named: the oracle failed its self-check there (oracles/store.py)
             rule += f", not judged on {', '.join(unjudged)} (oracle unreliable)"
+        oracles = [r["oracle"] for r in mine if r.get("oracle") and r["oracle"]["engine"]]
+        if oracles:  # an engine as the oracle (oracles/engine.py): which, and what it could not judge
+            limits = list(dict.fromkeys(x for o in oracles for x in o["limitations"]))
+            rule += f"; against {oracles[0]['source']}" + "".join(f"; {x}" for x in limits)
         found.append((engine, verdict, f"{shown or 'no tests'}{rule} ({models} model{'s' if models != 1 else ''})"))
     order = ("FAIL", "NOT CHECKED", "PASS with known findings", "PASS")
     return sorted(found, key=lambda f: order.index(f[1]))  # failures first

@@ -261,6 +261,9 @@ class EngineUnderTest:
         a, b = int(first[step]), int(second[step])
         if callable(reference):
             reference = reference()
+        unscored = reference is not None and not reference.scored  # an engine oracle without score()
+        if unscored:
+            reference = None
         if reference is not None:
             row, judge = reference.given(first, self.tie_tolerance)[step], "the oracle"
         elif self.ref.declaration.scoring:
@@ -268,8 +271,10 @@ class EngineUnderTest:
                 scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(first))
             row, judge = scored[step].float(), "the engine's own score()"
         else:
-            return (f"at step {step} ({a} vs {b}): no oracle covers strategy {self.ref.declaration.strategy} and the "
-                    "engine declares no score(), so the difference cannot be told from a near tie")
+            judge = ("the oracle declares no score()" if unscored
+                     else f"no oracle covers strategy {self.ref.declaration.strategy}")
+            return (f"at step {step} ({a} vs {b}): {judge} and the engine declares no score(), so the difference "
+                    "cannot be told from a near tie")
         gap, allowed = abs(float(row[a] - row[b])), self.tie_tolerance
         if reference is not None:
             best, other = (a, b) if row[a] >= row[b] else (b, a)

@@ -45,6 +45,7 @@ ALLOW_GRAPH_BREAKS = "--kv-allow-graph-breaks"
 ORACLE_CHECK = "--kv-oracle-check"
 CALL_TIMEOUT = "--kv-call-timeout"
 ISOLATE = "--kv-isolate"
+ORACLE = "--kv-oracle"
 
 NO_ENGINE = (f"no engine selected: pass {ENGINE}=NAME (or the ini key kv_engines); "
              f"pytest {LIST_ENGINES} lists the engines")
@@ -168,6 +169,15 @@ def _isolate(text: str) -> str | tuple[str, ...]:
     return names
 
 
+def _oracle(text: str) -> tuple[str, str]:
+    """'ORACLE' (every engine) or 'ENGINE=ORACLE' (one engine) -> (engine or '', oracle)."""
+    engine, _, oracle = str(text).strip().rpartition("=")
+    if not oracle.strip() or (_ and not engine.strip()):
+        raise ValueError("give 'hf', 'eager', an engine NAME, or 'ENGINE=ORACLE' for one engine, e.g. "
+                         "vllm-compile=vllm")
+    return engine.strip(), oracle.strip()
+
+
 def _known_finding(line: str) -> tuple[str, str, str, str]:
     parts = tuple(p.strip() for p in line.split("|", 3))
     if len(parts) != 4 or not all(parts):
@@ -237,6 +247,11 @@ OPTIONS = [
            "which engines run in a process of their own, so that a crash or a hang fails one test and the run goes "
            "on: 'declared' (default: engines declaring isolated=True, e.g. native runtimes), 'all', 'none', or "
            "comma-separated engine names", "WHICH", _isolate),
+    Option(ORACLE, "kv_oracle", [],
+           "what an engine's tokens are checked against (repeatable): 'hf' (default: transformers eager, the "
+           "built-in oracle of the engine's strategy), 'eager' (the engine itself with torch.compile off, or its "
+           "declared eager counterpart), an engine NAME, or 'ENGINE=ORACLE' for one engine (e.g. "
+           "litgpt-compile=litgpt); a per-engine entry wins over a run-wide one", "ORACLE", _oracle, "linelist"),
     Option(ORACLE_CHECK, "kv_oracle_check", "on",
            "'on' (default): replay each oracle reference through an independent path (float64) before judging an "
            "engine with it; 'off' skips that check", "on|off", choice("on", "off")),
@@ -269,6 +284,13 @@ class Settings:
     fuzz: FuzzSettings | None = None
     call_timeout: float = 0.0  # seconds; 0: no limit
     isolate: str | tuple[str, ...] = "declared"  # 'declared', 'all', 'none' or engine names
+    oracles: tuple[tuple[str, str], ...] = ()  # (engine or '' for every engine, 'hf' | 'eager' | NAME)
+
+    def oracle(self, engine: str) -> str:
+        """The oracle of `engine`: its own --kv-oracle=ENGINE=ORACLE entry, else the run-wide one, else 'hf'
+        (the last entry of each kind wins)."""
+        found = dict(self.oracles)
+        return found.get(engine) or found.get("") or "hf"
 
     def isolated(self, name: str, declared: bool) -> bool:
         """Whether engine `name` runs in a process of its own (run/isolation.py)."""
@@ -305,6 +327,7 @@ def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Se
         fuzz=fuzz,
         call_timeout=float(get(CALL_TIMEOUT)),
         isolate=get(ISOLATE),
+        oracles=tuple(get(ORACLE)),
     )
 
 

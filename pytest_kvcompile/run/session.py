@@ -33,7 +33,13 @@ from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
 from pytest_kvcompile.reports.results import Collector
 from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
 from pytest_kvcompile.run.isolation import IsolatedEngine
-from pytest_kvcompile.run.options import Settings, check_device
+from pytest_kvcompile.run.options import (
+    MAX_NEAR_TIE_RATE,
+    MAX_NEAR_TIES,
+    TIE_TOLERANCE,
+    Settings,
+    check_device,
+)
 
 
 @dataclass
@@ -48,6 +54,8 @@ class Session:
     _built: dict[tuple[str, str], EngineUnderTest | NotApplicable | str] = field(default_factory=dict)
     _oracles: dict[tuple[str, str], Any] = field(default_factory=dict)
     _rules: dict[str, Any] = field(default_factory=dict)
+    #: engine NAME -> its oracle as resolved at start-up (oracles/engine.py: Choice); absent: hf
+    oracles: dict[str, Any] = field(default_factory=dict)
 
     @property
     def models(self) -> dict[str, ModelEntry]:
@@ -147,16 +155,44 @@ class Session:
         )
 
     def oracle(self, name: str, model: str) -> StoredOracle:
-        """The oracle of the engine's declared strategy on the model (memoized, disk-cached, self-checked); in a
-        16-bit run the float64 truth of the model's 16-bit weights (oracles/precision.py)."""
-        found = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
+        """The engine's oracle on the model (memoized, disk-cached, self-checked): with --kv-oracle=hf (default) the
+        oracle of its declared strategy, in a 16-bit run the float64 truth of the model's 16-bit weights
+        (oracles/precision.py); with eager or NAME an engine (oracles/engine.py)."""
+        choice, strategy = self.oracles.get(name), self.engines[name].declaration.strategy
+        if choice is not None and choice.ref is not None:
+            found = self._engine_oracle(choice, strategy, model)
+        else:
+            found = self._stored(strategy, model, f"engine '{name}'")
         if isinstance(found, str):
             raise NotApplicable(found + " (the oracle-free checks still run)")
         return found
 
+    def _engine_oracle(self, choice: Any, strategy: Strategy, model: str) -> StoredOracle | str:
+        """An engine as the oracle (oracles/engine.py), built once per model; a string: why it cannot be."""
+        from pytest_kvcompile.oracles.engine import EngineOracle
+
+        key = (choice.key, str(strategy), model)
+        if key not in self._oracles:
+            spec, rules = self.spec(model), self.rules(model)
+            missing = missing_capability(choice.ref.declaration, spec)
+            if missing:
+                found = f"no oracle on model '{model}': the oracle engine '{choice.ref.name}' does not declare {missing}"
+                self._oracles[key] = found
+                return found
+            raw = EngineOracle(choice, spec, self.settings.compile_backend, rules.tie_tolerance)
+            self._oracles[key] = StoredOracle(raw, strategy, spec, rules.tie_tolerance,
+                                              self.settings.cache_dir / "oracle", check=self.settings.oracle_check)
+        return self._oracles[key]
+
     def _stored(self, strategy: Strategy, model: str, who: str) -> StoredOracle | str:
         key = (str(strategy), model)
         if key not in self._oracles:
+            if self.models[model].own:
+                self._oracles[key] = (f"no oracle for {who} on model '{model}': it is not a transformers checkpoint "
+                                      "(its config.json is the engine's own), so the hf oracle cannot load it; check "
+                                      "it against the engine's eager mode (--kv-oracle=eager) or another engine "
+                                      "(--kv-oracle=NAME)")
+                return self._oracles[key]
             spec = self.spec(model)
             reduced = precision.reduced(spec.dtype)
             judged = precision.high_precision(spec) if reduced else spec
@@ -182,7 +218,14 @@ class Session:
         if model not in self._rules:
             settings = self.settings
             noise = None
-            if precision.reduced(settings.dtype):
+            if precision.reduced(settings.dtype) and self.models[model].own:
+                unset = [flag for flag, value in ((TIE_TOLERANCE, settings.tie_tolerance), (MAX_NEAR_TIES,
+                         settings.max_near_ties), (MAX_NEAR_TIE_RATE, settings.max_near_tie_rate)) if value is None]
+                if unset:  # the 16-bit noise is measured with transformers (oracles/precision.py)
+                    raise NotApplicable(f"model '{model}' is not a transformers checkpoint, so its {settings.dtype} "
+                                        "noise cannot be measured (oracles/precision.py runs it through "
+                                        f"transformers): give {', '.join(unset)} explicitly for 16-bit verdicts on it")
+            elif precision.reduced(settings.dtype):
                 truth = self._stored(Strategy(), model, "the noise calibration")
                 if isinstance(truth, str):
                     raise NotApplicable(truth)
