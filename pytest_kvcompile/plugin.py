@@ -97,7 +97,14 @@ class Run:
     def session(self):
         from pytest_kvcompile.run.session import Session
 
-        return Session(self.settings, self.engines, self.collector, self.latency, self.progress, oracles=self.oracles)
+        return Session(self.settings, self.engines, self.collector, self.latency, self.progress, self.on_call,
+                       oracles=self.oracles)
+
+    def on_call(self, engine: str, model: str, call: str, served: int) -> None:
+        """Before each engine build and call: the live reports record it (reports/live.py)."""
+        found = self.config.stash.get(reports.PLUGIN, None)
+        if found is not None:
+            found.on_call(engine, model, call, served)
 
     def progress(self, line: str) -> None:
         """Long work as it happens (an engine build, a call that compiled), one terminal line each: inductor

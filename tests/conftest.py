@@ -56,10 +56,13 @@ def kvtester(pytester: pytest.Pytester, zoo_cache: Path, monkeypatch) -> pytest.
 
 
 def run_suites(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
-    """Run the project's suites (suites/) with the given options, on the tiny Llama unless told otherwise."""
+    """Run the project's suites (suites/) with the given options, on the tiny Llama and with --kv-isolate=declared
+    unless told otherwise."""
     opts = [str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(pytester.path)]
     if not any(a.startswith("--kv-zoo") for a in args):
         opts.append("--kv-zoo=llama")
+    if not any(a.startswith("--kv-isolate") for a in args):  # the test engines in process, unless they declare it:
+        opts.append("--kv-isolate=declared")  # a process each would cost minutes (tests/test_crash_safety.py: auto)
     return pytester.runpytest_subprocess(*opts, *args)
 
 

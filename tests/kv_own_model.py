@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from pytest_kvcompile import Declaration, KVLayout, ModelNotSupported, ModelSpec
+from pytest_kvcompile import Declaration, KVLayout, ModelNotSupported, ModelSpec, Strategy
 
 FORMAT = "kvtest-tinygpt"
 CONFIG = {"format": FORMAT, "vocab_size": 96, "dim": 32, "heads": 2, "layers": 2, "max_position_embeddings": 320}
@@ -167,6 +167,16 @@ class TinyGPTScoreOffByOne(TinyGPT):
     def score(self, prompt: list[int], continuation: list[int]) -> torch.Tensor:
         rows = super().score(prompt, continuation)
         return torch.cat([rows[1:], rows[-1:]]) if len(rows) else rows
+
+
+class TinyGPTEagerScoreOffByOne(TinyGPTScoreOffByOne):
+    """Compiled, its score() off by one in every mode: against its own eager mode that is the engine's failure."""
+
+
+class TinyGPTEvicting(TinyGPT):
+    """Declares an eviction strategy: the exact TinyGPT cannot be its oracle."""
+
+    kv_declaration = Declaration(scoring=True, compiled=True, strategy=Strategy.of("last_recent", budget=16))
 
 
 class TinyGPTOffInFloat64(TinyGPT):

@@ -60,6 +60,42 @@ class SwallowsEverything(Hangs):
                 continue
 
 
+class AbortsOnThirdCall(Greedy):
+    """Bug: abort() in its third generate() (a failed C++ assertion), declaring nothing about isolation: under the
+    default --kv-isolate=auto it runs in a process of its own, as every engine that is not built-in."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: aborts on its third call")
+    calls = 0
+
+    def generate(self, prompts, max_new_tokens):
+        self.calls += 1
+        if self.calls == 3:
+            os.abort()
+        return super().generate(prompts, max_new_tokens)
+
+
+class AbortsInProcess(AbortsOnThirdCall):
+    """The same, declaring isolated=False (trusted to run in the pytest process): the abort kills the run, and the
+    reports written so far must survive it, naming the call."""
+
+    kv_declaration = Declaration(batching=True, isolated=False, description="test engine: aborts, in process")
+
+
+class HangsInC(Greedy):
+    """Bug: deadlocks in native code on a 7-token prompt (a non-recursive pthread mutex locked twice): no Python
+    signal handler ever runs there, so only killing its process stops it. Declares nothing about isolation."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: deadlocks in C on short7")
+
+    def generate(self, prompts, max_new_tokens):
+        if _hit(prompts):
+            libc = ctypes.CDLL(None)
+            mutex = ctypes.create_string_buffer(64)  # zeroed: PTHREAD_MUTEX_INITIALIZER on glibc
+            libc.pthread_mutex_lock(mutex)
+            libc.pthread_mutex_lock(mutex)  # never returns
+        return super().generate(prompts, max_new_tokens)
+
+
 class IsolatedCompiled(CompiledGreedy):
     """Correct and compiled, run in its own process: its compiles must still be observed there."""
 

@@ -34,11 +34,12 @@ def test_the_plain_torch_model_passes_against_its_own_eager_mode_under_inductor(
     outcomes = result.parseoutcomes()
     assert outcomes["passed"] >= 10 and "failed" not in outcomes
     result.stdout.fnmatch_lines(["PASS  kv_own_model:TinyGPT: * passed*; against eager: engine 'kv_own_model:TinyGPT' "
-                                 "itself under torch.compiler.set_stance('force_eager'), its score() for near ties (1 "
-                                 "model)"])
+                                 "itself under torch.compiler.set_stance('force_eager'), its score() for near ties; "
+                                 "the oracle is the engine's own code in eager mode: only what compiling changes is "
+                                 "checked (--kv-oracle=hf checks the model's math) (1 model)"])
     row = json.loads((kvtester.path / "r.json").read_text())["rows"][0]
     assert row["verified_tokens"] > 0 and row["compiles"]["warmup"] >= 1  # the compiled path ran and was judged
-    assert row["oracle"]["engine"] and row["oracle"]["limitations"] == []  # score() and the float64 self-check
+    assert row["oracle"]["engine"] and len(row["oracle"]["limitations"]) == 1  # score() and the float64 self-check
 
 
 def test_its_compiled_only_twin_fails_against_its_eager_mode_under_inductor(kvtester, own_model):
@@ -79,7 +80,8 @@ def test_without_score_tokens_must_be_equal_and_the_limitation_is_reported(kvtes
     good = own(kvtester, own_model, "TinyGPTNoScore", "--kv-compile-backend=aot_eager", "-k", TOKEN_CHECKS)
     assert good.ret == 0, good.stdout.str()[-3000:]
     good.stdout.fnmatch_lines(["PASS  kv_own_model:TinyGPTNoScore: *; tokens must be equal: the oracle declares no "
-                               "score(), so no near tie can be judged; no float64 self-check of the oracle (none: *"])
+                               "score(), so no near tie can be judged and an engine's score() is checked against its "
+                               "own generate() only; no float64 self-check of the oracle (none: *"])
     bad = own(kvtester, own_model, "TinyGPTNoScoreWrongCompiled", "--kv-compile-backend=aot_eager",
               "-k", "token_identity")
     assert bad.ret == 1
@@ -93,6 +95,15 @@ def test_an_oracle_whose_score_is_not_its_generate_is_not_judged(kvtester, own_m
     assert "passed" not in result.parseoutcomes()
     result.stdout.fnmatch_lines(["*oracle unreliable: engine: engine 'kv_own_model:TinyGPTScoreOffByOne'*its generate() "
                                  "chose * but its score() prefers *"])
+
+
+def test_under_force_eager_a_score_that_is_not_its_generate_is_the_engines_failure(kvtester, own_model):
+    result = own(kvtester, own_model, "TinyGPTEagerScoreOffByOne", "--kv-compile-backend=aot_eager",
+                 "-k", "token_identity and short7")
+    assert result.ret == 1
+    result.stdout.fnmatch_lines(["*engine 'kv_own_model:TinyGPTEagerScoreOffByOne' in its own eager mode: *its "
+                                 "generate() chose * but its score() prefers *score() must return the logits of the "
+                                 "same path as generate()*"])
 
 
 def test_the_float64_self_check_of_an_engine_oracle(kvtester, own_model):
@@ -158,14 +169,29 @@ def test_the_hf_oracle_cannot_load_an_own_model_and_says_what_to_do(kvtester, ow
 
 @pytest.mark.parametrize("value, message", [
     ("=eager", "*--kv-oracle='=eager': give 'hf', 'eager', an engine NAME, or 'ENGINE=ORACLE'*"),
+    ("kv_own_model:TinyGPT=kv_own_model:TinyGPTEvicting", "*engine 'kv_own_model:TinyGPT' declares strategy exact but "
+                                                         "its oracle 'kv_own_model:TinyGPTEvicting' declares "
+                                                         "last_recent(budget=16)*"),
+    ("kv_own_model:TinyGPT=kv_own_model:TinyGPTEager", None),  # fine: a usage error only for another engine below
+    ("eager", None),
     ("kv_own_model:TinyGPT", "*engine 'kv_own_model:TinyGPT' cannot be its own oracle*use "
                              "--kv-oracle=kv_own_model:TinyGPT=eager*"),
     ("no-such-engine", "*unknown engine 'no-such-engine'. Available engines:*"),
 ])
 def test_bad_oracles_are_usage_errors(kvtester, own_model, value, message):
-    result = own(kvtester, own_model, "TinyGPT", oracle=value)
+    result = own(kvtester, own_model, "TinyGPT", "--co", oracle=value)
+    if message is None:
+        assert result.ret == 0, result.stderr.str()
+        return
     assert result.ret == 4
     result.stderr.fnmatch_lines([message])
+
+
+def test_eager_for_an_engine_that_does_not_compile_is_a_usage_error(kvtester, own_model):
+    result = own(kvtester, own_model, "TinyGPTEager", "--co")
+    assert result.ret == 4
+    result.stderr.fnmatch_lines(["*--kv-oracle=eager: engine 'kv_own_model:TinyGPTEager' declares neither "
+                                 "compiled=True nor an eager counterpart, so its eager mode is itself*"])
 
 
 def test_an_own_directory_needs_a_vocab_size(kvtester, tmp_path):
@@ -201,7 +227,7 @@ def test_the_reference_cache_is_keyed_by_the_oracle(own_model):
     from pytest_kvcompile.contract.engine import Strategy
     from pytest_kvcompile.models.checkpoints import OwnConfig
 
-    spec = ModelSpec("tinygpt", own_model, OwnConfig(**json.loads((own_model / "config.json").read_text())))
+    spec = ModelSpec("tinygpt", own_model, OwnConfig(json.loads((own_model / "config.json").read_text())))
 
     def key(engine, wanted, dtype=torch.float32):
         ref = registry.resolve(OWN + engine)
@@ -212,3 +238,12 @@ def test_the_reference_cache_is_keyed_by_the_oracle(own_model):
     keys = [key("TinyGPT", "eager"), key("TinyGPTNoScore", "eager"), key("TinyGPTWrongCompiled", OWN + "TinyGPT"),
             key("TinyGPT", "eager", torch.bfloat16)]
     assert len(set(keys)) == len(keys) and key("TinyGPT", "eager") == keys[0]
+
+
+def test_the_html_token_diff_of_an_oracle_without_logits():
+    from pytest_kvcompile.reports.html import token_diff
+
+    ref = Reference((1, 2), (3, 4, 5), None, "an engine without score()")
+    with pytest.raises(TokenMismatch) as caught:
+        assert_tokens_match(ref, [3, 9, 5])
+    assert "the oracle has no logits (no score()), so every token must be equal" in token_diff(caught.value.diff)

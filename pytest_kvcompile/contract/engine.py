@@ -109,9 +109,12 @@ class Declaration:
     - `kv_released`: every ``generate`` call makes its own KV cache and drops it before returning: afterwards
       the engine (and its model) holds no cache (suites/test_kv_memory.py checks it; transformers #47731 kept the
       static cache on the model).
-    - `isolated`: run it in a process of its own (native runtimes that may crash or hang): a crash or a call past
-      ``--kv-call-timeout`` fails one test and the run goes on (pytest_kvcompile/run/isolation.py). Measurements
-      (compiles, memory) are taken in that process, so nothing is checked less.
+    - `isolated`: where it runs. None (default): decided by where it comes from (``--kv-isolate=auto``): built-in
+      engines in the pytest process, every other engine (entry points, import paths: code the run cannot trust) in a
+      process of its own, so a crash or a call past ``--kv-call-timeout`` fails one test and the run goes on
+      (pytest_kvcompile/run/isolation.py); True: always isolated (native runtimes); False: in the pytest process (a
+      trusted pure-Python engine saving the process start). Measurements (compiles, memory, timings) are taken where
+      the engine runs, so nothing is checked less.
     - `eager`: the NAME of this engine's eager counterpart (``vllm-compile``: ``"vllm"``), the reference of
       ``--kv-oracle=eager``; without it that reference is this factory built anew with every call under
       ``torch.compiler.set_stance("force_eager")`` (pytest_kvcompile/oracles/engine.py).
@@ -131,7 +134,7 @@ class Declaration:
     known_findings: tuple[tuple[str, str, str], ...] = ()
     kv_layout: KVLayout | None = None
     kv_released: bool = False
-    isolated: bool = False
+    isolated: bool | None = None
     eager: str = ""
     requires: tuple[tuple[str, str], ...] = ()
 

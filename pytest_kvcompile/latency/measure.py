@@ -12,7 +12,8 @@ remembering. Per-call overheads (cache allocation, Python, output conversion)
 cancel out of the decode difference. ``WARMUP`` untimed calls of each kind come first (compiled
 engines compile there), then N repeats (``--kv-latency-repeats``); the median and p90 (nearest
 rank) over the repeats are reported and budgets are checked against the median. Timing is CUDA
-events around the call on a CUDA device, ``time.perf_counter`` on CPU. Engines measured side by
+events around the call on a CUDA device, ``time.perf_counter`` on CPU; an isolated engine is timed in its own
+process (perf_counter around the call, after a CUDA synchronize), so the pipe to it is not counted. Engines measured side by
 side (a relative budget) alternate call by call within each repeat, so load changes hit both.
 """
 
@@ -94,6 +95,14 @@ def fresh(prompt_len: int, vocab_size: int) -> Iterator[Prompt]:
     return (variant(base, vocab_size, salt=5000 + i) for i in itertools.count())
 
 
+def _timed(eut: EngineUnderTest, time_ms: Callable[[Callable[[], object]], float], call: Callable[[], object]) -> float:
+    """`call`'s time in ms; an isolated engine's as its own process measured it (run/isolation.py), without the pipe."""
+    if eut.isolated:
+        call()
+        return eut.engine.last_ms
+    return time_ms(call)
+
+
 def measure(engines: Sequence[EngineUnderTest], repeats: int, prompt_len: int = PROMPT_LEN,
             decode_tokens: int = DECODE_TOKENS) -> list[Latency]:
     """Latency of each engine (same model) per the module's rule, measured side by side."""
@@ -109,8 +118,8 @@ def measure(engines: Sequence[EngineUnderTest], repeats: int, prompt_len: int = 
     for _ in range(repeats):
         for i, eut in enumerate(engines):
             first, second = list(next(prompts).ids), list(next(prompts).ids)
-            one = time_ms(lambda: eut.engine.generate([first], 1))
-            more = time_ms(lambda: eut.engine.generate([second], 1 + decode_tokens))
+            one = _timed(eut, time_ms, lambda: eut.engine.generate([first], 1))
+            more = _timed(eut, time_ms, lambda: eut.engine.generate([second], 1 + decode_tokens))
             prefill[i].append(one)
             decode[i].append((more - one) / decode_tokens)
     return [Latency(eut.name, eut.spec.name, prompt_len, decode_tokens, name, tuple(p), tuple(d))

@@ -73,11 +73,14 @@ def _local_name(path: Path, taken: dict) -> str:
 
 
 class OwnConfig(types.SimpleNamespace):
-    """The config.json of a checkpoint transformers cannot read, as the engine's own (its keys as attributes). The
-    suite reads `vocab_size` (required), `max_position_embeddings` and `sliding_window` from it; checks that need a
-    transformers config skip by name."""
+    """The config.json of a checkpoint transformers cannot read, as the engine's own (its keys as attributes;
+    ``model_type`` is always "own", the file's own value is kept as ``declared_model_type``). The suite reads
+    `vocab_size` (required), `max_position_embeddings` and `sliding_window` from it; checks that need a transformers
+    config skip by name. `unreadable`: why transformers could not read it."""
 
-    model_type = "own"
+    def __init__(self, keys: dict[str, Any], unreadable: str = "") -> None:
+        super().__init__(**{**keys, "model_type": "own", "declared_model_type": keys.get("model_type"),
+                            "unreadable": unreadable})
 
 
 def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
@@ -97,6 +100,7 @@ def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
     except Exception as exc:
         if not own_allowed:
             raise pytest.UsageError(f"{MODEL}={path}: transformers cannot read its config.json: {exc}{fix}") from None
+        unreadable = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
@@ -106,7 +110,7 @@ def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
         raise pytest.UsageError(f"{MODEL}={path}: transformers cannot read its config.json and it gives no "
                                 f"\"vocab_size\" (a whole number >= 2; got {vocab!r}): the suite draws prompt token "
                                 "ids from it")
-    return ModelEntry(name, OwnConfig(**raw), path, own=True)
+    return ModelEntry(name, OwnConfig(raw, unreadable), path, own=True)
 
 
 def spec_for(entry: ModelEntry, settings: Settings) -> ModelSpec:

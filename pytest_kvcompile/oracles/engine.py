@@ -3,17 +3,23 @@
 The three oracle kinds, per engine (``Settings.oracle``):
 
 - ``hf`` (default): the built-in oracle of the engine's declared strategy, transformers eager (oracles/hf.py).
-- ``eager``: the engine's declared eager counterpart (``Declaration(eager="NAME")``), else the engine's own factory
-  built anew, every call of it (build included) under ``torch.compiler.set_stance("force_eager")``. A recorder
-  around each call proves it eager: a dynamo compile, a guard hit (compiled code ran) or a CUDA graph capture
-  there is `OracleNotEager`, a failure: compiled-against-compiled proves nothing.
+- ``eager``: the engine's declared eager counterpart (``Declaration(eager="NAME")``), else, for an engine declaring
+  compiled=True, the engine's own factory built anew, every call of it (build included) under
+  ``torch.compiler.set_stance("force_eager")`` (a usage error for an engine that is neither: it would be its own
+  oracle). A recorder around each call checks it ran eager as far as dynamo and CUDA graphs show: a dynamo compile,
+  a guard hit (compiled code ran) or a CUDA graph capture there is `OracleNotEager`, a failure (compiled against
+  compiled proves nothing); compiled code dynamo never sees (AOT-compiled libraries) is not observable this way.
 - ``NAME``: any resolvable engine (built-in, entry point, import path), as it runs.
+
+A reference engine must declare the engine's strategy (a usage error otherwise). It is built and called in the
+pytest process, even where the engine itself is isolated (run/isolation.py).
 
 Rule: the reference is the oracle engine's ``generate()`` of one prompt at a time, in the run's dtype and device.
 Near ties are judged on its ``score()`` (teacher-forced logits) when it declares scoring, after checking that
 score() agrees with its own generate() (each generated token its argmax up to the tie tolerance; otherwise the
-oracle is unreliable: not judged); an oracle engine that raises on a prompt leaves that prompt not judged. Without
-scoring the reference has no logits and every token must be equal
+oracle is unreliable: not judged, or, where the oracle is the engine's own code under force_eager, the engine
+fails: its score() breaks the contract); an oracle engine that raises on a prompt leaves that prompt not judged.
+Without scoring the reference has no logits and every token must be equal
 (``Reference.scored``; reported as a limitation). The float64 self-check (oracles/store.py) replays the oracle's
 tokens through the same oracle engine built in float64 when it declares float64 and scoring; otherwise it is
 reported absent. The reference cache is keyed by `identity` (engine, its code and version, mode).
@@ -22,6 +28,7 @@ reported absent. The reference cache is keyed by `identity` (engine, its code an
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import sys
 from collections.abc import Iterator, Sequence
@@ -54,7 +61,7 @@ class Choice:
 
     @property
     def key(self) -> str:
-        return HF if self.ref is None else f"{self.kind}:{self.ref.name}"
+        return HF if self.ref is None else f"{self.kind}:{self.ref.name}:forced={self.forced}"
 
     def describe(self) -> str:
         if self.ref is None:
@@ -72,39 +79,62 @@ def choose(name: str, ref: EngineRef, wanted: str, resolve) -> Choice:
     if wanted == EAGER:
         counterpart = ref.declaration.eager
         if not counterpart:
+            if not ref.declaration.compiled:
+                raise pytest.UsageError(
+                    f"--kv-oracle=eager: engine '{name}' declares neither compiled=True nor an eager counterpart, so "
+                    f"its eager mode is itself and would agree with itself; give it another oracle "
+                    f"(--kv-oracle={name}=hf or ={name}=NAME), or declare Declaration(compiled=True) if it compiles")
             return Choice(EAGER, ref, forced=True)
         if counterpart == name:
             raise pytest.UsageError(f"engine '{name}' declares eager='{name}', itself: declare its eager "
                                     "counterpart's NAME, or nothing (its own factory under force_eager)")
-        return Choice(EAGER, resolve(counterpart))
+        return _same_strategy(name, ref, Choice(EAGER, resolve(counterpart)))
     if wanted == name:
         raise pytest.UsageError(f"--kv-oracle: engine '{name}' cannot be its own oracle (it would agree with itself); "
                                 f"use --kv-oracle={name}=eager for its eager mode, or name another engine")
-    return Choice("engine", resolve(wanted))
+    return _same_strategy(name, ref, Choice("engine", resolve(wanted)))
+
+
+def _same_strategy(name: str, ref: EngineRef, choice: Choice) -> Choice:
+    """A reference engine must claim the cache semantics the engine claims (its strategy), or it judges other
+    semantics."""
+    mine, theirs = ref.declaration.strategy, choice.ref.declaration.strategy
+    if mine != theirs:
+        raise pytest.UsageError(f"--kv-oracle: engine '{name}' declares strategy {mine} but its oracle "
+                                f"'{choice.ref.name}' declares {theirs}: an oracle must claim the same cache semantics")
+    return choice
 
 
 class OracleNotEager(pytest.fail.Exception):
     """The eager oracle ran compiled code: a failure (never a verdict by compiled-against-compiled)."""
 
 
-def identity(ref: EngineRef) -> str:
-    """What the reference cache is keyed by: NAME, target, the distribution's version and the code of the
-    factory's module (a changed engine is a new oracle)."""
-    from importlib.metadata import PackageNotFoundError, packages_distributions, version
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    from importlib.metadata import packages_distributions
+
+    return packages_distributions()
+
+
+def identity(ref: EngineRef, compile_backend: str) -> str:
+    """What the reference cache is keyed by: NAME, target, the compile backend, the code of the factory's module and
+    the versions of the distributions behind it, the packages it declares it requires and transformers (a changed
+    engine or library is a new oracle)."""
+    from importlib.metadata import PackageNotFoundError, version
 
     module_name = ref.target.partition(":")[0]
     module = sys.modules.get(module_name)
     code = ""
     if module is not None and getattr(module, "__file__", None) and Path(module.__file__).is_file():
         code = hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
-    top = module_name.split(".")[0]
+    tops = [module_name.split(".")[0], *(name.split(".")[0] for name, _ in ref.declaration.requires), "transformers"]
     versions = []
-    for dist in packages_distributions().get(top, []):
+    for dist in dict.fromkeys(d for top in tops for d in _distributions().get(top, [])):
         try:
             versions.append(f"{dist}=={version(dist)}")
         except PackageNotFoundError:
             pass
-    return f"{ref.name}|{ref.target}|{','.join(versions)}|{code}"
+    return f"{ref.name}|{ref.target}|{compile_backend}|{','.join(versions)}|{code}"
 
 
 class EngineOracle:
@@ -118,14 +148,29 @@ class EngineOracle:
         self.scored = choice.ref.declaration.scoring
         self.source = choice.describe() + (", its score() for near ties" if self.scored else "")
         self.not_eager: str | None = None
+        self._refused: dict[tuple, str] = {}  # (prompt, max_new_tokens) -> why the oracle engine gave no reference
         with self._watched(f"its factory {choice.ref.target}"):
             self.engine = engine_io.build(self.ref, spec, compile_backend)
 
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"
 
+    def limitations(self) -> list[str]:
+        """What this oracle cannot see, for the reports (oracles/store.py: facts)."""
+        found = []
+        if self.choice.forced:
+            found.append("the oracle is the engine's own code in eager mode: only what compiling changes is checked "
+                         "(--kv-oracle=hf checks the model's math)")
+        elif self.choice.ref.declaration.compiled:
+            found.append(f"the oracle engine '{self.choice.ref.name}' declares compiled=True: its compiled code is "
+                         "part of the reference")
+        if not self.scored:
+            found.append("tokens must be equal: the oracle declares no score(), so no near tie can be judged and an "
+                         "engine's score() is checked against its own generate() only")
+        return found
+
     def identity(self) -> str:
-        return f"{self.choice.kind}|forced={self.choice.forced}|{identity(self.choice.ref)}"
+        return f"{self.choice.kind}|forced={self.choice.forced}|{identity(self.choice.ref, self.compile_backend)}"
 
     @contextmanager
     def _watched(self, what: str) -> Iterator[None]:
@@ -153,6 +198,8 @@ class EngineOracle:
 
     def reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference:
         prompt = tuple(int(t) for t in prompt)
+        if (prompt, max_new_tokens) in self._refused:
+            raise OracleUnreliable(self._refused[prompt, max_new_tokens])
         try:
             with self._watched(f"generate(<prompt of length {len(prompt)}>, max_new_tokens={max_new_tokens})"):
                 tokens = tuple(engine_io.generate(self.ref, self.engine, [list(prompt)], max_new_tokens,
@@ -160,10 +207,11 @@ class EngineOracle:
         except OracleNotEager:
             raise
         except pytest.fail.Exception as exc:  # it raised or broke the contract: no reference, so not judged
-            raise OracleUnreliable(
+            self._refused[prompt, max_new_tokens] = (
                 f"oracle unreliable: {self.source} gave no reference for a prompt of length {len(prompt)} on model "
-                f"'{self.spec.name}': {str(exc.msg).splitlines()[0].rstrip('.')}. This prompt's token checks are not judged (no "
-                "verdict on the engine)") from None
+                f"'{self.spec.name}': {str(exc.msg).splitlines()[0].rstrip('.')}. This prompt's token checks are not "
+                "judged (no verdict on the engine)")
+            raise OracleUnreliable(self._refused[prompt, max_new_tokens]) from None
         logits = self.teacher_forced(prompt, tokens) if self.scored else None
         if logits is not None:
             self._consistent(prompt, tokens, logits)
@@ -184,13 +232,17 @@ class EngineOracle:
             best = int(row.argmax())
             gap = float(row[best] - row[token])
             if gap > self.tie_tolerance or float(row.max() - row.min()) == 0.0:
-                raise OracleUnreliable(
-                    f"oracle unreliable: {self.source} on model '{self.spec.name}' ({dtype_name(self.spec.dtype)}), "
-                    f"prompt of length {len(prompt)} ...{list(prompt[-4:])}, step {step}: its generate() chose "
-                    f"{token} but its score() prefers {best} by {gap:.4g} > {self.tie_tolerance:g}"
-                    + (" (a constant row)" if gap == 0.0 else "") + ". Its score() does not compute what its "
-                    "generate() does, so it cannot judge near ties; its token checks are skipped as not judged (no "
-                    "verdict on the engine): fix the oracle engine's score()")
+                found = (f"{self.source} on model '{self.spec.name}' ({dtype_name(self.spec.dtype)}), prompt of length "
+                         f"{len(prompt)} ...{list(prompt[-4:])}, step {step}: its generate() chose {token} but its "
+                         f"score() prefers {best} by {gap:.4g} > {self.tie_tolerance:g}"
+                         + (" (a constant row)" if gap == 0.0 else "") + ". Its score() does not compute what its "
+                         "generate() does")
+                if self.choice.forced:  # the engine's own code, eager: its score() and generate() disagree
+                    pytest.fail(f"engine '{self.choice.ref.name}' in its own eager mode: {found}: score() must return "
+                                "the logits of the same path as generate() (the engine contract)", pytrace=False)
+                raise OracleUnreliable(f"oracle unreliable: {found}, so it cannot judge near ties; its token checks "
+                                       "are skipped as not judged (no verdict on the engine): fix the oracle engine's "
+                                       "score()")
 
     def independent(self) -> tuple[Any, str]:
         """The float64 self-check's path: this oracle engine built in float64 (its score() along the oracle's

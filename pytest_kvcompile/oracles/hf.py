@@ -65,15 +65,6 @@ class Reference:
                              "path cannot be verified: get references from an oracle's reference()")
         return self.forced(tokens, tie_tolerance)
 
-    def gap(self, step: int, token: int) -> float:
-        """How far `token` is behind the oracle's own choice at `step`, in logits (>= 0)."""
-        row = self.logits[step]
-        return float(row[self.tokens[step]] - row[token])
-
-    def top(self, step: int, k: int = 3) -> list[tuple[int, float]]:
-        values, ids = self.logits[step].topk(k)
-        return [(int(i), float(v)) for i, v in zip(ids, values)]
-
 
 class HFEagerOracle:
     """transformers eager greedy generation with a full DynamicCache (strategy ``exact``)."""

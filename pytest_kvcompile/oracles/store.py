@@ -37,6 +37,7 @@ from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import OracleUnreliable
 from pytest_kvcompile.models.zoo import shared_kv_layers
 from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
+from pytest_kvcompile.oracles.engine import EngineOracle
 from pytest_kvcompile.oracles.hf import Reference, oracle_for
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.precision import load_lm
@@ -69,7 +70,7 @@ def independent(strategy: Strategy, spec: ModelSpec, oracle: Any = None) -> tupl
     says why). An engine oracle (oracles/engine.py) names its own. An eviction oracle's float64
     replay accepts eviction near ties with float32's tolerance (its choices may differ from float64's exactly where
     the scores are that close); a 16-bit run's eviction oracle is the float64 truth already and is not replayed."""
-    if hasattr(oracle, "independent"):
+    if isinstance(oracle, EngineOracle):
         return oracle.independent()
     wide = dataclasses.replace(spec, dtype=torch.float64)
     if strategy.kind == "exact" and not shared_kv_layers(spec.config):
@@ -87,7 +88,7 @@ def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec) -> str:
 
     module = sys.modules[type(oracle).__module__]
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(spec.path).iterdir() if p.is_file())
-    who = oracle.identity() if hasattr(oracle, "identity") else version("transformers")  # an engine oracle: its own
+    who = oracle.identity() if isinstance(oracle, EngineOracle) else version("transformers")  # an engine: its own
     parts = [type(oracle).__qualname__, inspect.getsource(module), str(strategy), str(Path(spec.path).resolve()),
              repr(files), str(spec.device), dtype_name(spec.dtype), str(getattr(spec, "weights_dtype", "")),
              torch.__version__, who]
@@ -158,15 +159,14 @@ class StoredOracle:
 
     def facts(self) -> dict[str, Any]:
         """The oracle as the reports show it: its source, and what it cannot do (named, never silent)."""
-        limits = []
-        if getattr(self.oracle, "scored", True) is False:
-            limits.append("tokens must be equal: the oracle declares no score(), so no near tie can be judged")
+        engine = isinstance(self.oracle, EngineOracle)
+        limits = self.oracle.limitations() if engine else []
         if self.check_absent:
             limits.append(f"no float64 self-check of the oracle ({self.check_absent})")
-        if hasattr(self.oracle, "identity") and self.strategy.kind != "exact":  # an engine oracle of an eviction engine
+        if engine and self.strategy.kind != "exact":  # an engine oracle of an eviction engine
             limits.append(f"the oracle engine reports no evictions, so whether strategy {self.strategy} had to evict "
                           "is not checked")
-        return {"source": self.source, "engine": hasattr(self.oracle, "identity"), "limitations": limits}
+        return {"source": self.source, "engine": engine, "limitations": limits}
 
     def __getattr__(self, name: str) -> Any:  # oracle-specific extras (kept(), evicted(), ...)
         if name == "oracle":
@@ -245,7 +245,7 @@ class StoredOracle:
             if gap > tolerance:
                 from importlib.metadata import version
 
-                who = "" if hasattr(self.oracle, "identity") else f"transformers {version('transformers')}, "
+                who = "" if isinstance(self.oracle, EngineOracle) else f"transformers {version('transformers')}, "
                 self.unreliable = (
                     f"oracle unreliable: {who}torch {torch.__version__}, model "
                     f"'{self.spec.name}' ({dtype_name(self.spec.dtype)}, {self.spec.device}), prompt of length "

@@ -72,7 +72,6 @@ PRIVATE_APIS = (
     "torch._dynamo.reset",
     "torch._C._dynamo.eval_frame.set_guard_complete_hook",
     "torch.cuda.graphs.CUDAGraph",
-    "torch._dynamo.eval_frame._stance",
 )
 _METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type", "fail_reason")
 
@@ -113,7 +112,8 @@ def limits() -> str:
 
 def forced_eager() -> bool:
     """Whether ``torch.compiler.set_stance("force_eager")`` is in effect (torch.compile directives ignored)."""
-    return resolve("torch._dynamo.eval_frame._stance").stance == "force_eager"
+    stance = getattr(importlib.import_module("torch._dynamo.eval_frame"), "_stance", None)  # torch >= 2.6
+    return getattr(stance, "stance", None) == "force_eager"
 
 
 def reset() -> None:

@@ -8,6 +8,9 @@ only the controller merges them, compares with the baseline and writes files.
 
 from __future__ import annotations
 
+import dataclasses
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +20,16 @@ import pytest
 from pytest_kvcompile.errors import NotApplicable, OracleUnreliable
 from pytest_kvcompile.reports import baseline as baseline_mod
 from pytest_kvcompile.reports import html, json_file, markdown
+from pytest_kvcompile.reports.live import (
+    HEARTBEAT_KEY,
+    Beat,
+    atomic_write,
+    read_heartbeat,
+    read_heartbeats,
+    status,
+    with_status,
+    write_heartbeat,
+)
 from pytest_kvcompile.reports.results import (
     NOTE,
     WORKER_KEY,
@@ -73,18 +86,25 @@ def _value(config: pytest.Config, flag: str):
 
 
 def write(results: dict[str, Any], path: Path, changes=None, suffix: str | None = None) -> None:
-    """Write `results` to `path` in the format of `suffix` (default: the path's extension)."""
-    render = WRITERS[suffix or path.suffix.lower()]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(render(results, changes))
+    """Write `results` to `path` in the format of `suffix` (default: the path's extension), atomically."""
+    atomic_write(path, WRITERS[suffix or path.suffix.lower()](results, changes))
 
 
 class ResultsPlugin:
     def __init__(self, config: pytest.Config, settings: Any, collector: Collector) -> None:
         self.config, self.settings = config, settings
         self.collector = collector
-        self.workers: list[dict[str, Any]] = []
+        self.workers: list[dict[str, Any]] = []  # what xdist workers sent: per test (kv_results), and at the end
         self.outputs = {flag: Path(v).expanduser() for flag in _FORMAT if (v := _value(config, flag))}
+        # live reports (reports/live.py): finished tests, this process's beat, crashed workers, the JSON so far
+        self.finished, self.beat, self.crashed = 0, None, []
+        self._json_body: str | None = None
+        self._run: dict[str, Any] | None = None
+        self.worker = getattr(config, "workerinput", {}).get("workerid")
+        found = getattr(config, "workerinput", {}).get(HEARTBEAT_KEY)
+        self.heartbeats: Path | None = Path(found) if found else None  # xdist: the workers' heartbeat files
+        if self.worker:
+            collector.track()  # each test's rows travel with its teardown report
         self.baseline = self.fail_on = self.changes = None
         self.notes: list[str] = []
         self.results: dict[str, Any] | None = None
@@ -104,6 +124,86 @@ class ResultsPlugin:
         for flag, out in self.outputs.items():
             if out.is_dir():
                 raise pytest.UsageError(f"{flag}={out}: is a directory; give a file name such as report{_FORMAT[flag]}")
+
+    # --- live reports (reports/live.py) ---------------------------------------------------------------------------
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_configure_node(self, node) -> None:
+        """xdist: each worker writes what it runs to a heartbeat file the controller reads (only with reports)."""
+        if self.outputs:
+            if self.heartbeats is None:
+                self.heartbeats = Path(tempfile.mkdtemp(prefix="kvcompile-heartbeats-"))
+            node.workerinput[HEARTBEAT_KEY] = str(self.heartbeats)
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        self._beat(Beat(item.nodeid, *(params(item) or (None, None)), worker=self.worker))
+
+    def on_call(self, engine: str, model: str, call: str, served: int) -> None:
+        """An engine call (or build) is about to run in this process (run.harness, run.session)."""
+        if self.beat is not None:
+            self._beat(dataclasses.replace(self.beat, engine=engine, model=model, call=call, served_before=served))
+
+    def _beat(self, beat: Beat | None) -> None:
+        self.beat = beat
+        if self.worker:
+            if self.heartbeats is not None:
+                write_heartbeat(self.heartbeats, self.worker, beat)
+            return
+        if REPORT_JSON in self.outputs:
+            if self._json_body is None:
+                self._write_live()
+            atomic_write(self.outputs[REPORT_JSON], with_status(self._json_body, self._status(complete=False)))
+
+    def _status(self, complete: bool) -> dict[str, Any]:
+        running = [] if complete else [self.beat] if self.beat else read_heartbeats(self.heartbeats) \
+            if self.heartbeats else []
+        return status(self.finished, running, self.crashed, complete)
+
+    def _results(self) -> dict[str, Any]:
+        results = merge([self.collector.as_dict(), *self.workers])
+        if self._run is None:  # versions and options: read once (the live reports rewrite after every test)
+            self._run = run_metadata(self.config, self.settings)
+        results["runs"] = [self._run]
+        return results
+
+    def _write_live(self) -> None:
+        """Every requested report from the results so far (after each finished test)."""
+        if not self.outputs:
+            return
+        results = self._results()
+        self._json_body = json_file.dumps(results)
+        results["status"] = self._status(complete=False)
+        for flag, path in self.outputs.items():
+            if flag == REPORT_JSON:
+                atomic_write(path, with_status(self._json_body, results["status"]))
+            else:
+                write(results, path, None, _FORMAT[flag])
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.worker:
+            return
+        delta = getattr(report, "kv_results", None)
+        if delta:  # an xdist worker's rows of this test
+            self.workers.append(delta)
+        if report.when == "???":  # xdist: the worker running this test died (dsession.handle_crashitem)
+            self._crashed(report)
+        if report.when in ("teardown", "???"):
+            self.finished += 1
+            self.beat = None
+            self._write_live()
+
+    def _crashed(self, report: pytest.TestReport) -> None:
+        """A dead xdist worker: its heartbeat names the engine, model and call; that engine x model gets the
+        failure (the test's own report never came)."""
+        node = getattr(report, "node", None)
+        worker = getattr(getattr(node, "gateway", None), "id", None) or "?"
+        beat = read_heartbeat(self.heartbeats, worker) if self.heartbeats else None
+        beat = beat or Beat(report.nodeid, worker=worker)
+        message = f"xdist worker '{worker}' died running {beat.line()}"
+        self.crashed.append({**dataclasses.asdict(beat), "worker": worker, "message": message})
+        if beat.engine and beat.model:
+            self.collector.add(beat.engine, beat.model, tests={"failed": 1},
+                               failures=[{"test": report.nodeid, "message": message}])
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -129,6 +229,9 @@ class ResultsPlugin:
             self.collector.add(*found, tests={decided: 1}, failures=failures, declared_skips=declared, checks=checks,
                                oracle_errors=oracle_error,
                                token_checks=int(bool(ORACLE_FIXTURES & set(getattr(item, "fixturenames", ())))))
+        if self.worker and call.when == "teardown":  # this test's rows, to the controller with its last report
+            report.kv_results = self.collector.drain()
+            self._beat(None)
         return report
 
     @pytest.hookimpl(optionalhook=True)
@@ -140,10 +243,10 @@ class ResultsPlugin:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         config = self.config
         if hasattr(config, "workerinput"):
-            config.workeroutput[WORKER_KEY] = self.collector.as_dict()
+            config.workeroutput[WORKER_KEY] = self.collector.drain()  # what no test's report carried
             return
-        self.results = merge([self.collector.as_dict(), *self.workers])
-        self.results["runs"] = [run_metadata(config, self.settings)]
+        self.results = self._results()
+        self.results["status"] = self._status(complete=True)
         self.problems = run_problems(self.results["rows"], self.settings.max_near_tie_rate)
         self.results["problems"] = self.problems  # for the reports' verdict lines (not part of the JSON schema)
         self.skipped_everywhere = skipped_everywhere(self.results["rows"])
@@ -155,6 +258,8 @@ class ResultsPlugin:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
         for flag, path in self.outputs.items():
             write(self.results, path, self.changes, _FORMAT[flag])
+        if self.heartbeats is not None:
+            shutil.rmtree(self.heartbeats, ignore_errors=True)
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
         if not self.results:

@@ -14,6 +14,7 @@ from html import escape
 from typing import Any
 
 from pytest_kvcompile.reports.baseline import Change
+from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.results import coverage_line, stats
 from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats, verdicts
 
@@ -97,7 +98,10 @@ def token_diff(diff: dict[str, Any]) -> str:
             + "<tr><th>oracle</th>" + "".join(cell(i, t, False) for i, t in enumerate(oracle)) + "</tr>"
             + "<tr><th>engine</th>" + "".join(cell(i, t, True) for i, t in enumerate(engine)) + "</tr>")
     facts = [f"{escape(diff['prompt'])} (length {diff['prompt_length']}, ends ...{diff['prompt_tail']}), {escape(diff['where'])}"]
-    if step is not None:
+    if step is not None and diff.get("gap") is None:  # an engine oracle without score(): equality is the rule
+        facts.append(f"first divergence at step {step}: oracle {oracle[step]}, engine {engine[step]}; the oracle has "
+                     "no logits (no score()), so every token must be equal")
+    elif step is not None:
         facts.append(f"first divergence at step {step}: oracle {oracle[step]}, engine {engine[step]}; logit gap "
                      f"{diff['gap']:.4g} &gt; tie tolerance {diff['tolerance']:g}")
         facts.append("oracle top-3 there: " + ", ".join(f"{t} ({v:.4g})" for t, v in diff["top3"]))
@@ -200,7 +204,8 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
                       f"{escape(e)}</a>: {escape(c)}</li>" for e, v, c in verdicts(rows, results.get("problems", ())))
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>pytest-kvcompile results</title>"
             f"<style>{STYLE}</style></head><body><h1>pytest-kvcompile results</h1>"
-            f'<ul class="verdicts">{summary}</ul>{baseline}<ul>{runs}</ul>'
+            + "".join(f'<p class="v-FAIL">{escape(line)}</p>' for line in status_lines(results))
+            + f'<ul class="verdicts">{summary}</ul>{baseline}<ul>{runs}</ul>'
             f"<h2>All engines</h2>{_table(rows, rows)}{comparisons}"
             + "".join(_engine_section(e, [r for r in rows if r["engine"] == e], rows) for e in engines)
             + "</body></html>\n")

@@ -19,6 +19,10 @@ Schema (``schema_version`` 1)::
                                   "prefill_ms": [sample], "decode_ms_per_token": [sample],
                                   "prefill": {"median", "p90"}, "decode": {"median", "p90"}, "tokens_per_s": x}}]}
 
+A row's ``oracle`` (``{"source", "engine", "limitations": [line]}``, oracles/store.py: facts) names what judged its
+tokens and what that oracle could not check. ``status`` (reports/live.py) says whether the run completed: ``{"complete", "finished_tests", "running": [{"test",
+"engine", "model", "call", "served_before", "worker"}], "crashed": [...]}``; a report of a run that died has
+``complete: false`` and names what was running. Readers ignore it (older files lack it).
 ``compiles.build`` (dynamo compiles while the engine was built) may be absent in older files (read as 0), and so
 may the keys from ``verified_tokens`` to ``checks`` (read as empty); older files' ``tokens.unverified`` is kept as read.
 ``latency.prefill``, ``latency.decode`` and ``latency.tokens_per_s`` are derived from the samples for
@@ -57,7 +61,10 @@ def dumps(results: dict[str, Any]) -> str:
         if found:
             row["latency"] = {**row["latency"], "prefill": found[0], "decode": found[1], "tokens_per_s": tokens_per_s(row)}
         rows.append(row)
-    return json.dumps({"schema_version": SCHEMA_VERSION, "kind": KIND, "runs": results["runs"], "rows": rows}, indent=1)
+    found = {"schema_version": SCHEMA_VERSION, "kind": KIND, "runs": results["runs"], "rows": rows}
+    if "status" in results:
+        found["status"] = results["status"]
+    return json.dumps(found, indent=1)
 
 
 def load(path: str | Path) -> dict[str, Any]:

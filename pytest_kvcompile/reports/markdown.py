@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from pytest_kvcompile.reports.baseline import Change
+from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
 
 
@@ -38,6 +39,7 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
     marks = {"PASS": ":white_check_mark:", "FAIL": ":x:", "PASS with known findings": ":warning:",
              "NOT CHECKED": ":grey_question:"}
     lines = ["## pytest-kvcompile results", ""]
+    lines += [f"> :boom: {_escape(line)}" for line in status_lines(results)] + ([""] if status_lines(results) else [])
     lines += [f"- {marks[verdict]} **{verdict}** `{engine}`: {counts}"
               for engine, verdict, counts in verdicts(rows, results.get("problems", ()))]
     if changes is not None:  # right after the verdicts, as pytest-codspeed's PR comment leads with its verdict

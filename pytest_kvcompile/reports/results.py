@@ -199,6 +199,11 @@ class Collector:
 
     def __post_init__(self) -> None:
         self.rows: dict[tuple, dict[str, Any]] = {}
+        self.pending: dict[tuple, dict[str, Any]] | None = None  # what add() merged since the last drain(), tracked
+
+    def track(self) -> None:
+        """From now on keep what add() merges until `drain()` (an xdist worker sends it with each test's report)."""
+        self.pending = {}
 
     def row(self, engine: str, model: str) -> dict[str, Any]:
         key = (engine, model, self.device, self.dtype)
@@ -211,6 +216,14 @@ class Collector:
         row = new_row(engine, model, self.device, self.dtype)
         row.update(fields)
         merge_row(self.row(engine, model), row)
+        if self.pending is not None:
+            key = row_key(row)
+            merge_row(self.pending.setdefault(key, new_row(*key)), copy.deepcopy(row))
+
+    def drain(self) -> dict[str, Any]:
+        """The rows add() merged since the last drain (a results dict to `merge`), then forget them."""
+        found, self.pending = self.pending or {}, {} if self.pending is not None else None
+        return {"runs": [], "rows": [found[k] for k in sorted(found)]}
 
     def as_dict(self) -> dict[str, Any]:
         return {"runs": [], "rows": [self.rows[k] for k in sorted(self.rows)]}

@@ -61,10 +61,11 @@ def kv_engine(kv_session: Session, kv_engine_name: str, kv_model_name: str) -> E
 
 @pytest.fixture
 def kv_oracle(kv_session: Session, kv_engine_name: str, kv_model_name: str) -> StoredOracle:
-    """The oracle of the engine's declared strategy on the current model. Before the first test uses it, the
-    model's prompt set is replayed through an independent path (oracles.store): an oracle that fails that
-    self-check SKIPS every token check on the model as not judged (OracleUnreliable), never a verdict on the
-    engine."""
+    """The engine's oracle on the current model (--kv-oracle: the oracle of its declared strategy, or an engine,
+    oracles/engine.py). Before the first test uses it, the model's prompt set is replayed through an independent
+    path (oracles.store): an oracle that fails that self-check SKIPS every token check on the model as not judged
+    (OracleUnreliable), never a verdict on the engine; an engine oracle without a reference for one prompt skips
+    that prompt's checks alone."""
     session = _checked(kv_session, kv_engine_name, kv_model_name)
     oracle = session.oracle(kv_engine_name, kv_model_name)
     entry = session.models[kv_model_name]

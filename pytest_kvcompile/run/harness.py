@@ -121,6 +121,8 @@ class EngineUnderTest:
     # call since (CUDA only): what the engine holds, allocations made only from C++ included, and nothing else
     history: list[Call] = field(default_factory=list)
     progress: Callable[[str], None] = field(default=lambda line: None, repr=False)  # long work, as it happens
+    #: (engine, model, call, calls served before) before each call: the live reports' beat (reports/live.py)
+    on_call: Callable[[str, str, str, int], None] = field(default=lambda *beat: None, repr=False)
     call_timeout: float = 0.0  # --kv-call-timeout, for in-process engines (isolated ones enforce it in the parent)
     broken: str | None = None  # why this engine object must not serve another test (a call timed out, its process died)
 
@@ -180,6 +182,7 @@ class EngineUnderTest:
         """--kv-call-timeout for an in-process call, and a dead isolated process: fail the test, mark this object
         broken (the next test builds the engine anew)."""
         __tracebackhide__ = True
+        self.on_call(self.name, self.spec.name, str(call), len(self.history))
         try:
             with deadline(0 if self.isolated else self.call_timeout):
                 yield
@@ -261,9 +264,9 @@ class EngineUnderTest:
         a, b = int(first[step]), int(second[step])
         if callable(reference):
             reference = reference()
-        unscored = reference is not None and not reference.scored  # an engine oracle without score()
-        if unscored:
-            reference = None
+        if reference is not None and not reference.scored:  # an engine oracle without score(): equality is the rule
+            return (f"at step {step} ({a} vs {b}): the oracle declares no score(), so nothing tells the difference from "
+                    "a near tie (the engine's own score() does not judge itself)")
         if reference is not None:
             row, judge = reference.given(first, self.tie_tolerance)[step], "the oracle"
         elif self.ref.declaration.scoring:
@@ -271,10 +274,8 @@ class EngineUnderTest:
                 scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(first))
             row, judge = scored[step].float(), "the engine's own score()"
         else:
-            judge = ("the oracle declares no score()" if unscored
-                     else f"no oracle covers strategy {self.ref.declaration.strategy}")
-            return (f"at step {step} ({a} vs {b}): {judge} and the engine declares no score(), so the difference "
-                    "cannot be told from a near tie")
+            return (f"at step {step} ({a} vs {b}): no oracle covers strategy {self.ref.declaration.strategy} and the "
+                    "engine declares no score(), so the difference cannot be told from a near tie")
         gap, allowed = abs(float(row[a] - row[b])), self.tie_tolerance
         if reference is not None:
             best, other = (a, b) if row[a] >= row[b] else (b, a)

@@ -61,10 +61,7 @@ class IsolatedEngine:
         self.name, self.model, self.timeout = name, spec.name, timeout or None
         self.calls: list[str] = []
         self.dead: str | None = None
-        self._log = tempfile.NamedTemporaryFile(prefix=f"kvcompile-{name}-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen(  # a session of its own: close() kills whatever the engine forked, too
-            [sys.executable, "-m", "pytest_kvcompile.run.isolation"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=self._log, start_new_session=True)
+        self.proc, self._log = _take_process()
         _LIVE.add(self)
         weakref.finalize(self, _reap, self.proc, self._log.name)  # dropped without close(): no process or log left
         what = f"its factory {target}(ModelSpec(name='{spec.name}', ...))"
@@ -86,8 +83,8 @@ class IsolatedEngine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> Any:
         what = f"generate(<{len(prompts)} prompt(s) of lengths {[len(p) for p in prompts]}>, max_new_tokens=" \
                f"{max_new_tokens})"
-        self.observed = ((), 0, 0, ())
-        out, self.observed = self._ask(("generate", prompts, max_new_tokens), what)
+        self.observed, self.last_ms = ((), 0, 0, ()), None
+        out, self.observed, self.last_ms = self._ask(("generate", prompts, max_new_tokens), what)
         return out
 
     def score(self, prompt: list[int], continuation: list[int]) -> Any:
@@ -104,6 +101,7 @@ class IsolatedEngine:
         return self._ask((what,), f"measuring '{what}'")
 
     observed: tuple[tuple, int, int, tuple] = ((), 0, 0, ())  # the last call's (compiles, hits, eager runs, captures)
+    last_ms: float | None = None  # the last generate()'s wall time in the engine's process (latency/measure.py)
 
     # --- the pipe -------------------------------------------------------------------------------------------------
     def _ask(self, request: tuple, what: str, timeout: float | None | str = "call") -> Any:
@@ -223,6 +221,33 @@ class IsolatedEngine:
         return f"<engine '{self.name}' in process {self.proc.pid}>"
 
 
+_SPARE: list[tuple[subprocess.Popen, Any]] = []  # at most one child started ahead, importing torch while unused
+
+
+def _spawn() -> tuple[subprocess.Popen, Any]:
+    log = tempfile.NamedTemporaryFile(prefix="kvcompile-engine-", suffix=".log", delete=False)
+    proc = subprocess.Popen(  # a session of its own: close() kills whatever the engine forked, too
+        [sys.executable, "-m", "pytest_kvcompile.run.isolation"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=log, start_new_session=True)
+    return proc, log
+
+
+def _take_process() -> tuple[subprocess.Popen, Any]:
+    """A child for the next engine: the spare started at the previous build (its imports done while the run went on),
+    else a new one; then the next spare starts. A process start costs ~3 s of imports (torch, transformers): with a
+    spare, only the first isolated engine of a run waits for it."""
+    found = None
+    while _SPARE and found is None:
+        proc, log = _SPARE.pop()
+        if proc.poll() is None:
+            found = proc, log
+        else:
+            _reap(proc, log.name)
+    found = found or _spawn()
+    _SPARE.append(_spawn())
+    return found
+
+
 def _reap(proc: subprocess.Popen, log: str) -> None:
     """What close() guarantees, for an engine object collected without it (e.g. a fresh engine of one check)."""
     if proc.poll() is None:
@@ -239,11 +264,15 @@ def _reap(proc: subprocess.Popen, log: str) -> None:
 def _close_all() -> None:
     for engine in list(_LIVE):
         engine.close()
+    while _SPARE:
+        proc, log = _SPARE.pop()
+        _reap(proc, log.name)
 
 
 # --- the child ---------------------------------------------------------------------------------------------------
 def _serve() -> None:
-    """The child's loop: build the engine, then answer requests until stdin closes."""
+    """The child's loop: import what every engine needs (a spare does it before it is used), build the engine, then
+    answer requests until stdin closes."""
     channel = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)  # the engine's prints go to the log, not into the protocol
     # a process the engine forks must not hold the pipe: the parent would never see this process die
@@ -251,6 +280,13 @@ def _serve() -> None:
     sys.stdout = sys.stderr
     faulthandler.enable()
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    import torch  # noqa: F401  (what every engine needs, imported before the build request comes)
+    import transformers  # noqa: F401
+
+    from pytest_kvcompile.contract import engine_io, registry  # noqa: F401
+    from pytest_kvcompile.memory import measure  # noqa: F401
+    from pytest_kvcompile.recompiles import recorder  # noqa: F401
+
     engine = None
     while True:
         header = sys.stdin.buffer.read(_HEADER.size)
@@ -292,10 +328,14 @@ def _answer(engine: Any, request: tuple) -> Any:
     from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
     kind, args = request[0], request[1:]
-    if kind == "generate":
+    if kind == "generate":  # timed here, as in process: the pipe and pickles are not the engine's latency
         with CompileRecorder() as recorder:
+            _synchronize()
+            started = time.perf_counter()
             out = engine.generate(*args)
-        return out, (tuple(recorder.events), *recorder.guards, tuple(recorder.captures))
+            _synchronize()
+            ms = (time.perf_counter() - started) * 1e3
+        return out, (tuple(recorder.events), *recorder.guards, tuple(recorder.captures)), ms
     if kind == "score":
         return engine.score(*args)
     if kind == "kv_cache_bytes":
@@ -314,6 +354,13 @@ def _answer(engine: Any, request: tuple) -> Any:
 
         return isolate()
     raise ValueError(f"unknown request {kind!r}")
+
+
+def _synchronize() -> None:
+    """Wait for queued CUDA work (a timed call ends when its kernels do), where CUDA is in use."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
 
 
 def _failure(exc: BaseException) -> tuple:

@@ -161,11 +161,12 @@ def _engine(text: str) -> str:
 
 def _isolate(text: str) -> str | tuple[str, ...]:
     text = str(text).strip()
-    if text in ("declared", "all", "none"):
+    if text in ("auto", "declared", "all", "none"):
         return text
     names = tuple(dict.fromkeys(n.strip() for n in text.split(",") if n.strip()))
     if not names:
-        raise ValueError("give 'declared', 'all', 'none' or comma-separated engine names, e.g. llama-cpp,onnxruntime")
+        raise ValueError("give 'auto', 'declared', 'all', 'none' or comma-separated engine names, e.g. "
+                         "llama-cpp,onnxruntime")
     return names
 
 
@@ -243,10 +244,11 @@ OPTIONS = [
            "and the engine is built anew for the next test (isolated engines: their process is killed, and building "
            "one may take 10 x this; in-process engines: the call is interrupted by SIGALRM, which cannot stop a hang "
            "inside C code: isolate those). 0 (default): no limit", "SECONDS", number(0, what="give a number of seconds >= 0, e.g. 120 (0: no limit)")),
-    Option(ISOLATE, "kv_isolate", "declared",
+    Option(ISOLATE, "kv_isolate", "auto",
            "which engines run in a process of their own, so that a crash or a hang fails one test and the run goes "
-           "on: 'declared' (default: engines declaring isolated=True, e.g. native runtimes), 'all', 'none', or "
-           "comma-separated engine names", "WHICH", _isolate),
+           "on: 'auto' (default: every engine that is not built-in, and built-in ones declaring isolated=True such as "
+           "native runtimes; an engine declaring isolated=False runs in process), 'declared' (only those declaring "
+           "isolated=True), 'all', 'none', or comma-separated engine names", "WHICH", _isolate),
     Option(ORACLE, "kv_oracle", [],
            "what an engine's tokens are checked against (repeatable): 'hf' (default: transformers eager, the "
            "built-in oracle of the engine's strategy), 'eager' (the engine itself with torch.compile off, or its "
@@ -283,7 +285,7 @@ class Settings:
     oracle_check: bool = True
     fuzz: FuzzSettings | None = None
     call_timeout: float = 0.0  # seconds; 0: no limit
-    isolate: str | tuple[str, ...] = "declared"  # 'declared', 'all', 'none' or engine names
+    isolate: str | tuple[str, ...] = "auto"  # 'auto', 'declared', 'all', 'none' or engine names
     oracles: tuple[tuple[str, str], ...] = ()  # (engine or '' for every engine, 'hf' | 'eager' | NAME)
 
     def oracle(self, engine: str) -> str:
@@ -292,11 +294,16 @@ class Settings:
         found = dict(self.oracles)
         return found.get(engine) or found.get("") or "hf"
 
-    def isolated(self, name: str, declared: bool) -> bool:
-        """Whether engine `name` runs in a process of its own (run/isolation.py)."""
+    def isolated(self, name: str, declared: bool | None, builtin: bool) -> bool:
+        """Whether engine `name` runs in a process of its own (run/isolation.py): `declared` is its
+        Declaration.isolated (None: undeclared), `builtin` whether it is a built-in engine."""
         if isinstance(self.isolate, tuple):
             return name in self.isolate
-        return self.isolate == "all" or (self.isolate == "declared" and declared)
+        if self.isolate in ("all", "none"):
+            return self.isolate == "all"
+        if declared is not None:
+            return declared
+        return self.isolate == "auto" and not builtin
 
 
 def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Settings:

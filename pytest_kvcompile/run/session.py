@@ -49,6 +49,7 @@ class Session:
     collector: Collector
     latency: LatencySettings
     progress: Callable[[str], None] = lambda line: None  # one line per engine build and compile (the plugin's writer)
+    on_call: Callable[[str, str, str, int], None] = lambda *beat: None  # before each engine build and call (reports)
     _models: dict[str, ModelEntry] | None = None
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _built: dict[tuple[str, str], EngineUnderTest | NotApplicable | str] = field(default_factory=dict)
@@ -121,9 +122,10 @@ class Session:
             if self.settings.compile_backend == "inductor":
                 import_inductor_quietly()  # before the engine's first compile imports it, warning about torch
         recorder = CompileRecorder()
+        self.on_call(name, model, f"its factory {ref.target}(ModelSpec(name='{model}', ...))", 0)
         allocated_before = cuda_allocated(spec.device)
         started = time.perf_counter()
-        isolated = self.settings.isolated(name, ref.declaration.isolated)
+        isolated = self.settings.isolated(name, ref.declaration.isolated, ref.source == "built-in")
         with recorder:  # engines that compile up front (vLLM) do it here
             if isolated:  # built in a process of its own, which reports what dynamo did there
                 instance = IsolatedEngine(ref.name, ref.target, ref.source, spec, self.settings.compile_backend,
@@ -151,7 +153,7 @@ class Session:
             ref, spec, instance, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
             build_compiles=build_compiles, build_captures=build_captures, call_timeout=settings.call_timeout,
             max_near_ties=rules.max_near_ties, score_tolerance=rules.score_tolerance,
-            cuda_grown=grown, progress=self.progress,
+            cuda_grown=grown, progress=self.progress, on_call=self.on_call,
         )
 
     def oracle(self, name: str, model: str) -> StoredOracle:
@@ -168,7 +170,9 @@ class Session:
         return found
 
     def _engine_oracle(self, choice: Any, strategy: Strategy, model: str) -> StoredOracle | str:
-        """An engine as the oracle (oracles/engine.py), built once per model; a string: why it cannot be."""
+        """An engine as the oracle (oracles/engine.py), built once per oracle and model; a string: why it cannot be.
+        In 16-bit on a transformers model, the equivalent 16-bit computations give the local noise term along the
+        engine's tokens (oracles/precision.py), measured against this oracle's own rows."""
         from pytest_kvcompile.oracles.engine import EngineOracle
 
         key = (choice.key, str(strategy), model)
@@ -180,18 +184,21 @@ class Session:
                 self._oracles[key] = found
                 return found
             raw = EngineOracle(choice, spec, self.settings.compile_backend, rules.tie_tolerance)
+            local = precision.reduced(spec.dtype) and not self.models[model].own and strategy.kind == "exact"
             self._oracles[key] = StoredOracle(raw, strategy, spec, rules.tie_tolerance,
-                                              self.settings.cache_dir / "oracle", check=self.settings.oracle_check)
+                                              self.settings.cache_dir / "oracle", check=self.settings.oracle_check,
+                                              computations=precision.Computations(spec) if local else None)
         return self._oracles[key]
 
     def _stored(self, strategy: Strategy, model: str, who: str) -> StoredOracle | str:
         key = (str(strategy), model)
         if key not in self._oracles:
             if self.models[model].own:
+                why = self.models[model].config.unreadable
                 self._oracles[key] = (f"no oracle for {who} on model '{model}': it is not a transformers checkpoint "
-                                      "(its config.json is the engine's own), so the hf oracle cannot load it; check "
-                                      "it against the engine's eager mode (--kv-oracle=eager) or another engine "
-                                      "(--kv-oracle=NAME)")
+                                      f"(transformers cannot read its config.json: {why}), so the hf oracle cannot "
+                                      "load it; check it against the engine's eager mode (--kv-oracle=eager) or "
+                                      "another engine (--kv-oracle=NAME)")
                 return self._oracles[key]
             spec = self.spec(model)
             reduced = precision.reduced(spec.dtype)
