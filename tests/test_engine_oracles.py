@@ -53,6 +53,17 @@ def test_its_compiled_only_twin_fails_against_its_eager_mode_under_inductor(kvte
     ])
 
 
+def test_an_isolated_engine_on_an_own_model_against_its_eager_mode(kvtester, own_model):
+    # the default for engines that are not built-in: the engine in its own process, its eager oracle in this one
+    good = own(kvtester, own_model, "TinyGPT", "--kv-compile-backend=aot_eager", "--kv-isolate=auto",
+               "-k", "token_identity or recompiles")
+    assert good.ret == 0, good.stdout.str()[-3000:]
+    good.stdout.fnmatch_lines(["kvcompile: kv_own_model:TinyGPT / tinygpt: built in * s in process *"])
+    bad = own(kvtester, own_model, "TinyGPTWrongCompiled", "--kv-compile-backend=aot_eager", "--kv-isolate=auto",
+              "-k", "token_identity")
+    assert bad.ret == 1 and bad.parseoutcomes()["failed"] >= 3
+
+
 def test_the_same_verdicts_under_xdist(kvtester, own_model):
     good = own(kvtester, own_model, "TinyGPT", "--kv-compile-backend=aot_eager", "-n", "2", "-k", TOKEN_CHECKS)
     assert good.ret == 0, good.stdout.str()[-3000:]

@@ -78,7 +78,8 @@ class OwnConfig(types.SimpleNamespace):
     `vocab_size` (required), `max_position_embeddings` and `sliding_window` from it; checks that need a transformers
     config skip by name. `unreadable`: why transformers could not read it."""
 
-    def __init__(self, keys: dict[str, Any], unreadable: str = "") -> None:
+    def __init__(self, keys: dict[str, Any] | None = None, unreadable: str = "") -> None:  # no keys: unpickling
+        keys = keys or {}
         super().__init__(**{**keys, "model_type": "own", "declared_model_type": keys.get("model_type"),
                             "unreadable": unreadable})
 

@@ -67,7 +67,7 @@ class IsolatedEngine:
         what = f"its factory {target}(ModelSpec(name='{spec.name}', ...))"
         try:  # the reply to "build": what dynamo compiled and captured while the factory ran
             self.build_compiles, self.build_captures = self._ask(
-                ("build", list(sys.path), name, target, source, spec, compile_backend), what,
+                ("build", list(sys.path), name, target, source, spec, compile_backend, _threads()), what,
                 timeout=self.timeout and BUILD_TIMEOUT_FACTOR * self.timeout)
         except RemoteError as exc:
             self.close()
@@ -221,6 +221,12 @@ class IsolatedEngine:
         return f"<engine '{self.name}' in process {self.proc.pid}>"
 
 
+def _threads() -> int | None:
+    """torch's intra-op threads in this process, where torch is loaded: the engine's process uses as many."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None
+
+
 _SPARE: list[tuple[subprocess.Popen, Any]] = []  # at most one child started ahead, importing torch while unused
 
 
@@ -310,8 +316,13 @@ def _serve() -> None:
         channel.flush()
 
 
-def _build(path: list[str], name: str, target: str, source: str, spec: Any, backend: str) -> tuple[Any, Any]:
+def _build(path: list[str], name: str, target: str, source: str, spec: Any, backend: str,
+           threads: int | None) -> tuple[Any, Any]:
     sys.path[:] = path
+    if threads:  # the parent's share of the cores (an xdist worker's, plugin._share_cores): timings as in process
+        import torch
+
+        torch.set_num_threads(threads)
     from pytest_kvcompile.contract import engine_io, registry
     from pytest_kvcompile.contract.engine import declaration_of
     from pytest_kvcompile.recompiles.recorder import CompileRecorder
