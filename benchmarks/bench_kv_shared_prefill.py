@@ -26,8 +26,8 @@ import transformers  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from bench_compiled_dynamic import interleaved_medians  # noqa: E402
-from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelSpec  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.oracles.eviction import kv_sources  # noqa: E402
 from reference_impls.compile import compile_fresh, left_pad, mark_dynamic  # noqa: E402
 from reference_impls.compiled_dynamic import prefill  # noqa: E402

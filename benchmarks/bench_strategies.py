@@ -99,9 +99,7 @@ import torch
 import transformers
 from transformers import AutoConfig
 
-from pytest_kvcompile.recompiles import recorder as recompiles
 from pytest_kvcompile.contract import registry
-from pytest_kvcompile.models import zoo
 from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
     ModelSpec,
@@ -109,6 +107,8 @@ from pytest_kvcompile.contract.engine import (
     missing_capability,
 )
 from pytest_kvcompile.memory.measure import held_by
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.recompiles import recorder as recompiles
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
 BASELINES = ("hf-eager", "hf-static-compile")
@@ -383,7 +383,7 @@ def measure_group(model: Model, engines: list[str], shapes: list[tuple[int, int]
     spec, k = model.spec, args.new_tokens
     max_len = max((p for _, p in shapes), default=0) + 1 + k  # generate(n=1+K) writes prompt + K positions
     max_batch = max((b for b, _ in shapes), default=None)
-    recompiles.isolate()  # a fresh dynamo: transformers' shared forward wrapper starts at 0 compiles
+    recompiles.reset_dynamo()  # a fresh dynamo: transformers' shared forward wrapper starts at 0 compiles
     built, notes, build_s, failed = {}, {}, {}, {}
     for name in engines:
         if past_deadline(args):
@@ -1005,8 +1005,8 @@ def main(argv=None) -> None:
     text = write(result, args, t0)
     print(text)
     print(f"wall time {result['wall_s']:.0f} s; load average at start {result['load_start']}, "
-          f"end {result['load_end']}, 1-minute during the run {min(l[0] for l in result['loads'] or [(0,)]):.2f}"
-          f"-{max(l[0] for l in result['loads'] or [(0,)]):.2f}")
+          f"end {result['load_end']}, 1-minute during the run {min(load[0] for load in result['loads'] or [(0,)]):.2f}"
+          f"-{max(load[0] for load in result['loads'] or [(0,)]):.2f}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Calibrate the `auto` tie tolerances: the oracle's logit gaps where CORRECT engines diverge, per dtype.
 
-float32's numbers are constants (oracles/tolerances.py) this script checks; bfloat16's and float16's are measured per
+float32's numbers are constants (config/tolerances.py) this script checks; bfloat16's and float16's are measured per
 model at run time (oracles/precision.py), and here they are what the gaps are compared with ("current").
 
 The plugin judges an engine's greedy token at each step by the oracle's logits given the engine's own prefix
@@ -19,8 +19,8 @@ oracle (`HFEagerOracle`, same device and dtype) teacher-forced on prompt + the e
 Per dtype, model and engine: steps, divergences (gap > 0), sequences with one, the most in one sequence (the
 near-tie budget `DEFAULT_MAX_NEAR_TIES`), the rate per step (`DEFAULT_MAX_NEAR_TIE_RATE`), max gap and
 p50/p99/p99.9 of the nonzero gaps, how many would be mismatches at today's tolerance, and the same gaps under
-the float64 independent path (reference_store.independent: how far the engine is from the model's exact
-math). The oracle itself: its greedy tokens under that float64 path (the reference_store self-check, whose
+the float64 independent path (oracles/store.py `independent`: how far the engine is from the model's exact
+math). The oracle itself: its greedy tokens under that float64 path (the oracles/store.py self-check, whose
 allowance is `ORACLE_CHECK_TOLERANCE`), and its own top-2 margins (how often a step is that close at all).
 
 Suggested tie tolerance per dtype: the largest gap of any engine x 1.5, rounded up to 1, 1.5, 2, 3, 5 or 7.5
@@ -59,11 +59,14 @@ sys.path.insert(0, str(HERE))
 
 import torch
 import transformers
-from bench_strategies import DTYPES, device_problem, machine, release, synchronize, write_outputs
 
-from pytest_kvcompile.recompiles import recorder as recompiles
+from bench_strategies import DTYPES, device_problem, machine, release, synchronize, write_outputs
+from pytest_kvcompile.config.tolerances import (
+    DEFAULT_MAX_NEAR_TIE_RATE,
+    DEFAULT_MAX_NEAR_TIES,
+    DEFAULT_TIE_TOLERANCE,
+)
 from pytest_kvcompile.contract import registry
-from pytest_kvcompile.models import zoo
 from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
     ModelSpec,
@@ -71,14 +74,11 @@ from pytest_kvcompile.contract.engine import (
     missing_capability,
 )
 from pytest_kvcompile.errors import EngineResolutionError
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import HFEagerOracle
 from pytest_kvcompile.oracles.store import ORACLE_CHECK_TOLERANCE, independent
-from pytest_kvcompile.oracles import precision
-from pytest_kvcompile.oracles.tolerances import (
-    DEFAULT_MAX_NEAR_TIE_RATE,
-    DEFAULT_MAX_NEAR_TIES,
-    DEFAULT_TIE_TOLERANCE,
-)
+from pytest_kvcompile.recompiles import recorder as recompiles
 
 #: Correct engines measured by default, when registered ("hf-sdpa" is not a built-in today; the CUDA-only one is
 #: listed as skipped elsewhere).
@@ -91,7 +91,7 @@ LENGTHS = (1, 7, 8, 9, 19, 48, 3, 100, 130, 250, 16, 33, 64, 200, 300, 5)
 SEED = 4321
 QUANTILES = {"p50": 0.50, "p99": 0.99, "p99.9": 0.999}
 CLEAN = (1, 1.5, 2, 3, 5, 7.5)
-SUSPECT_GAP = 1.0  # a gap above this many logits is a bug, not rounding (reference_store: bugs move whole units)
+SUSPECT_GAP = 1.0  # a gap above this many logits is a bug, not rounding (oracles/store.py: bugs move whole units)
 
 
 # --------------------------------------------------------------------------- the numbers
@@ -168,7 +168,7 @@ def measure(model_name: str, dtype: str, engines: list[str], args, cache_root: P
     k = args.new_tokens
     limit = min(getattr(config, "max_position_embeddings", 512), 512) - k - 1  # static caches hold 512 positions
     prompts = prompt_set(args.prompts, spec.vocab_size, limit)
-    recompiles.isolate()  # fresh dynamo per group: transformers' shared forward wrapper starts at 0 compiles
+    recompiles.reset_dynamo()  # fresh dynamo per group: transformers' shared forward wrapper starts at 0 compiles
     group = {"dtype": dtype, "model": model_name, "rows": [], "skipped": [], "seconds": {}, "tie_tolerance": tol,
              "max_near_ties": DEFAULT_MAX_NEAR_TIES[dtype] if noise is None else noise.max_near_ties(k),
              "max_near_tie_rate": DEFAULT_MAX_NEAR_TIE_RATE[dtype] if noise is None else noise.flip_rate_bound}

@@ -13,18 +13,24 @@ Made for docs/gpu-results.md's finding 3 (the reference engines guard ``Eq(u0, 1
 torch 2.11) and finding 2 (``KeyError: 'unbacked_bindings'`` lowering the eviction prefill); .ci/gpu-session runs
 the cases side by side. DIAG_DEVICE=cpu runs the same on the CPU (a quick check that a case is well formed).
 """
-import os, sys, time, traceback
+import os
+import sys
+import time
+import traceback
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
-from pathlib import Path
 from transformers import AutoConfig
-from pytest_kvcompile.models import zoo
-from pytest_kvcompile.contract.engine import ModelSpec
-from pytest_kvcompile.contract import registry
-from pytest_kvcompile.recompiles.recorder import CompileRecorder
+
 import reference_impls.model as M
+from pytest_kvcompile.contract import registry
+from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
 if len(sys.argv) != 5:
     raise SystemExit(__doc__)
@@ -40,12 +46,12 @@ def explicit(self, q, k, v, mask):
     return (w.to(v.dtype) @ v[:, :, None]).reshape(b, h, t, d)
 
 def math_kernel(self, q, k, v, mask):
-    from torch.nn.attention import sdpa_kernel, SDPBackend
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
 def eff_math(self, q, k, v, mask):
-    from torch.nn.attention import sdpa_kernel, SDPBackend
+    from torch.nn.attention import SDPBackend, sdpa_kernel
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scale, enable_gqa=True)
 
@@ -63,7 +69,7 @@ for part in variant.split("+"):
         import reference_impls.compiled_dynamic as CD
         import reference_impls.static_cache as SC
         orig_left_pad = CD.left_pad
-        def left_pad2(prompts, device):
+        def left_pad2(prompts, device, orig_left_pad=orig_left_pad):
             tokens, valid = orig_left_pad(prompts, device)
             return (F.pad(tokens, (1, 0)), F.pad(valid, (1, 0))) if tokens.size(1) < 2 else (tokens, valid)
         CD.left_pad = left_pad2
@@ -81,7 +87,7 @@ for part in variant.split("+"):
             return model(tokens, torch.arange(width, device=tokens.device))
         SC.prefill = sprefill
         orig_sp = SC.StaticCache._prefill
-        def _prefill(self, prompts, steps):
+        def _prefill(self, prompts, steps, orig_sp=orig_sp):
             if max(map(len, prompts)) < 2:
                 prompts = [[SC.PAD_ID] * (2 - len(p)) + list(p) for p in prompts]  # diagnosis only: the pad is real
             return orig_sp(self, prompts, steps)
@@ -91,13 +97,17 @@ for part in variant.split("+"):
 
 cache = Path(os.environ.get("KVCOMPILE_CACHE_DIR", ".kvcompile-cache"))
 path = zoo.checkpoint(model, cache / "zoo")
-spec = ModelSpec(model, path, AutoConfig.from_pretrained(path), device=os.environ.get("DIAG_DEVICE", "cuda"), dtype=getattr(torch, dtype))
+spec = ModelSpec(model, path, AutoConfig.from_pretrained(path), device=os.environ.get("DIAG_DEVICE", "cuda"),
+                 dtype=getattr(torch, dtype))
 t0 = time.time()
 tag = f"{engine_name} {model} {dtype} {variant}"
 try:
     ref = registry.resolve(engine_name)
     g = torch.Generator().manual_seed(0)
-    P = lambda n: torch.randint(1, 200, (n,), generator=g).tolist()
+
+    def P(n):
+        return torch.randint(1, 200, (n,), generator=g).tolist()
+
     with CompileRecorder() as rec:
         eng = ref.build(spec, "inductor")
         eng.generate([P(5)], 4)
@@ -109,6 +119,7 @@ try:
           f"captures {len(rec.captures)} (after warmup {len(rec.post_warmup_captures)})", flush=True)
 except Exception as e:
     msg = "".join(traceback.format_exception_only(type(e), e))
-    lines = [l for l in msg.splitlines() if l.strip()]
-    keep = [l for l in lines if any(k in l for k in ("Error", "Eq(", "culprit", "File \"", "target:", "guard", "Caused"))]
+    lines = [line for line in msg.splitlines() if line.strip()]
+    marks = ("Error", "Eq(", "culprit", "File \"", "target:", "guard", "Caused")
+    keep = [line for line in lines if any(k in line for k in marks)]
     print(f"FAIL {tag}: {time.time()-t0:.0f}s\n    " + "\n    ".join((lines[:6] + keep[:30])[:40]), flush=True)

@@ -1,9 +1,10 @@
 """pytest-kvcompile: check that a KV-cache + compile engine is right and stays fast.
 
 Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`, `KVLayout`), the token
-oracle's assertion (`assert_tokens_match`) and the compile recorder (`CompileRecorder`,
-`expect_no_recompiles`). Each name loads its module on first use (PEP 562): importing the package, as pytest
-does through the entry point, imports neither torch nor transformers.
+oracle's assertion (`check_tokens`; `assert_tokens_match` is its deprecated spelling), typed verdicts (`Where`,
+`Failure`, `Kind`) and the compile recorder (`CompileRecorder`, `expect_no_recompiles`). Each name loads its module
+on first use (PEP 562): importing the package, as pytest does through the entry point, imports neither torch nor
+transformers.
 """
 
 from __future__ import annotations
@@ -15,14 +16,17 @@ __version__ = "0.1.0"
 
 _PUBLIC = {  # name -> module that defines it
     **dict.fromkeys(["BATCHING", "EXACT", "KV_CACHE_BYTES", "SCORING", "Declaration", "Engine", "EngineFactory",
-                     "KVBytesEngine", "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy"],
+                     "KVBytesEngine", "KVLayout", "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy"],
                     "pytest_kvcompile.contract.engine"),
-    **dict.fromkeys(["KVLayout", "cache_tensors", "held_bytes"], "pytest_kvcompile.memory.measure"),
+    **dict.fromkeys(["cache_tensors", "held_bytes"], "pytest_kvcompile.memory.measure"),
     "HFEagerOracle": "pytest_kvcompile.oracles.hf",
-    "Reference": "pytest_kvcompile.oracles.hf",
-    "DEFAULT_TIE_TOLERANCE": "pytest_kvcompile.oracles.tolerances",
-    **dict.fromkeys(["TokenMismatch", "Verdict", "assert_tokens_match"], "pytest_kvcompile.oracles.token_match"),
-    **dict.fromkeys(["CompileRecorder", "RecompileError", "expect_no_recompiles"], "pytest_kvcompile.recompiles.recorder"),
+    "Reference": "pytest_kvcompile.oracles.reference",
+    "DEFAULT_TIE_TOLERANCE": "pytest_kvcompile.config.tolerances",
+    **dict.fromkeys(["TokenMismatch", "Verdict", "assert_tokens_match", "check_tokens"],
+                    "pytest_kvcompile.oracles.token_match"),
+    **dict.fromkeys(["Where", "Failure", "Kind"], "pytest_kvcompile.verdicts.failures"),
+    **dict.fromkeys(["CompileRecorder", "RecompileError", "expect_no_recompiles"],
+                    "pytest_kvcompile.recompiles.recorder"),
 }
 
 __all__ = sorted(_PUBLIC)

@@ -9,7 +9,8 @@ each gets its own venv. The steps, each printed before it runs:
    beside each built-in adapter, ``RECIPE`` in pytest_kvcompile/engines/*.py, ``--install SPEC`` for any other);
 4. ``pip uninstall`` what the recipe says breaks the environment;
 5. ``pytest --pyargs pytest_kvcompile.suites --kv-engine=NAME ...`` with the recipe's environment
-   and options (vLLM: ``--kv-zoo-head-dim=32``), then the user's (after ``--``), writing ``OUT/NAME.json`` and ``OUT/NAME.md``. The exit status is pytest's.
+   and options (vLLM: ``--kv-zoo-head-dim=32``), then the user's (after ``--``), writing ``OUT/NAME.json`` and
+   ``OUT/NAME.md``. The exit status is pytest's.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from pathlib import Path
 from pytest_kvcompile import check_engine
 from pytest_kvcompile.reports import WRITERS, write
 from pytest_kvcompile.reports.json_file import ResultsFileError, load
-from pytest_kvcompile.reports.results import MergeError, merge
+from pytest_kvcompile.verdicts.rows import MergeError, merge
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(str(exc))
     output = Path(args.output)
     if output.suffix.lower() not in WRITERS:
-        parser.error(f"-o {args.output}: unknown report format {output.suffix!r}; end the name in one of {', '.join(WRITERS)}")
+        parser.error(f"-o {args.output}: unknown report format {output.suffix!r}; "
+                     f"end the name in one of {', '.join(WRITERS)}")
     try:
         merged = merge([load(path) for path in args.inputs])
     except (ResultsFileError, MergeError) as exc:

@@ -32,6 +32,8 @@ class OracleUnreliable(pytest.skip.Exception):
 class EngineProcessDied(Exception):
     """An isolated engine's process crashed or was killed after --kv-call-timeout; str(exc) is the failure."""
 
+    kind = "crash"  # verdicts.failures.Kind.CRASH (errors sits below verdicts)
+
 
 class CallTimeout(BaseException):
     """Raised inside an in-process engine call that outlived --kv-call-timeout (SIGALRM). A BaseException, so an

@@ -21,11 +21,12 @@ from typing import Any
 import pytest
 
 from pytest_kvcompile import reports
+from pytest_kvcompile.config import markers, options
 from pytest_kvcompile.latency import marker as latency_marker
 from pytest_kvcompile.memory import marker as memory_marker
 from pytest_kvcompile.recompiles import marker as recompile_marker
-from pytest_kvcompile.reports.results import Collector
-from pytest_kvcompile.run import fixtures, fuzz, grouping, markers, options
+from pytest_kvcompile.run import fixtures, fuzz, grouping
+from pytest_kvcompile.verdicts.rows import Collector
 
 NO_ENGINE = options.NO_ENGINE
 OPTIONS = [*options.OPTIONS, *fuzz.OPTIONS, *latency_marker.OPTIONS, *reports.OPTIONS]
@@ -49,7 +50,7 @@ def pytest_cmdline_main(config: pytest.Config):
     return None
 
 
-def _session_fixtures(run: "Run") -> types.ModuleType:
+def _session_fixtures(run: Run) -> types.ModuleType:
     """The ``kv_session`` fixture, on a module object: pytest 10 drops session fixtures defined as methods of a
     plugin instance (PytestRemovedIn10Warning), and finds fixtures on a plugin's type, so not as attributes."""
     holder = types.ModuleType("kvcompile.session")
@@ -135,7 +136,8 @@ class Run:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         _known_findings(config, self.engines, items)
         if self.settings.fuzz is None:  # fuzzing is opt-in (--kv-fuzz=N): deselect, don't skip
-            fuzzing = [i for i in items if getattr(i, "originalname", "") == "test_fuzz" and "kv_engine" in i.fixturenames]
+            fuzzing = [i for i in items
+                       if getattr(i, "originalname", "") == "test_fuzz" and "kv_engine" in i.fixturenames]
             if fuzzing:
                 config.hook.pytest_deselected(items=fuzzing)
                 items[:] = [i for i in items if i not in fuzzing]
@@ -182,7 +184,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if not run.engines and _runs_the_suites(config):
         raise pytest.UsageError(NO_ENGINE)
     if settings.engines or settings.models:
-        run.session.models  # read configs now: a bad --kv-model/--kv-zoo is a usage error, not a collection error
+        _ = run.session.models  # read configs now: a bad --kv-model/--kv-zoo is a usage error, not a collection error
     config.pluginmanager.register(run, "kvcompile.run")
     config.pluginmanager.register(_session_fixtures(run), "kvcompile.session")
     config.pluginmanager.register(fixtures, "kvcompile.fixtures")
@@ -202,9 +204,11 @@ def _prompts(session, model: str):
 
 
 def _runs_the_suites(config: pytest.Config) -> bool:
-    """Whether the command line points at the conformance suites (``suites/`` or ``--pyargs pytest_kvcompile.suites``)."""
+    """Whether the command line points at the conformance suites (``suites/`` or
+    ``--pyargs pytest_kvcompile.suites``)."""
     spec = importlib.util.find_spec("pytest_kvcompile.suites")
-    where = Path(next(iter(spec.submodule_search_locations))).resolve() if spec and spec.submodule_search_locations else None
+    where = (Path(next(iter(spec.submodule_search_locations))).resolve()
+             if spec and spec.submodule_search_locations else None)
     for arg in config.args:
         if arg.split("::")[0].startswith("pytest_kvcompile.suites"):
             return True

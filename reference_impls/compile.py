@@ -9,7 +9,8 @@ from __future__ import annotations
 import types
 
 import torch
-from torch._dynamo.decorators import mark_unbacked  # torch 2.13: not in torch._dynamo
+
+from pytest_kvcompile.recompiles.hooks import mark_unbacked
 
 
 def compile_fresh(fn, backend: str):

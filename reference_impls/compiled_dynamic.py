@@ -40,8 +40,7 @@ from typing import NamedTuple
 
 import torch
 
-from pytest_kvcompile.contract.engine import Declaration, ModelSpec
-from pytest_kvcompile.memory.measure import KVLayout
+from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelSpec
 from reference_impls.compile import compile_fresh, left_pad, mark_dynamic
 from reference_impls.engine import Engine
 from reference_impls.loader import load_model

@@ -28,17 +28,17 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch._dynamo.decorators import mark_unbacked
 
 from pytest_kvcompile.contract.engine import (
     Declaration,
+    KVLayout,
     ModelNotSupported,
     ModelSpec,
     Strategy,
     declaration_of,
 )
-from pytest_kvcompile.memory.measure import KVLayout
 from pytest_kvcompile.oracles.eviction import EMPTY, Policy, order, policy_for
+from pytest_kvcompile.recompiles.hooks import mark_unbacked, torch_check
 from reference_impls.compile import compile_fresh, left_pad
 from reference_impls.engine import Engine
 from reference_impls.loader import load_model
@@ -134,9 +134,9 @@ def step(model, policy: Policy, tokens, pos, buffers, evict):
 
 def prefill(model, policy, tokens, valid):
     b, t = tokens.shape
-    torch._check(t >= 2)  # one pad column at least (`_prefill`): see there
-    torch._check(valid.size(0) == b)
-    torch._check(valid.size(1) == t)
+    torch_check(t >= 2)  # one pad column at least (`_prefill`): see there
+    torch_check(valid.size(0) == b)
+    torch_check(valid.size(1) == t)
     pos = torch.where(valid, valid.long().cumsum(-1) - 1, EMPTY)
     attn = model.model.layers[0].self_attn
     empty = model.lm_head.weight.new_zeros(b, attn.n_kv_heads, 0, attn.head_dim)
@@ -148,9 +148,9 @@ def prefill(model, policy, tokens, valid):
 
 def decode(model, policy, tokens, length, buffers):
     b = tokens.size(0)
-    torch._check(length.size(0) == b)
+    torch_check(length.size(0) == b)
     for x in (x for layer in buffers for x in layer):
-        torch._check(x.size(0) == b)
+        torch_check(x.size(0) == b)
     logits, buffers = step(model, policy, tokens, length[:, None], buffers, _evict_one)
     return logits, length + 1, buffers
 

@@ -54,7 +54,8 @@ class Attention(nn.Module):
     def forward(self, x, mask, cache, layer):
         b, t, _ = x.shape
         q, k, v = (y.view(b, t, self.n_heads, self.head_dim) for y in self.c_attn(x).split(self.dim, dim=-1))
-        if cache.past is None:  # views of c_attn's output: copy, so the cache is fresh and contiguous (no stride guards)
+        # views of c_attn's output: copy, so the cache is fresh and contiguous (no stride guards)
+        if cache.past is None:
             k, v = k.contiguous(), v.contiguous()
         k, v = cache.update(layer, k, v)
         y = sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, self.scale)

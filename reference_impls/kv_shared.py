@@ -29,7 +29,8 @@ from reference_impls.compiled_dynamic import CompiledDynamicCache
 
 
 class KVSharedPrefillSkip(CompiledDynamicCache):
-    """`ref-kv-shared`: Gemma4 with KV-shared layers, the shared layers skipped at prefill (all but the last position)."""
+    """`ref-kv-shared`: Gemma4 with KV-shared layers, the shared layers skipped at prefill (all but the last
+    position)."""
 
     kv_declaration = dataclasses.replace(
         CompiledDynamicCache.kv_declaration,

@@ -19,6 +19,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pytest_kvcompile.contract.engine import ModelNotSupported
 from pytest_kvcompile.models.zoo import sliding_layers
+from pytest_kvcompile.recompiles.hooks import torch_check
 
 
 def sdpa(q, k, v, mask, scale: float | None, enable_gqa: bool = False):
@@ -274,12 +275,12 @@ class Decoder(nn.Module):
         n = valid.size(1)
         # Tie the dynamic sizes: one batch, and one cache length shared by every layer's K and V.
         past = cache[0][0].size(1) if cache else 0
-        torch._check(t >= 1)
-        torch._check(valid.size(0) == b)
-        torch._check(n == past + t)
+        torch_check(t >= 1)
+        torch_check(valid.size(0) == b)
+        torch_check(n == past + t)
         for x in (x for kv in cache or () for x in kv):
-            torch._check(x.size(0) == b)
-            torch._check(x.size(1) == past)
+            torch_check(x.size(0) == b)
+            torch_check(x.size(1) == past)
         # Positions count real tokens only: a left-padded prompt sees what it would see alone.
         k_pos = valid.long().cumsum(-1) - 1
         q_pos = k_pos.narrow(1, n - t, t).clamp(min=0)

@@ -30,11 +30,10 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-from torch._dynamo.decorators import mark_unbacked
 
-from pytest_kvcompile.contract.engine import Declaration, ModelSpec
-from pytest_kvcompile.memory.measure import KVLayout
+from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelSpec
 from pytest_kvcompile.models.zoo import sliding_layers
+from pytest_kvcompile.recompiles.hooks import mark_unbacked, torch_check
 from reference_impls.compile import compile_fresh, left_pad
 from reference_impls.engine import Engine
 from reference_impls.loader import load_model
@@ -83,11 +82,11 @@ def step(model, tokens, valid, state: RingState):
     full = [kv for kv, kind in zip(state.cache, model.layer_types) if kind == FULL]
     past = full[0][0].size(1) if full else 0
     # Tie the dynamic sizes: one batch, one full-cache length.
-    torch._check(t >= 1)
+    torch_check(t >= 1)
     for x in (valid, length, ring_pos, *(x for kv in state.cache for x in kv)):
-        torch._check(x.size(0) == b)
+        torch_check(x.size(0) == b)
     for x in (x for kv in full for x in kv):
-        torch._check(x.size(1) == past)
+        torch_check(x.size(1) == past)
 
     new_length = length + valid.sum(-1)
     pos = length[:, None] + valid.long().cumsum(-1) - 1  # the chunk's positions (real tokens)

@@ -37,15 +37,15 @@ import dataclasses
 
 import torch
 from torch import nn
-from torch._dynamo.decorators import mark_unbacked
 
-from pytest_kvcompile.contract.engine import Declaration, ModelSpec
-from pytest_kvcompile.memory.measure import KVLayout
+from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelSpec
+from pytest_kvcompile.recompiles.hooks import mark_unbacked, torch_check
 from reference_impls.compile import compile_fresh
 from reference_impls.loader import load_model
 from reference_impls.model import FULL, KVCache, UnsupportedModel
 
-MAX_CACHE_LEN, MAX_BATCH_SIZE = 512, 4  # defaults, as declared in kv_layout (512: the suites' prompts reach 266 positions)
+# defaults, as declared in kv_layout (512: the suites' prompts reach 266 positions)
+MAX_CACHE_LEN, MAX_BATCH_SIZE = 512, 4
 
 PAD_ID = 0  # token of left pads and dummy rows; they are masked from every real query
 
@@ -106,7 +106,7 @@ class StaticLlama(nn.Module):
 def prefill(model: StaticLlama, tokens, pad):
     """A call's first step: reset, then the left-padded prompts tokens [batch, width] at slots 0..width-1."""
     width = tokens.size(1)
-    torch._check(width >= 1)
+    torch_check(width >= 1)
     model.reset(pad, width)
     return model(tokens, torch.arange(width, device=tokens.device))
 
@@ -176,7 +176,8 @@ class StaticCache:
         for i in range(steps):
             yield logits
             if i + 1 < steps:
-                tokens = logits.argmax(-1) if forced is None else torch.full_like(logits[:, 0], forced[i], dtype=torch.long)
+                tokens = (logits.argmax(-1) if forced is None
+                          else torch.full_like(logits[:, 0], forced[i], dtype=torch.long))
                 logits = self._decode(tokens, cache_pos)
                 cache_pos += 1
 

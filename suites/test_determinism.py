@@ -4,6 +4,8 @@ score(); without either, exactly)."""
 
 import pytest
 
+from pytest_kvcompile.verdicts.failures import Kind, fail
+
 
 def _oracle_reference(request, prompt, kv_engine):
     """The oracle's reference for `prompt`, or None without an oracle: a callable, so the oracle is built only when two
@@ -20,11 +22,11 @@ def test_determinism(request, kv_engine, kv_prompts):
     first = kv_engine.generate([prompt])[0]
     second = kv_engine.generate([prompt])[0]
     why = kv_engine.differs(prompt, first, second, _oracle_reference(request, prompt, kv_engine))
-    assert why is None, (
-        f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}', prompt '{prompt.name}': two identical "
-        f"generate() calls differ {why}.\n  first:  {first}\n  second: {second}\n"
-        "  hint: nondeterministic kernels, uninitialised cache memory, or state carried between calls"
-    )
+    if why:
+        fail(Kind.INCONSISTENT,
+             f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}', prompt '{prompt.name}': two identical "
+             f"generate() calls differ {why}.\n  first:  {first}\n  second: {second}\n"
+             "  hint: nondeterministic kernels, uninitialised cache memory, or state carried between calls")
 
 
 @pytest.mark.kv_requires("batching")
@@ -32,7 +34,8 @@ def test_determinism_batched(request, kv_engine, kv_batch):
     first, second = kv_engine.generate(kv_batch), kv_engine.generate(kv_batch)
     for i, (prompt, a, b) in enumerate(zip(kv_batch, first, second)):
         why = kv_engine.differs(prompt, a, b, _oracle_reference(request, prompt, kv_engine))
-        assert why is None, (
-            f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': index {i} of a batch of lengths "
-            f"{[len(p) for p in kv_batch]} differs between two identical calls {why}\n  first:  {a}\n  second: {b}"
-        )
+        if why:
+            fail(Kind.INCONSISTENT,
+                 f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': index {i} of a batch of lengths "
+                 f"{[len(p) for p in kv_batch]} differs between two identical calls {why}\n"
+                 f"  first:  {a}\n  second: {b}")

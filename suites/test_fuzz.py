@@ -8,11 +8,11 @@ import pytest
 
 from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.oracles.hf import budget_of
-from pytest_kvcompile.reports.results import coverage_line
 from pytest_kvcompile.run import fuzz
+from pytest_kvcompile.verdicts.rows import coverage_line
 
 
-def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, kv_check):
+def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, kv_check_tokens):
     settings = kv_settings.fuzz
     if settings is None:  # deselected by the plugin; reached only when run by node id
         pytest.skip("fuzzing is off: pass --kv-fuzz=N")
@@ -26,7 +26,7 @@ def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, 
     key = f"{kv_engine.name}|{kv_engine.spec.name}|{kv_settings.dtype}|{kv_settings.device}"
     covered = {}
     examples = fuzz.run(kv_engine, kv_oracle_or_none, lengths, kv_engine.compiled_observed, settings, by_len[7],
-                        kv_settings.cache_dir / "fuzz-db", key, kv_check,
+                        kv_settings.cache_dir / "fuzz-db", key, kv_check_tokens,
                         on_coverage=lambda found: (covered.update(found), kv_record.metric(fuzz_coverage=found)))
     kv_record("fuzz", f"{kv_engine.name} / {kv_engine.spec.name}: covering walk: {coverage_line(covered)}; then "
               f"{examples} hypothesis example(s) of up to {8 if settings.profile == 'ci' else 24} calls, profile "

@@ -1,7 +1,8 @@
 """KV memory, reported and measured.
 
-- ``kv_cache_bytes()`` equals the exact footprint of the engine's declared ``KVLayout`` (pytest_kvcompile/memory/measure.py:
-  dynamic, static, eviction budget; sliding and KV-sharing layers), alone and in a padded batch.
+- ``kv_cache_bytes()`` equals the exact footprint of the engine's declared ``KVLayout``
+  (pytest_kvcompile/memory/measure.py: dynamic, static, eviction budget; sliding and KV-sharing layers), alone and in
+  a padded batch.
 - What the engine object really holds after ``generate()`` (``memory.held_by``: tensors reachable from it that are
   not its weights; on CUDA also the growth of ``torch.cuda.memory_allocated`` while it was built and during its
   calls, so graph pools and workspaces held only from C++ count) is at most
@@ -26,6 +27,7 @@ from pytest_kvcompile.memory.measure import (
 )
 from pytest_kvcompile.models.checkpoints import OwnConfig
 from pytest_kvcompile.models.prompts import variant
+from pytest_kvcompile.verdicts.failures import Kind, fail
 
 WARMUP_CALLS, REPEATS = 1, 3
 HELD_FACTOR, HELD_SLACK = 1.5, 64 * 1024
@@ -38,8 +40,8 @@ OWN_MODEL = ("model '{}' is not a transformers checkpoint (its config.json is th
 def _reported(kv_engine) -> int:
     got = kv_engine.engine.kv_cache_bytes()
     if isinstance(got, bool) or not isinstance(got, int) or got < 0:
-        pytest.fail(f"engine '{kv_engine.name}': kv_cache_bytes() returned {got!r}; it must return an int >= 0 "
-                    "(bytes held by the KV cache after the last generate())", pytrace=False)
+        fail(Kind.MEMORY, f"engine '{kv_engine.name}': kv_cache_bytes() returned {got!r}; it must return an int "
+             ">= 0 (bytes held by the KV cache after the last generate())")
     return got
 
 
@@ -61,7 +63,8 @@ def _hint(footprint, got: int, footprint_of) -> str:
                 "left the window (masked, never read again); drop them to bound memory by the window")
     if footprint.layout.kind == "static":
         for positions in (written, written + 1):
-            if got == footprint_of(dataclasses.replace(footprint.layout, max_cache_len=positions)).total != footprint.total:
+            if got == footprint_of(
+                    dataclasses.replace(footprint.layout, max_cache_len=positions)).total != footprint.total:
                 return (f"the count matches a static cache of {positions} positions, the prompt plus the new tokens, "
                         f"not the declared max_cache_len={footprint.layout.max_cache_len}: the engine's cache length "
                         "setting was ignored (transformers < 5.13 ignored generate()'s cache_config={'max_cache_len': "
@@ -70,15 +73,17 @@ def _hint(footprint, got: int, footprint_of) -> str:
         return "the count is exactly half the footprint: are keys or values left out?"
     if footprint.rows > 1 and got * footprint.rows == footprint.total:
         return "the count is one row's: a batch cache holds one row per prompt"
-    return ("count what is held, pytest_kvcompile.memory.measure.held_bytes(tensors) (untyped_storage().nbytes() of distinct "
-            "storages; a view holds its whole base, a shared storage counts once), or declare the layout the engine has")
+    return ("count what is held, pytest_kvcompile.memory.measure.held_bytes(tensors) "
+            "(untyped_storage().nbytes() of distinct "
+            "storages; a view holds its whole base, a shared storage counts once), "
+            "or declare the layout the engine has")
 
 
 def _check_footprint(kv_engine, prompts, what: str) -> None:
     layout = kv_engine.ref.declaration.kv_layout
     if layout is None:
         pytest.skip(f"engine '{kv_engine.name}' declares kv_cache_bytes but no kv_layout: declare "
-                    "Declaration(kv_layout=pytest_kvcompile.memory.measure.KVLayout(...)) to check its footprint")
+                    "Declaration(kv_layout=pytest_kvcompile.KVLayout(...)) to check its footprint")
     new_tokens = kv_engine.max_new_tokens
     if new_tokens < 2:
         pytest.skip("the footprint is checked after at least one decode step; run with --kv-max-new-tokens >= 2")
@@ -91,11 +96,11 @@ def _check_footprint(kv_engine, prompts, what: str) -> None:
                            width=max(map(len, prompts)), new_tokens=new_tokens)
     footprint = footprint_of(layout)
     if got != footprint.total:
-        pytest.fail(
+        fail(
+            Kind.MEMORY,
             f"engine '{kv_engine.name}' on model '{spec.name}', {what}, {new_tokens} new tokens: kv_cache_bytes() = "
             f"{format_bytes(got)} but its declared {layout} holds {format_bytes(footprint.total)} "
             f"({got - footprint.total:+,} B)\n{footprint.explain()}\n  hint: {_hint(footprint, got, footprint_of)}",
-            pytrace=False,
         )
 
 
@@ -156,7 +161,8 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
     if declared.kv_released:  # the cache was the call's own: nothing of it may outlive the call
         claims = {"0 B of cache (it declares kv_released: every call's cache is dropped when generate() returns)": 0}
     if held.state == 0 and held.weights == 0 and not declared.kv_released:
-        pytest.skip(f"engine '{kv_engine.name}' holds no tensor visible from Python after {_describe(call, kv_engine)}, "
+        pytest.skip(f"engine '{kv_engine.name}' holds no tensor visible from Python after "
+                    f"{_describe(call, kv_engine)}, "
                     "not even its weights: its model and cache live in native memory (a C/C++ runtime), which this "
                     "check cannot see, so nothing was measured (recorded in the reports)")
     if not claims:
@@ -165,7 +171,8 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
                     "it with (recorded in the reports)")
     over = {what: value for what, value in claims.items() if held.state > HELD_FACTOR * value + HELD_SLACK}
     if over:
-        pytest.fail(
+        fail(
+            Kind.MEMORY,
             f"engine '{kv_engine.name}' on model '{spec.name}' holds {format_bytes(held.state)} besides its weights "
             f"({format_bytes(held.weights)}) after {_describe(call, kv_engine)}, more than {HELD_FACTOR:g} x "
             + " and ".join(over) + f" + {format_bytes(HELD_SLACK)}\n"
@@ -175,7 +182,6 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
                if declared.kv_released else
                "a cache preallocated larger than it reports (a static cache sized for more rows or positions), "
                "earlier calls' caches kept, or a report that counts only part of the cache"),
-            pytrace=False,
         )
 
 
@@ -212,10 +218,10 @@ def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
             problems.append(f"  {measure}: {format_bytes(values[0])} after {WARMUP_CALLS} warmup call(s), then "
                             f"{', '.join(f'{s:+,} B' for s in steps)} per call")
     if problems:
-        pytest.fail(
+        fail(
+            Kind.MEMORY,
             f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': memory grows over {REPEATS} repeated "
             f"calls {described}\n" + "\n".join(problems) + "\n  hint: generate() keeps something per call "
             "(caches or outputs appended to a list, a memo keyed by prompt, a cache never reset): keep only the last "
             "call's cache",
-            pytrace=False,
         )

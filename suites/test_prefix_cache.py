@@ -10,6 +10,7 @@ is served, up to a near tie (``kv_engine.differs``: the oracle's logits, else th
 import pytest
 
 from pytest_kvcompile.models.prompts import Prompt, of_length
+from pytest_kvcompile.verdicts.failures import Kind, Where, fail
 
 SHARED = (1, 15, 16, 17, 31, 32, 33, 63, 64, 65)
 TAIL = 8
@@ -22,7 +23,7 @@ def _pair(k: int, vocab: int) -> tuple[Prompt, Prompt]:
     return Prompt(f"shared{k}+a", shared + a), Prompt(f"shared{k}+b", shared + b)
 
 
-def test_shared_prefixes(kv_engine, kv_oracle_or_none, kv_check):
+def test_shared_prefixes(kv_engine, kv_oracle_or_none, kv_check_tokens):
     vocab = kv_engine.spec.vocab_size
     calls = []
     for k in SHARED:
@@ -32,36 +33,39 @@ def test_shared_prefixes(kv_engine, kv_oracle_or_none, kv_check):
     served: dict[str, tuple[list[int], int]] = {}
     for i, prompt in enumerate(calls):
         got = kv_engine.generate([prompt])[0]
-        earlier = ", ".join(p.name for p in calls[max(0, i - 3):i]) or "(none)"
-        where = f"call {i + 1} of {len(calls)} on one engine object, after prompts [{earlier}]"
+        where = Where(number=i + 1, calls=len(calls), before=tuple(p.name for p in calls[max(0, i - 3):i]),
+                     note="shared-prefix check")
         reference = None
         if kv_oracle_or_none is not None:
             reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-            kv_check(reference, got, prompt, where + " (shared-prefix check)")
+            kv_check_tokens(reference, got, prompt, where)
         why = kv_engine.differs(prompt, served[prompt.name][0], got, reference) if prompt.name in served else None
         if why:
             before, when = served[prompt.name]
-            pytest.fail(f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
-                        f"{before} on call {when + 1} and {got} on {where} (they differ {why}): a prefix cache or reused KV blocks "
-                        "serve different state for the same prompt", pytrace=False)
+            fail(Kind.INCONSISTENT,
+                 f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
+                 f"{before} on call {when + 1} and {got} on {where.describe()} (they differ {why}): "
+                 f"a prefix cache or reused KV blocks "
+                 "serve different state for the same prompt")
         served.setdefault(prompt.name, (got, i))
 
 
 @pytest.mark.kv_requires("batching")
-def test_shared_prefixes_batched(kv_engine, kv_oracle_or_none, kv_check):
+def test_shared_prefixes_batched(kv_engine, kv_oracle_or_none, kv_check_tokens):
     """Prompts sharing a prefix inside one batch (a prefix cache may share their blocks within the call)."""
     vocab = kv_engine.spec.vocab_size
     for k in (16, 17, 33):
         a, b = _pair(k, vocab)
         batch = [a, b, Prompt(f"shared{k}", a.ids[:k])]
-        lengths = [len(p) for p in batch]
+        lengths = tuple(len(p) for p in batch)
         outputs = kv_engine.generate(batch)
         alone = [kv_engine.generate([p])[0] for p in batch]
         for i, (prompt, got) in enumerate(zip(batch, outputs)):
-            where = f"index {i} of a batch of lengths {lengths} sharing their first {k} tokens"
+            where = Where(index=i, lengths=lengths, note=f"sharing their first {k} tokens")
             if kv_oracle_or_none is not None:
                 reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-                kv_check(reference, got, prompt, where)
+                kv_check_tokens(reference, got, prompt, where)
             elif why := kv_engine.differs(prompt, alone[i], got):
-                pytest.fail(f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
-                            f"{alone[i]} alone but {got} at {where}: they differ {why}", pytrace=False)
+                fail(Kind.INCONSISTENT,
+                     f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
+                     f"{alone[i]} alone but {got} at {where.describe()}: they differ {why}")

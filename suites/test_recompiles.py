@@ -4,10 +4,10 @@ Every engine runs this check: it is warmed up on prompt lengths 7 and 48 (and a 
 32-step decodes, then given calls that each change ONE dimension warmup fixed, so a compile names the one that was
 new (issue 24): unseen lengths (1, 2, 3, 13, 33, 100 and the model's sliding-window lengths W-1, W, W+1, 2W+3),
 a prompt past 256 positions, more decode steps than warmup took (64 on the warmup lengths), batch sizes warmup
-never used (3 and 4 rows of the warmup lengths); then calls that change several at once. Every call runs under the compile recorder
-(pytest_kvcompile/run/harness.py), which sees what dynamo compiled and whether compiled code matched its guards
-and ran. If dynamo compiled nothing and no compiled code ran, the check has nothing to judge: it is skipped
-for an engine that does not declare ``compiled``, and FAILS one that declares it. Otherwise it fails on:
+never used (3 and 4 rows of the warmup lengths); then calls that change several at once. Every call runs under the
+compile recorder (pytest_kvcompile/run/harness.py), which sees what dynamo compiled and whether compiled code
+matched its guards and ran. If dynamo compiled nothing and no compiled code ran, the check has nothing to judge: it
+is skipped for an engine that does not declare ``compiled``, and FAILS one that declares it. Otherwise it fails on:
 
 - a compile after warmup (a recompile, or a first compile of a path warmup missed);
 - (``test_identical_calls_compile_nothing``) a compile in a fresh engine object's second or third call identical
@@ -30,6 +30,7 @@ import pytest
 from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.models.prompts import Prompt, of_length
 from pytest_kvcompile.recompiles.recorder import CAPTURE_HINT, explain
+from pytest_kvcompile.verdicts.failures import Kind, fail
 
 DECODE_STEPS = 32
 UNSEEN_LENGTHS = (1, 2, 3, 13, 33, 100)
@@ -52,8 +53,10 @@ def _calls(prompts: list[Prompt], batching: bool, vocab: int, limit: int | None)
     unseen += [([p], LONG_STEPS, f"more decode steps ({LONG_STEPS}) than warmup's {DECODE_STEPS}, on warmup length "
                                  f"{len(p)}") for p in (short, long)]
     if batching:
-        unseen += [([short, long, short], DECODE_STEPS, "a batch size warmup never used (3 rows of warmup lengths)"),
-                   ([short, long, long, short], DECODE_STEPS, "a batch size warmup never used (4 rows of warmup lengths)")]
+        unseen += [([short, long, short], DECODE_STEPS,
+                    "a batch size warmup never used (3 rows of warmup lengths)"),
+                   ([short, long, long, short], DECODE_STEPS,
+                    "a batch size warmup never used (4 rows of warmup lengths)")]
         unseen += [(call, DECODE_STEPS, "new lengths and batch size together")
                    for call in ([others[0], others[-1]], others[1:4], [long] + others[2:5])]
     return warmup, unseen
@@ -82,7 +85,7 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
     declared = kv_engine.ref.declaration
     warmup, unseen = _calls(kv_prompts, declared.batching, kv_engine.spec.vocab_size,
                             max_positions(kv_engine.spec.config))
-    kv_engine.isolate_compiles()  # count this engine's compiles from scratch (in its process, if isolated)
+    kv_engine.reset_dynamo()  # count this engine's compiles from scratch (in its process, if isolated)
     start = len(kv_engine.history)
     for call in warmup:
         kv_engine.generate(call, DECODE_STEPS)
@@ -102,11 +105,12 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
 
     if not everything and not any(captured) and not any(c.guard_hits for c in warm_calls + after_calls):
         if declared.compiled:
-            pytest.fail(f"{at} declares compiled=True but no compiled code ran: dynamo compiled nothing while it was "
-                        f"built or in {len(warm_calls) + len(after_calls)} generate() calls, and no compiled frame was "
-                        "entered. Turn compilation on (transformers skips torch.compile on CPU unless "
-                        "CompileConfig._compile_all_devices is set; a stance such as force_eager disables it), or "
-                        "drop compiled=True", pytrace=False)
+            fail(Kind.RECOMPILE,
+                 f"{at} declares compiled=True but no compiled code ran: dynamo compiled nothing while it was "
+                 f"built or in {len(warm_calls) + len(after_calls)} generate() calls, and no compiled frame was "
+                 "entered. Turn compilation on (transformers skips torch.compile on CPU unless "
+                 "CompileConfig._compile_all_devices is set; a stance such as force_eager disables it), or "
+                 "drop compiled=True")
         pytest.skip(f"{at}: no torch.compile code observed (dynamo compiled nothing and no compiled frame ran), so "
                     "there are no recompiles to check")
 
@@ -154,7 +158,8 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
     if any(c.ran_compiled for c in warm_calls):
         stopped = [c for c in after_calls if not c.ran_compiled]
         if stopped:
-            problems.append(f"compiled code stopped running: warmup ran compiled code, but {len(stopped)} unseen call(s) "
+            problems.append(f"compiled code stopped running: warmup ran compiled code, "
+                            f"but {len(stopped)} unseen call(s) "
                             f"entered no compiled frame ({'; '.join(map(str, stopped[:4]))}): new shapes were served "
                             "eagerly (an engine falling back to eager, a stance, or a compiled path bypassed)")
     if breaks and not kv_settings.allow_graph_breaks:
@@ -164,11 +169,11 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
     if problems:
         detail = explain(after, allow_graph_breaks=kv_settings.allow_graph_breaks,
                          warmup_events=build + warm).split("\n", 1)
-        pytest.fail(
+        fail(
+            Kind.RECOMPILE,
             f"{at}: {'; '.join(dict.fromkeys(problems))}\n"
             f"  warmup: {', '.join(map(str, warm_calls))}\n" + "\n".join(culprits)
             + (("\n" + detail[1]) if len(detail) > 1 else ""),
-            pytrace=False,
         )
 
 
@@ -176,7 +181,7 @@ def test_identical_calls_compile_nothing(kv_session, kv_engine_name, kv_model_na
     """A fresh engine object serves one call three times: whatever it compiles, it compiles in the first call."""
     fresh = kv_session.fresh_engine(kv_engine_name, kv_model_name)
     prompt = next(p for p in kv_prompts if len(p) == 7)
-    fresh.isolate_compiles()  # from a clean dynamo, as a new process would start
+    fresh.reset_dynamo()  # from a clean dynamo, as a new process would start
     for _ in range(3):
         fresh.generate([prompt], DECODE_STEPS)
     first, *repeats = fresh.history
@@ -191,12 +196,12 @@ def test_identical_calls_compile_nothing(kv_session, kv_engine_name, kv_model_na
     if again:
         lines = [f"  call {n} of 3, {c}: {_reason(e)}" for n, c in again for e in c.compiles]
         lines += [f"  call {n} of 3, {c}: CUDA graph capture: {site}" for n, c in again for site in c.captures]
-        pytest.fail(
+        fail(
+            Kind.RECOMPILE,
             f"{at}: {sum(len(c.compiles) + len(c.captures) for _, c in again)} compile(s) or capture(s) in a call "
             f"identical to the first of a fresh engine object, 0 allowed: state the first call left (e.g. a cache "
             "initialised lazily on first use, `is_initialized` in the guards below) was baked into its compiled "
             "graph, so the same call recompiles for every new engine or cache (transformers #46421 shipped this; "
             "initialise such state before compiling, or keep it out of the graph's guards)\n"
             f"  first call: {first} compiled {len(first.compiles)} frame(s)\n" + "\n".join(lines),
-            pytrace=False,
         )

@@ -114,7 +114,8 @@ class SecondBest(Greedy):
 
 
 class SecondBestBadScore(SecondBest):
-    """As SecondBest, but its teacher-forced path picks the worst token at the last step: caught only through scoring."""
+    """As SecondBest, but its teacher-forced path picks the worst token at the last step: caught only through
+    scoring."""
 
     def score(self, prompt, continuation):
         logits = super().score(prompt, continuation).clone()

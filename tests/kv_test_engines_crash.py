@@ -7,7 +7,6 @@ import os
 import time
 
 from kv_test_engines import CompiledGreedy, Greedy, RecompilingGreedy, StaleCache
-
 from pytest_kvcompile import Declaration
 
 BAD_LENGTH = 7

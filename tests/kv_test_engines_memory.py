@@ -4,8 +4,8 @@ import torch
 from transformers import DynamicCache
 
 from kv_test_engines import Greedy
-from pytest_kvcompile import Declaration
-from pytest_kvcompile.memory.measure import KVLayout, cache_tensors, held_bytes
+from pytest_kvcompile import Declaration, KVLayout
+from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
 
 
 class DynamicBytes(Greedy):

@@ -12,7 +12,8 @@ from reference_impls.sliding_window import SlidingWindowCache
 class Eager(SlidingWindowCache):
     """Correct: the reference engine, compiled with the eager backend."""
 
-    kv_declaration = dataclasses.replace(SlidingWindowCache.kv_declaration, description="test engine: ring buffers, eager")
+    kv_declaration = dataclasses.replace(SlidingWindowCache.kv_declaration,
+                                         description="test engine: ring buffers, eager")
 
     def __init__(self, spec):
         super().__init__(spec, compile_backend="eager")

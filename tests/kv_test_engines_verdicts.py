@@ -100,7 +100,8 @@ class EagerOnRecompile(CompiledUndeclared):
     """Bug: the same, hidden after its first calls by torch.compiler.set_stance("eager_on_recompile"): new shapes
     then run eagerly and nothing recompiles."""
 
-    kv_declaration = Declaration(batching=True, scoring=True, compiled=True, description="test engine: eager on recompile")
+    kv_declaration = Declaration(batching=True, scoring=True, compiled=True,
+                                 description="test engine: eager on recompile")
     calls = 0
 
     def generate(self, prompts, max_new_tokens):

@@ -139,7 +139,7 @@ def test_time_budget_spent_builds_nothing(bench, zoo_cache, monkeypatch):
     from pytest_kvcompile.contract.engine import ModelSpec
     from pytest_kvcompile.models import zoo
 
-    monkeypatch.setattr(bench.recompiles, "isolate", lambda: None)  # keep this process's dynamo as it is
+    monkeypatch.setattr(bench.recompiles, "reset_dynamo", lambda: None)  # keep this process's dynamo as it is
     path = zoo.checkpoint("llama", zoo_cache)
     model = bench.Model("llama-tiny", "llama", "tiny", ModelSpec("llama-tiny", path, AutoConfig.from_pretrained(path)))
     args = bench.parse_args(["--quick", "--no-floor"])

@@ -16,9 +16,10 @@ def test_a_correct_batched_engine_passes_the_history_checks(kvtester):
 
 @pytest.mark.parametrize("twin, check, line", [
     ("PaddingKeptPerBatchSize", "test_same_batch_size_new_length_mix",
-     "*index * of a call of lengths ?20, 5, 40?: batch size 3 again, length mix ?20, 5, 40? after ?7, 33, 16?*"),
+     "*index * of a batch of lengths ?20, 5, 40?, call * on one engine object: batch size 3 again, length mix "
+     "?20, 5, 40? after ?7, 33, 16?*"),
     ("WrongSingleAfterBatchOf3", "test_single_after_each_batch_size",
-     "*index 0 of a call of lengths ?20?: a single prompt right after a batch of size 3 with lengths ?5, 40, 12?, "
+     "*call * on one engine object: a single prompt right after a batch of size 3 with lengths ?5, 40, 12?, "
      "shortest 5*"),
 ])
 def test_a_history_twin_fails_the_check_for_its_history(kvtester, twin, check, line):
@@ -34,7 +35,8 @@ def test_more_decode_steps_than_warmup_is_a_recompile_named_by_its_dimension(kvt
     twin.assert_outcomes(failed=1)
     twin.stdout.fnmatch_lines([
         "*1 dynamo compile(s) after warmup, 0 allowed*",
-        "*generate(<1 prompt(s) of lengths ?7?>, 64) ?new: more decode steps (64) than warmup's 32, on warmup length 7?: "
+        "*generate(<1 prompt(s) of lengths ?7?>, 64) "
+        "?new: more decode steps (64) than warmup's 32, on warmup length 7?: "
         "1 compile(s)*",
         "*tensor 'room' size mismatch at index 0. expected 32, actual 64*",
     ])

@@ -12,9 +12,9 @@ import torch
 
 from pytest_kvcompile import cli
 from pytest_kvcompile.check_engine import recipes
+from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
 RECIPES = recipes()
-from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
 
 def test_every_third_party_builtin_engine_has_a_recipe_and_declares_its_packages():
@@ -55,7 +55,8 @@ def test_dry_run_prints_the_steps_torch_first(capsys, tmp_path):
     assert "pip uninstall --yes torchvision torchaudio torchcodec" in steps[3]
     assert "VLLM_ENABLE_V1_MULTIPROCESSING=0" in steps[4] and "HF_HUB_OFFLINE=1" in steps[4]
     assert steps[4].endswith("--kv-engine=vllm --kv-engine=vllm-compile --kv-report-json=reports/vllm.json "
-                             "--kv-report-md=reports/vllm.md -p no:cacheprovider --kv-zoo-head-dim=32 -k token_identity")
+                             "--kv-report-md=reports/vllm.md -p no:cacheprovider --kv-zoo-head-dim=32 "
+                             "-k token_identity")
     assert not (tmp_path / "v").exists()
 
 

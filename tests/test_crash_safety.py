@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from conftest import SUITES_DIR
+from pytest_kvcompile.config.options import Settings
 from pytest_kvcompile.reports import json_file
-from pytest_kvcompile.run.options import Settings
 
 CRASH = "kv_test_engines_crash:"
 XDIST = {"serial": (), "-n 2": ("-n", "2")}
@@ -57,7 +57,8 @@ def test_a_hang_in_native_code_is_stopped_by_the_call_timeout(kvtester, mode):
                     "-k", "token_identity and not batched", *XDIST[mode])
     assert result.ret == 1
     result.stdout.fnmatch_lines([f"*engine '{CRASH}HangsInC' on model 'llama': generate(<1 prompt(s) of lengths ?7?>, "
-                                 "max_new_tokens=16) did not return within 5 s (--kv-call-timeout); its process (pid *) "
+                                 "max_new_tokens=16) did not return within 5 s (--kv-call-timeout); "
+                                 "its process (pid *) "
                                  "was killed*"])
     found = rows(kvtester)
     assert found["hf-eager"]["tests"]["passed"] == 4 and found[f"{CRASH}HangsInC"]["tests"]["failed"] == 1

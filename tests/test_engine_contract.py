@@ -61,4 +61,5 @@ def test_undeclared_device_skips(kvtester):
     kvtester.makepyfile(ONE_CALL)
     result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:CudaOnly", "--kv-zoo=llama", "-rs")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*engine 'kv_test_engines:CudaOnly' does not declare device 'cpu' (declares devices=?'cuda'?)*"])
+    result.stdout.fnmatch_lines(["*engine 'kv_test_engines:CudaOnly' does not declare device 'cpu' "
+                                 "(declares devices=?'cuda'?)*"])

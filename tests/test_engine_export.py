@@ -1,7 +1,8 @@
 """The export engines (pytest_kvcompile/engines/export.py): declarations and the accepted-shape rule hold without
 executorch; an export of the smallest zoo model generates the oracle's tokens, scores through the same calls, and a
 call outside the exported shapes raises OutsideExportedShapes naming the accepted shapes and the call. The
-ExecuTorch runtime engine (engines/executorch.py) is checked where executorch is installed (its own venv: its RECIPE)."""
+ExecuTorch runtime engine (engines/executorch.py) is checked where executorch is installed (its own venv: its
+RECIPE)."""
 
 import re
 from fnmatch import fnmatch
@@ -9,12 +10,12 @@ from fnmatch import fnmatch
 import pytest
 import torch
 
-from pytest_kvcompile.contract.engine import ModelSpec, declaration_of
+from pytest_kvcompile.contract.engine import KVLayout, ModelSpec, declaration_of
 from pytest_kvcompile.contract.registry import BUILTIN_ENGINES, _accepts_backend
 from pytest_kvcompile.engines import executorch as et_adapter
 from pytest_kvcompile.engines import export as adapter
 from pytest_kvcompile.engines.export import ExportedShapes, OutsideExportedShapes
-from pytest_kvcompile.memory.measure import KVLayout, expected_kv_bytes
+from pytest_kvcompile.memory.measure import expected_kv_bytes
 from pytest_kvcompile.models import zoo
 from pytest_kvcompile.oracles.hf import HFEagerOracle
 
@@ -120,7 +121,8 @@ def test_call_outside_the_exported_shapes_is_a_clear_error(engine):
     with pytest.raises(OutsideExportedShapes, match=r"score\(<60 tokens>, <10 tokens>\)"):
         engine.score([1] * 60, [2] * 10)
     # the program's own guard, reached without the pre-check, is rewrapped with the accepted shapes
-    guard = r"(AssertionError: Guard failed: input_ids.size\(\)\[1\] <= 64|RuntimeError: Expected input at .*<= 64, but got 70)"
+    guard = (r"(AssertionError: Guard failed: input_ids.size\(\)\[1\] <= 64"
+             r"|RuntimeError: Expected input at .*<= 64, but got 70)")
     with pytest.raises(OutsideExportedShapes, match=r"raised " + guard + r"\. " + accepted):
         engine._forward([1] * 70, 0, "a raw call")
     assert engine.generate([[5, 17, 200]], 3) == engine.generate([[5, 17, 200]], 3)  # still usable afterwards
@@ -131,6 +133,7 @@ def test_executorch_runtime_matches_the_exported_program(llama):
                         "engines/executorch.py RECIPE)")
     engine = et_adapter.ExecuTorch(llama, max_cache_len=32)
     prompts = [[5, 17, 200, 9, 3], [1]]
-    assert [engine.generate([p], 6)[0] for p in prompts] == adapter.HFExport(llama, max_cache_len=32).generate(prompts, 6)
+    assert [engine.generate([p], 6)[0] for p in prompts] == adapter.HFExport(
+        llama, max_cache_len=32).generate(prompts, 6)
     with pytest.raises(OutsideExportedShapes, match=r"input_ids \[1, 40\] is outside 1 <= s <= 32"):
         engine.generate([[1] * 40], 2)

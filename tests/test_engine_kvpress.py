@@ -11,9 +11,16 @@ from transformers import AutoConfig
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of
 from pytest_kvcompile.engines import kvpress as engines
+from pytest_kvcompile.oracles.eviction import (
+    TOVA,
+    KNormPrefill,
+    SnapKVPrefill,
+    StreamingLLMPrefill,
+    TOVAPrefill,
+    keep,
+    policy_for,
+)
 from pytest_kvcompile.oracles.hf import ORACLES
-from pytest_kvcompile.oracles.eviction import (TOVA, KNormPrefill, SnapKVPrefill, StreamingLLMPrefill, TOVAPrefill, keep,
-                                      policy_for)
 
 HAS_KVPRESS = importlib.util.find_spec("kvpress") is not None
 ENGINES = {"kvpress-streaming": engines.StreamingLLM, "kvpress-snapkv": engines.SnapKV,

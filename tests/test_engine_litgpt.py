@@ -6,11 +6,10 @@ from fnmatch import fnmatch
 import pytest
 import torch
 
-from pytest_kvcompile.models import zoo
-from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of
-from pytest_kvcompile.engines import litgpt as adapter
-from pytest_kvcompile.memory.measure import KVLayout
+from pytest_kvcompile.contract.engine import KVLayout, ModelNotSupported, ModelSpec, declaration_of
 from pytest_kvcompile.contract.registry import _accepts_backend
+from pytest_kvcompile.engines import litgpt as adapter
+from pytest_kvcompile.models import zoo
 
 
 def test_declarations():
@@ -89,7 +88,8 @@ def test_unmapped_options_are_not_supported():
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    pytest.importorskip("litgpt", reason="the litgpt engines need litgpt==0.5.13 (its own venv: engines/litgpt.py RECIPE)")
+    pytest.importorskip("litgpt",
+                        reason="the litgpt engines need litgpt==0.5.13 (its own venv: engines/litgpt.py RECIPE)")
     name = "llama"
     return ModelSpec(name, zoo.checkpoint(name, tmp_path_factory.mktemp("zoo")), zoo.ZOO[name].build_config())
 
@@ -111,9 +111,9 @@ def test_score_is_teacher_forced_through_the_cache(llama):
 
 
 def test_compiled_engine_matches_eager(llama):
-    from pytest_kvcompile.recompiles.recorder import isolate
+    from pytest_kvcompile.recompiles.recorder import reset_dynamo
 
-    isolate()
+    reset_dynamo()
     prompts = [[5, 17, 200], [1] * 12]
     compiled = adapter.LitGPTCompiled(llama, compile_backend="eager")
     assert compiled.generate(prompts, 5) == adapter.LitGPT(llama).generate(prompts, 5)

@@ -81,7 +81,8 @@ def test_permute_matches_ggml_rope_pairs():
 
 @pytest.fixture(scope="module")
 def zoo_dir(tmp_path_factory):
-    pytest.importorskip("gguf", reason="the llama-cpp engines write GGUF with gguf==0.19.0 (engines/llamacpp.py RECIPE)")
+    pytest.importorskip("gguf",
+                        reason="the llama-cpp engines write GGUF with gguf==0.19.0 (engines/llamacpp.py RECIPE)")
     return tmp_path_factory.mktemp("zoo")
 
 

@@ -9,9 +9,9 @@ import torch
 
 from conftest import TOKEN_CHECKS, run_suites
 from kv_own_model import write_checkpoint
-from pytest_kvcompile import Reference, TokenMismatch, assert_tokens_match
-from pytest_kvcompile.oracles.token_match import compare
-from pytest_kvcompile.run.options import Settings
+from pytest_kvcompile import Reference, TokenMismatch, check_tokens
+from pytest_kvcompile.config.options import Settings
+from pytest_kvcompile.oracles.token_match import token_verdict
 
 OWN = "kv_own_model:"
 
@@ -46,7 +46,8 @@ def test_its_compiled_only_twin_fails_against_its_eager_mode_under_inductor(kvte
     result = own(kvtester, own_model, "TinyGPTWrongCompiled", "--kv-compile-backend=inductor", "-k", "token_identity")
     assert result.ret == 1
     result.stdout.fnmatch_lines([
-        "*engine 'kv_own_model:TinyGPTWrongCompiled' diverges from the oracle on model 'tinygpt', prompt *: step * of 16",
+        "*engine 'kv_own_model:TinyGPTWrongCompiled' diverges from the oracle on model 'tinygpt', "
+        "prompt *: step * of 16",
         "*the oracle prefers * by a logit gap of * > tie tolerance 0.001, so this is a real mismatch*",
         "*reference: eager: engine 'kv_own_model:TinyGPTWrongCompiled' itself under torch.compiler.set_stance("
         "'force_eager')*",
@@ -75,7 +76,8 @@ def test_the_same_verdicts_under_xdist(kvtester, own_model):
 def test_a_declared_eager_counterpart_is_the_eager_oracle(kvtester, own_model):
     result = own(kvtester, own_model, "TinyGPTCounterpart", "--kv-compile-backend=aot_eager", "-k", "token_identity")
     assert result.ret == 1
-    result.stdout.fnmatch_lines(["*reference: eager: engine 'kv_own_model:TinyGPTEager' (its declared eager counterpart)*"])
+    result.stdout.fnmatch_lines(["*reference: eager: engine 'kv_own_model:TinyGPTEager' "
+                                 "(its declared eager counterpart)*"])
 
 
 def test_a_named_oracle_per_engine(kvtester, own_model):
@@ -104,7 +106,8 @@ def test_without_score_tokens_must_be_equal_and_the_limitation_is_reported(kvtes
     ("TinyGPTScoreOffByOne", "*oracle unreliable: engine: engine 'kv_own_model:TinyGPTScoreOffByOne'*its generate() "
                              "chose * but its score() prefers *"),  # its score() is not its generate()
     ("TinyGPTOffInFloat64", "*oracle unreliable: torch *, model 'tinygpt' (float32, cpu)*but the oracle engine "
-                            "'kv_own_model:TinyGPTOffInFloat64' in float64 * prefers *Check the oracle engine*"),  # self-check
+                            "'kv_own_model:TinyGPTOffInFloat64' in float64 * prefers "
+                            "*Check the oracle engine*"),  # self-check
 ])
 def test_an_unreliable_engine_oracle_is_not_judged(kvtester, own_model, oracle, message):
     result = own(kvtester, own_model, "TinyGPT", "--kv-compile-backend=aot_eager", "-k", "token_identity", "-rs",
@@ -130,7 +133,8 @@ def test_a_prompt_the_oracle_engine_refuses_is_not_judged_the_others_are(kvteste
     result.stdout.fnmatch_lines(["SKIPPED*oracle unreliable: engine: engine 'kv_own_model:TinyGPTLimited', its "
                                  "score() for near ties gave no reference for a prompt of length 250 on model "
                                  "'tinygpt': engine 'kv_own_model:TinyGPTLimited (the oracle)' raised ValueError in "
-                                 "generate(*): prompts longer than 100 tokens are not supported. This prompt's token checks are not judged*"])
+                                 "generate(*): prompts longer than 100 tokens are not supported. "
+                                 "This prompt's token checks are not judged*"])
 
 
 def test_an_eager_oracle_that_runs_compiled_code_fails(kvtester, own_model):
@@ -165,7 +169,7 @@ def test_a_declared_layout_on_an_own_model_is_a_named_skip(kvtester, own_model):
 # --- the hf oracle and bad input --------------------------------------------------------------------------------------
 def test_the_hf_oracle_cannot_load_an_own_model_and_says_what_to_do(kvtester, own_model):
     result = own(kvtester, own_model, "TinyGPT", "-k", "token_identity and short7 and not batched", "-rs",
-                 oracle=f"other=eager")  # an entry for another engine: TinyGPT keeps hf
+                 oracle="other=eager")  # an entry for another engine: TinyGPT keeps hf
     result.stdout.fnmatch_lines(["*no oracle for engine 'kv_own_model:TinyGPT' on model 'tinygpt': it is not a "
                                  "transformers checkpoint*--kv-oracle=eager*"])
     plain = own(kvtester, own_model, "TinyGPT", oracle="")
@@ -220,20 +224,19 @@ def test_a_per_engine_oracle_wins_over_the_run_wide_one():
 
 def test_a_reference_without_logits_judges_by_equality():
     ref = Reference((1, 2), (3, 4, 5), None, "an engine without score()")
-    assert compare(ref, [3, 4, 5], 1e-3).divergences == []
-    verdict = compare(ref, [3, 9, 5], 1e3)  # no tolerance makes a difference a near tie without logits
+    assert token_verdict(ref, [3, 4, 5], 1e-3).divergences == []
+    verdict = token_verdict(ref, [3, 9, 5], 1e3)  # no tolerance makes a difference a near tie without logits
     assert verdict.mismatch.step == 1 and verdict.mismatch.gap == float("inf")
     with pytest.raises(TokenMismatch, match="the oracle has no logits"):
-        assert_tokens_match(ref, [3, 9, 5], tie_tolerance=1e3)
+        check_tokens(ref, [3, 9, 5], tie_tolerance=1e3)
 
 
 def test_the_reference_cache_is_keyed_by_the_oracle(own_model):
     from pytest_kvcompile.contract import registry
-    from pytest_kvcompile.contract.engine import ModelSpec
+    from pytest_kvcompile.contract.engine import ModelSpec, Strategy
+    from pytest_kvcompile.models.checkpoints import OwnConfig
     from pytest_kvcompile.oracles.engine import EngineOracle, choose
     from pytest_kvcompile.oracles.store import _fingerprint
-    from pytest_kvcompile.contract.engine import Strategy
-    from pytest_kvcompile.models.checkpoints import OwnConfig
 
     spec = ModelSpec("tinygpt", own_model, OwnConfig(json.loads((own_model / "config.json").read_text())))
 
@@ -253,5 +256,5 @@ def test_the_html_token_diff_of_an_oracle_without_logits():
 
     ref = Reference((1, 2), (3, 4, 5), None, "an engine without score()")
     with pytest.raises(TokenMismatch) as caught:
-        assert_tokens_match(ref, [3, 9, 5])
-    assert "the oracle has no logits (no score()), so every token must be equal" in token_diff(caught.value.diff)
+        check_tokens(ref, [3, 9, 5])
+    assert "the oracle has no logits (no score()), so every token must be equal" in token_diff(caught.value.failure)

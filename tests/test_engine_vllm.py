@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of
-from pytest_kvcompile.engines import vllm as engines
 from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
+from pytest_kvcompile.engines import vllm as engines
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 HEADS = [32, 64, 128]  # a part of vLLM 0.32's CPUAttentionBackend.get_supported_head_sizes()
@@ -102,5 +102,6 @@ def test_models_vllm_refuses_are_not_supported(tiny_llama, tmp_path):
         (tmp_path / name).write_bytes((spec.path / name).read_bytes())
     raw = json.loads((tmp_path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**raw, "architectures": ["NoSuchModelForCausalLM"]}))
-    with pytest.raises(ModelNotSupported, match=r"vLLM .* refuses it: .*\['NoSuchModelForCausalLM'\] are not supported"):
+    with pytest.raises(ModelNotSupported,
+                       match=r"vLLM .* refuses it: .*\['NoSuchModelForCausalLM'\] are not supported"):
         engines.VLLMEager(ModelSpec("no-such", tmp_path, spec.config))

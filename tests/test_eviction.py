@@ -24,12 +24,12 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache  # noqa:
 
 import kv_test_engines_eviction as engines  # noqa: E402
 from conftest import run_suites  # noqa: E402
-from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of  # noqa: E402
-from pytest_kvcompile.oracles.hf import HFEagerOracle, oracle_for  # noqa: E402
-from pytest_kvcompile.oracles.token_match import assert_tokens_match  # noqa: E402
-from reference_impls import eviction_engine  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.oracles.eviction import EvictionOracle  # noqa: E402
+from pytest_kvcompile.oracles.hf import HFEagerOracle, oracle_for  # noqa: E402
+from pytest_kvcompile.oracles.token_match import check_tokens  # noqa: E402
+from reference_impls import eviction_engine  # noqa: E402
 
 NEW = 16
 ENGINES = [engines.LastRecent, engines.StreamingLLM, engines.H2O, engines.TOVA, engines.StreamingLLMShifted]
@@ -66,7 +66,7 @@ def test_engine_equals_its_oracle_in_tokens_and_kept_positions(llama, factory):
     got = engine.generate(prompts, NEW)
     kept = engine.kept_positions()
     for row, p in enumerate(prompts):
-        assert_tokens_match(oracle.reference(p, NEW), got[row], engine=factory.__name__, model="llama",
+        check_tokens(oracle.reference(p, NEW), got[row], engine=factory.__name__, model="llama",
                             prompt=f"prompt of length {len(p)}")
         for layer, want in enumerate(oracle.kept(p, NEW)):
             held = kept[layer][row]
@@ -288,5 +288,5 @@ def test_kept_sets_after_prefill_match_kvpress(llama, name):
             for head in range(mine.shape[0]) if per_step else ():
                 kv, step = set(theirs[head].tolist()), set(step_kept[layer][head].tolist())
                 assert kv == step or (name == "TOVA" and n - 1 in kv - step and len(kv & step) == n_kept - 1)
-        assert_tokens_match(oracle.reference(p, NEW), engine.generate([p], NEW)[0], engine=f"kvpress-{name}",
+        check_tokens(oracle.reference(p, NEW), engine.generate([p], NEW)[0], engine=f"kvpress-{name}",
                             model="llama", prompt=f"prompt of length {n}")

@@ -18,9 +18,23 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pytest_kvcompile.contract.engine import Strategy
-from pytest_kvcompile.oracles.eviction import (EMPTY, H2O, TOVA, KNormPrefill, LastRecent, SnapKVPrefill, StreamingLLM,
-                                      StreamingLLMPrefill, TOVAPrefill, _Masks, _rotate, _shift, keep, order,
-                                      policy_for)
+from pytest_kvcompile.oracles.eviction import (
+    EMPTY,
+    H2O,
+    TOVA,
+    KNormPrefill,
+    LastRecent,
+    SnapKVPrefill,
+    StreamingLLM,
+    StreamingLLMPrefill,
+    TOVAPrefill,
+    _Masks,
+    _rotate,
+    _shift,
+    keep,
+    order,
+    policy_for,
+)
 
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, database=None,
                           suppress_health_check=[HealthCheck.too_slow])
@@ -250,7 +264,7 @@ def test_prefill_policies_compress_once_to_the_top_of_their_score(policy, n, dec
         if slots:
             assert set(kept) == protected | set(rest[:slots])
     prompt_kept = masks.alive[0].clone()
-    for step in range(decode):
+    for _ in range(decode):
         k = torch.cat((k, torch.randn(1, KV_HEADS, 1, d, generator=gen)), dim=2)
         masks.attend(0, torch.randn(1, heads, 1, d, generator=gen), k, torch.randn_like(k), 1.0)
     assert torch.equal(masks.alive[0][..., :n], prompt_kept) and masks.alive[0][..., n:].all()

@@ -18,22 +18,25 @@ def test_a_bug_needing_a_combination_of_calls_is_found_by_the_fixed_history_chec
     assert fixed.ret == 0, fixed.stdout.str()[-3000:]  # every other fixed check passes it
     history = run_suites(kvtester, LEAKY, "-k", "call_history")
     history.assert_outcomes(failed=2)
-    history.stdout.fnmatch_lines(["*index 0 of a call of lengths ?3?: a single prompt right after a batch of size 3 "
+    history.stdout.fnmatch_lines(["*call * on one engine object: a single prompt right after a batch of size 3 "
                                   "with lengths ?5, 40, 12?, shortest 5*"])
     collected = run_suites(kvtester, LEAKY, "--co", "-q")
     assert "test_fuzz" not in collected.stdout.str()  # off unless --kv-fuzz=N: deselected
     found = run_suites(kvtester, LEAKY, "--kv-fuzz=20", "-k", "fuzz")
     found.assert_outcomes(failed=1)
     found.stdout.fnmatch_lines([
-        "*TokenMismatch: engine 'kv_test_engines_verdicts:LeaksAfterBatchOfThree' diverges from the oracle*covering-walk "
+        "*TokenMismatch: engine 'kv_test_engines_verdicts:LeaksAfterBatchOfThree' "
+        "diverges from the oracle*covering-walk "
         "call * of kind ?1 row(s), *, right after a call of kind ?3 row(s)*",
-        "*fuzz: found by the covering walk at call *; these 2 calls fail again after a neutral call on the same engine*",
+        "*fuzz: found by the covering walk at call *; "
+        "these 2 calls fail again after a neutral call on the same engine*",
         "*the failing call and the one before it (replay it on a fresh engine, in this order):*",
         "*engine.generate(??*], ?*], ?*]], *)",  # a batch of three ...
         "*engine.generate(??*]], *)",  # ... then one shorter prompt
     ])
     found.stdout.fnmatch_lines(["*kvcompile: fuzz covering walk (1)*", "*LeaksAfterBatchOfThree / llama: */23478 "
-                                "conditions on two consecutive calls covered (2-way */289, 3-way */3502, 4-way */19687) "
+                                "conditions on two consecutive calls covered "
+                                "(2-way */289, 3-way */3502, 4-way */19687) "
                                 "in * calls*"])
 
 
@@ -99,7 +102,8 @@ def test_the_walk_realizes_the_kind_it_plans():
         rows, n, made = plan.realize(kind)
         lo, hi = fuzz.NEW_TOKEN_CLASSES[kind.new]
         assert (len(rows), fuzz.length_class(min(map(len, rows))), lo <= n <= hi) == (kind.rows, kind.length, True)
-        assert (made.rows, made.length) == (kind.rows, kind.length) and min(map(len, rows)) == len(rows[0]), (kind, made)
+        assert (made.rows, made.length) == (kind.rows, kind.length) and min(map(len, rows)) == len(rows[0]), (
+            kind, made)
         made_as_planned += made.relation == kind.relation  # not always: a 1-token shared prefix may be a repeat
         plan.remember(rows)
     assert made_as_planned >= 0.9 * 2 * len(plan.kinds)

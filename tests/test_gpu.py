@@ -14,8 +14,8 @@ import torch  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from conftest import run_suites  # noqa: E402
-from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelSpec  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.recompiles.recorder import CompileRecorder, RecompileError, expect_no_recompiles  # noqa: E402
 from reference_impls.static_cache import StaticCacheCudaGraph  # noqa: E402
 
@@ -40,8 +40,9 @@ def prompt(length: int, seed: int = 0) -> list[int]:
 # --- 16-bit compiles (issue 30) -----------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_the_compiled_reference_engines_compile_in_16_bit_on_cuda(kvtester, dtype):
-    """SDPA's fused CUDA backends guard `Eq(u0, 1)` on the unbacked prompt width (torch 2.11): reference_impls.model.sdpa
-    holds compiled 16-bit CUDA attention to the math backend. Without it every engine here errors at its first call."""
+    """SDPA's fused CUDA backends guard `Eq(u0, 1)` on the unbacked prompt width (torch 2.11):
+    reference_impls.model.sdpa holds compiled 16-bit CUDA attention to the math backend. Without it every engine here
+    errors at its first call."""
     result = run_suites(kvtester, "--kv-engine=ref-compiled-dynamic", "--kv-engine=ref-static", CUDA,
                         f"--kv-dtype={dtype}", "-k", "token_identity or recompiles")
     assert result.ret == 0, result.stdout.str()[-4000:]
@@ -67,7 +68,8 @@ def test_one_graph_is_captured_at_build_and_replayed_after(llama_cuda):
         for lengths in [(7,), (1, 48), (23, 5, 2), (3, 9, 17, 30), (64,) * 6]:
             engine.generate([prompt(n) for n in lengths], 8)
     assert len(recorder.captures) == 1, recorder.captures
-    assert recorder.captures[0].startswith("torch.cuda.CUDAGraph capture in StaticCacheCudaGraph._capture ("), recorder.captures
+    assert recorder.captures[0].startswith("torch.cuda.CUDAGraph capture in StaticCacheCudaGraph._capture ("), \
+        recorder.captures
     assert recorder.post_warmup_captures == [] and recorder.post_warmup_events == []
     assert len(replays) == 7 * 6  # 7 decode steps per chunk: 4 single chunks, the batch of 6 in two (max_batch_size=4)
 
@@ -128,7 +130,7 @@ def test_returning_the_previous_replays_output_fails_token_identity(kvtester):
     result.stdout.fnmatch_lines(["*StaleGraphOutput' diverges from the oracle on model 'llama', prompt 'short7'*"])
 
 
-# --- CUDA memory -------------------------------------------------------------------------------------------------------
+# --- CUDA memory ----------------------------------------------------------------------------------------------------
 def test_memory_held_only_by_the_cuda_allocator_counts(kvtester):
     result = run_suites(kvtester, STATIC + "HiddenWorkspace", CUDA, "-k", "memory_held")
     result.assert_outcomes(failed=1)

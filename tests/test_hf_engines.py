@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig, Ll
 
 from pytest_kvcompile.contract.engine import ModelSpec, declaration_of
 from pytest_kvcompile.engines.hf import HFAssisted, HFDynamicCompile, HFEager, HFStaticCompile
-from pytest_kvcompile.recompiles.recorder import isolate
+from pytest_kvcompile.recompiles.recorder import reset_dynamo
 
 ENGINES = [HFEager, HFStaticCompile, HFDynamicCompile]
 PROMPTS = [[5, 17, 200], [9, 3, 3, 140, 77, 21, 60], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -23,7 +23,8 @@ def spec(tmp_path_factory):
     )
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).save_pretrained(path)
-    GenerationConfig(eos_token_id=list(range(256)), repetition_penalty=2.0, no_repeat_ngram_size=1).save_pretrained(path)
+    GenerationConfig(eos_token_id=list(range(256)), repetition_penalty=2.0,
+                     no_repeat_ngram_size=1).save_pretrained(path)
     return ModelSpec("tiny-llama", path, config)
 
 
@@ -44,7 +45,7 @@ def greedy(spec):
 
 def build(cls, spec, **kwargs):
     if declaration_of(cls).compiled:
-        isolate()  # a fresh dynamo, so this engine's own compiles are what its check sees
+        reset_dynamo()  # a fresh dynamo, so this engine's own compiles are what its check sees
         kwargs.setdefault("compile_backend", "eager")
     return cls(spec, **kwargs)
 

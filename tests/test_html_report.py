@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvcompile.reports import json_file
-from pytest_kvcompile.reports.results import Collector
+from pytest_kvcompile.verdicts.rows import Collector
 
 WRONG = "kv_test_engines:WrongLateToken"
 RECOMPILING = "kv_test_engines:RecompilingGreedy"
@@ -45,7 +45,8 @@ def report(tmp_path_factory, zoo_cache):
     command = [sys.executable, "-m", "pytest", str(suites), "-p", "no:cacheprovider", "-p", "no:benchmark",
                "--rootdir", str(pytester_dir), "--kv-zoo=llama", "--kv-latency-repeats=3",
                *(f"--kv-engine={e}" for e in (WRONG, RECOMPILING, BYTES, SLEEPY)),
-               "-k", "(test_token_identity and short7 and not batched and WrongLate) or (test_no_recompiles_after_warmup "
+               "-k", "(test_token_identity and short7 and not batched and WrongLate) "
+               "or (test_no_recompiles_after_warmup "
                "and Recompiling) or (test_memory_held and DynamicBytes) or (test_latency and not benchmark and Sleepy)",
                f"--kv-baseline={pytester_dir / 'baseline.json'}", "--kv-fail-on=latency:10%,memory:5%,recompiles:0",
                f"--kv-report-html={pytester_dir / 'report.html'}", f"--kv-report-md={pytester_dir / 'report.md'}"]

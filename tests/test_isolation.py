@@ -58,7 +58,8 @@ def test_isolated_engine_is_observed_like_an_in_process_one(kvtester):
     # compiles in the engine's process are seen: the recompiling twin fails, the correct one passes
     result = run_suites(kvtester, f"--kv-engine={CRASH}IsolatedCompiled", f"--kv-engine={CRASH}IsolatedRecompiling",
                         f"--kv-engine={CRASH}IsolatedStaleCache", "-k",
-                        "test_no_recompiles_after_warmup or test_compiled_code_runs or (test_stale_state and not batched)")
+                        "test_no_recompiles_after_warmup or test_compiled_code_runs "
+                        "or (test_stale_state and not batched)")
     result.stdout.fnmatch_lines(["*kvcompile: *IsolatedCompiled / llama: built in * s in process *"])
     outcomes = {line.split(" ")[1]: line.split(" ")[0] for line in result.outlines
                 if line.startswith(("PASSED ", "FAILED ", "SKIPPED "))}

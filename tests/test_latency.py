@@ -9,7 +9,7 @@ from pytest_kvcompile.latency import marker as latency
 from pytest_kvcompile.latency import measure
 from pytest_kvcompile.latency.marker import Budget, check, parse_spec, validate
 from pytest_kvcompile.latency.measure import Latency
-from pytest_kvcompile.reports.results import stats
+from pytest_kvcompile.verdicts.rows import stats
 
 INSTANT = "kv_test_engines_latency:Instant"
 SLEEPY = "kv_test_engines_latency:Sleepy"
@@ -142,14 +142,16 @@ def test_relative_budget_fails_the_slow_engine_and_passes_the_fast_one(kvtester)
     # absolute budgets on CPU: recorded and listed, not enforced (Instant too when its ~0 ms decode median comes
     # out <= 0: noise, never within a budget)
     result.stdout.fnmatch_lines([f"*kvcompile: {latency.NOT_ENFORCED} (*)*"])
-    result.stdout.fnmatch_lines([f"engine '{SLEEPY}' on model 'llama' (cpu, float32): decode median * > budget 0.001 ms/token"])
+    result.stdout.fnmatch_lines([f"engine '{SLEEPY}' on model 'llama' (cpu, float32): "
+                                 f"decode median * > budget 0.001 ms/token"])
 
 
 def test_a_prompt_cache_is_not_timed_as_speed(kvtester):
     # MemoSleepy answers a repeated prompt at once: every timed call gets a prompt of its own, so it is timed sleeping
     kvtester.makepyfile(test_budgets=BUDGETS)
     result = kvtester.runpytest_subprocess(
-        "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama", "--kv-engine=kv_test_engines_latency:MemoSleepy",
+        "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama",
+        "--kv-engine=kv_test_engines_latency:MemoSleepy",
         "--kv-latency-repeats=3", "-k", "test_vs_instant")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["engine 'kv_test_engines_latency:MemoSleepy' on model 'llama' (cpu, float32) is over "
@@ -184,7 +186,8 @@ def test_benchmarks_compare_across_runs_with_pytest_benchmarks_own_options(kvtes
         monkeypatch.delenv(name, raising=False)  # under -n 2 the inner run would think it is a worker: no benchmarks
 
     storage = kvtester.path / "bench-store"
-    common = (str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(kvtester.path), "--kv-zoo=llama",
+    common = (str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(kvtester.path),
+              "--kv-zoo=llama",
               "--kv-engine=kv_test_engines:Greedy", "-k", "test_benchmark", f"--benchmark-storage={storage}")
     first = kvtester.runpytest_subprocess(*common, "--benchmark-autosave")
     first.assert_outcomes(passed=2)

@@ -8,8 +8,9 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from conftest import run_suites
+from pytest_kvcompile.contract.engine import KVLayout
+from pytest_kvcompile.memory.measure import cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
 from pytest_kvcompile.models import zoo
-from pytest_kvcompile.memory.measure import KVLayout, cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
 
 NEW_TOKENS = 5
 MAX_CACHE_LEN = 40
@@ -120,7 +121,8 @@ def test_formula_equals_what_transformers_caches_hold(model, kind, lengths):
     if kind == "dynamic":
         cache, layout = DynamicCache(config=config), KVLayout()
     else:
-        cache, layout = StaticCache(config=config, max_cache_len=MAX_CACHE_LEN), KVLayout("static", max_cache_len=MAX_CACHE_LEN)
+        cache, layout = (StaticCache(config=config, max_cache_len=MAX_CACHE_LEN),
+                         KVLayout("static", max_cache_len=MAX_CACHE_LEN))
         assert held_bytes(cache_tensors(cache)) == 0  # allocated lazily, at the first forward
     _decode(model, cache, lengths)
     footprint = expected_kv_bytes(layout, config, torch.float32, len(lengths), max(lengths), NEW_TOKENS)
@@ -146,7 +148,8 @@ def test_per_layer_geometry():
 
 def test_shared_kv_layers_hold_nothing():
     footprint = expected_kv_bytes(KVLayout(), zoo.ZOO["gemma4-kvshared"].build_config(), torch.bfloat16, 2, 10, 4)
-    assert [(t.kind, t.positions) for t in footprint.layers] == [("sliding", 8), ("full", 13), ("shared", 0), ("shared", 0)]
+    assert [(t.kind, t.positions) for t in footprint.layers] == [("sliding", 8), ("full", 13), ("shared", 0),
+                                                                  ("shared", 0)]
     assert footprint.total == 2 * (8 + 13) * 2 * 2 * 16 * 2
     assert "layer 2 (shared KV): 0" in footprint.explain()
 
@@ -177,7 +180,8 @@ def test_memory_suite_passes_correct_and_fails_broken_engines(kvtester):
     ])
     result.stdout.fnmatch_lines([
         "engine 'kv_test_engines_memory:NbytesNotStorage' on model 'mistral-sw', prompt 'long48' alone, 16 new "
-        "tokens: kv_cache_bytes() = 3,584 B (3.5 KiB) but its declared KVLayout('dynamic') holds 4,096 B (4.0 KiB) (-512 B)",
+        "tokens: kv_cache_bytes() = 3,584 B (3.5 KiB) but its declared KVLayout('dynamic') holds 4,096 B (4.0 KiB) "
+        "(-512 B)",
         "KVLayout('dynamic'), T = width 48 + new_tokens 16 - 1 = 63; bytes = rows x positions x 2 (K,V) x kv_heads x "
         "head_dim x dtype bytes",
         "  layer 0 (sliding): 1 x 8 [min(T=63, W=8)] x 2 x 2 x 16 x 4 = 2048",

@@ -100,7 +100,8 @@ def test_marker_passes_fails_and_skips(tester):
     result.stdout.fnmatch_lines(["*_ test_peak_counts_even_if_freed _*",
                                  "limit_memory: test allocated * B (9?.? MiB), limit 32MiB (33,554,432 B)"])
     if cuda == "SKIPPED":
-        result.stdout.fnmatch_lines(["SKIPPED * limit_memory: cannot measure cuda memory here: torch sees no CUDA device"])
+        result.stdout.fnmatch_lines(["SKIPPED * limit_memory: cannot measure cuda memory here: "
+                                     "torch sees no CUDA device"])
 
 
 @pytest.mark.skipif(memory_marker._CpuPeak.unavailable() is not None, reason="the CPU measure needs Linux /proc")
@@ -111,7 +112,8 @@ def test_marker_failure_under_xdist(tester):
 
 
 BAD_MARKERS = {  # marker -> the collection error naming the fix
-    "limit_memory()": "missing a required argument: 'limit'; write @pytest.mark.limit_memory(\"64 MiB\", device=\"auto\")",
+    "limit_memory()": "missing a required argument: 'limit'; "
+                      "write @pytest.mark.limit_memory(\"64 MiB\", device=\"auto\")",
     "limit_memory('64')": "'64' is not a size: write a number and a unit, e.g. \"64 MiB\" (units B, KB, MB, GB, TB *",
     "limit_memory(64)": "64 is not a size: *",
     "limit_memory('64 MiBs')": "'64 MiBs' is not a size: *",
@@ -153,4 +155,5 @@ def test_cpu_measure_unavailable_says_why(monkeypatch, tmp_path):
     assert memory_marker._CpuPeak.unavailable() == f"{tmp_path / 'status'} does not exist (the CPU measure needs Linux)"
     monkeypatch.setattr(memory_marker, "STATUS", tmp_path)
     monkeypatch.setattr(memory_marker, "CLEAR_REFS", tmp_path / "missing" / "clear_refs")
-    assert memory_marker._CpuPeak.unavailable().startswith(f"cannot reset the peak RSS through {tmp_path}/missing/clear_refs (")
+    assert memory_marker._CpuPeak.unavailable().startswith(
+        f"cannot reset the peak RSS through {tmp_path}/missing/clear_refs (")

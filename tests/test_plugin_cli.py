@@ -71,9 +71,11 @@ def test_engine_from_an_entry_point_and_ini(kvtester, monkeypatch):
     kvtester.makepyfile(ENGINE_TEST)
     result = kvtester.runpytest_subprocess("-v")
     result.assert_outcomes(passed=2)
-    result.stdout.fnmatch_lines(["*test_engine?mine-llama? PASSED*", "*test_engine?kv_test_engines:Unbatched-llama? PASSED*"])
+    result.stdout.fnmatch_lines(["*test_engine?mine-llama? PASSED*",
+                                 "*test_engine?kv_test_engines:Unbatched-llama? PASSED*"])
     listing = kvtester.runpytest_subprocess("--kv-list-engines")
-    listing.stdout.fnmatch_lines(["mine *strategy=exact capabilities=- *entry point of my-engines: kv_test_engines:greedy_function*"])
+    listing.stdout.fnmatch_lines(["mine *strategy=exact capabilities=- "
+                                  "*entry point of my-engines: kv_test_engines:greedy_function*"])
 
 
 def test_engine_import_error_shows_the_engines_traceback(kvtester):
@@ -116,8 +118,10 @@ def test_missing_engine_package_is_a_usage_error_naming_the_install(kvtester):
 
 
 @pytest.mark.parametrize("name, message", [
-    ("kv_test_engines:Missing", "*engine 'kv_test_engines:Missing': module 'kv_test_engines' has no attribute 'Missing'*"),
-    ("kv_test_engines:__doc__", "*engine 'kv_test_engines:__doc__': 'kv_test_engines:__doc__' is a str, not a factory*"),
+    ("kv_test_engines:Missing",
+     "*engine 'kv_test_engines:Missing': module 'kv_test_engines' has no attribute 'Missing'*"),
+    ("kv_test_engines:__doc__",
+     "*engine 'kv_test_engines:__doc__': 'kv_test_engines:__doc__' is a str, not a factory*"),
     ("kv_test_engines:BadDeclaration", "*kv_declaration must be a pytest_kvcompile.Declaration, got dict*"),
 ])
 def test_bad_engine_targets_are_usage_errors(kvtester, name, message):
@@ -170,7 +174,8 @@ def test_no_engine_under_xdist_errors_each_engine_test(kvtester):
 
 def test_two_engines_parametrize_every_engine_test(kvtester):
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-engine=kv_test_engines:Unbatched",
+    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy",
+                                           "--kv-engine=kv_test_engines:Unbatched",
                                            "--kv-zoo=llama,mistral-sw", "--co", "-q")
     ids = sorted(line.split("::")[-1] for line in result.stdout.lines if "::test_engine[" in line)
     assert ids == [f"test_engine[kv_test_engines:{engine}-{model}]" for engine in ("Greedy", "Unbatched")

@@ -10,11 +10,11 @@ import torch
 from transformers import AutoConfig
 
 from conftest import TOKEN_CHECKS, run_suites
+from pytest_kvcompile.config.tolerances import FALSE_ALARM, binomial_tail, run_rate_exceeded
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import HFEagerOracle
-from pytest_kvcompile.oracles.tolerances import FALSE_ALARM, binomial_tail, run_rate_exceeded
 
 DTYPES = ("bfloat16", "float16")
 P = "--kv-engine=kv_test_engines_precision:"
@@ -147,7 +147,7 @@ def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype
     import kv_test_engines_eviction as engines
     from pytest_kvcompile.contract.engine import declaration_of
     from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, EvictionOracle, calibrate_scores
-    from pytest_kvcompile.oracles.token_match import compare
+    from pytest_kvcompile.oracles.token_match import token_verdict
 
     path = zoo.checkpoint("llama", zoo_cache)
     spec = ModelSpec("llama", path, AutoConfig.from_pretrained(path), dtype=getattr(torch, dtype))
@@ -165,7 +165,7 @@ def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (17, 24, 33, 40, 48, 64, 20, 30)]
 
     def mismatches(engine) -> int:
-        return sum(compare(truth.reference(p, 16), engine.generate([p], 16)[0], logits).mismatch is not None
+        return sum(token_verdict(truth.reference(p, 16), engine.generate([p], 16)[0], logits).mismatch is not None
                    for p in prompts)
 
     assert mismatches(engines.tova_nudged(spec, noise.tolerance)) == 0

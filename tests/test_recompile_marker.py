@@ -90,7 +90,7 @@ def test_over_budget_fails(kv_compile_recorder):
     f(torch.ones(2), 2)
 
 
-@pytest.mark.no_recompile(graph_breaks=True, warmup=True)
+@pytest.mark.no_recompile(allow_graph_breaks=True, warmup=True)
 def test_graph_break_allowed_passes(kv_compile_recorder):
     f = torch.compile(with_break, backend="eager")
     f(torch.ones(2))
@@ -126,7 +126,8 @@ def test_fixture_alone_only_records(kv_compile_recorder):
 
 OUTCOMES = {
     "test_dynamic_seq_passes": "PASSED", "test_static_seq_fails": "FAILED", "test_fixture_warmup_passes": "PASSED",
-    "test_within_budget_passes": "PASSED", "test_over_budget_fails": "FAILED", "test_graph_break_allowed_passes": "PASSED",
+    "test_within_budget_passes": "PASSED", "test_over_budget_fails": "FAILED",
+    "test_graph_break_allowed_passes": "PASSED",
     "test_graph_break_forbidden_fails": "FAILED", "test_warmup_never_marked_fails": "FAILED",
     "test_recompile_limit_fails": "FAILED", "test_fixture_alone_only_records": "PASSED",
 }
@@ -170,7 +171,7 @@ def test_marker_passes_and_fails_with_the_reason(tester):
         "*_ test_warmup_never_marked_fails _*", "no_recompile: warmup=True but mark_warmup_done() was never called*",
         "*_ test_recompile_limit_fails _*",
         "no_recompile: dynamo hit recompile_limit=2 compiling times (*test_cases.py:*) and fell back to eager",
-        "*HINT: dynamo hit recompile_limit=2 on times *isolate()*",
+        "*HINT: dynamo hit recompile_limit=2 on times *reset_dynamo()*",
     ])
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
@@ -183,12 +184,12 @@ def test_marker_failure_under_xdist(tester):
 
 
 BAD_MARKERS = {  # marker -> the collection error naming the fix
-    "no_recompile(max_recompile=1)": "got an unexpected keyword argument 'max_recompile'; write "
-                                     "@pytest.mark.no_recompile(max_recompiles=0, graph_breaks=False, warmup=False)",
+    "no_recompile(max_recompile=1)": "got an unexpected keyword argument 'max_recompile'; write @pytest.mark."
+                                     "no_recompile(max_recompiles=0, allow_graph_breaks=False, warmup=False)",
     "no_recompile(1)": "too many positional arguments; write *",
     "no_recompile(max_recompiles=-1)": "max_recompiles must be an int >= 0, got -1; *",
     "no_recompile(max_recompiles=True)": "max_recompiles must be an int >= 0, got True; *",
-    "no_recompile(graph_breaks='no')": "graph_breaks must be True or False, got 'no'; *",
+    "no_recompile(allow_graph_breaks='no')": "allow_graph_breaks must be True or False, got 'no'; *",
     "no_recompile(warmup=True)": "warmup=True needs the kv_compile_recorder fixture: add it to the test's arguments *",
 }
 

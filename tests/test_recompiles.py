@@ -11,7 +11,14 @@ import torch._dynamo.utils
 from conftest import run_suites
 from pytest_kvcompile.recompiles import hooks as dynamo_hooks
 from pytest_kvcompile.recompiles.recorder import (
-    CompileEvent, CompileRecorder, DynamoHooksBroken, RecompileError, expect_no_recompiles, explain, hints, isolate,
+    CompileEvent,
+    CompileRecorder,
+    DynamoHooksBroken,
+    RecompileError,
+    expect_no_recompiles,
+    explain,
+    hints,
+    reset_dynamo,
     verdict,
 )
 
@@ -19,9 +26,9 @@ from pytest_kvcompile.recompiles.recorder import (
 @pytest.fixture(autouse=True)
 def fresh_dynamo():
     """Every test starts and ends with no compiled frames."""
-    isolate()
+    reset_dynamo()
     yield
-    isolate()
+    reset_dynamo()
 
 
 def eager(fn, **options):
@@ -95,7 +102,7 @@ def test_recompile_limit_hit_is_a_failure(fail_on_hit):
     assert hit and hit[0].limit_hit.startswith("recompile_limit=2") and hit[0].frame.startswith("times (")
     message = str(failure.value)
     assert message.startswith("dynamo hit recompile_limit=2") and " compiling times (" in message.splitlines()[0]
-    assert "isolate()" in message
+    assert "reset_dynamo()" in message
 
 
 def test_post_warmup_compiles_are_counted_against_the_budget():
@@ -137,10 +144,10 @@ def test_bad_arguments_are_rejected(kwargs):
             pass
 
 
-def test_isolate_forgets_compiled_frames():
+def test_reset_dynamo_forgets_compiled_frames():
     f = eager(double)
     f(torch.ones(2))
-    isolate()
+    reset_dynamo()
     with CompileRecorder() as rec:
         f(torch.ones(2))
     assert [e.is_recompile for e in rec.events] == [False]
@@ -161,8 +168,9 @@ def test_no_event_lost_when_torch_keeps_fewer():
 
 @pytest.mark.parametrize(("guard", "expected"), [
     ("tensor 'kwargs['input_ids']' size mismatch at index 1. expected 17, actual 33",
-     "dim 1 of kwargs['input_ids'] was compiled static (17) and changed to 33: call torch._dynamo.mark_dynamic(tensor, 1)"),
-    ("tensor 'x' size mismatch at index 0. expected 1, actual 2", "torch._dynamo.mark_unbacked(tensor, 0)"),
+     "dim 1 of kwargs['input_ids'] was compiled static (17) and changed to 33: "
+     "call torch._dynamo.mark_dynamic(tensor, 1)"),
+    ("tensor 'x' size mismatch at index 0. expected 1, actual 2", "torch._dynamo.decorators.mark_unbacked(tensor, 0)"),
     ("2 <= x.size()[0] <= 4096  # if x.shape[0] > W:", "sliding-window boundary"),
     ("cache.cumulative_length == 17     # c.pos += 1  # cache.py:3 in update", "keep it in a tensor"),
     ("___check_obj_id(L['past_key_values'], 140234)", "keep it in a tensor"),
@@ -177,7 +185,8 @@ def test_hints_name_the_fix(guard, expected):
 def test_explain_lists_each_compile_with_frame_guard_and_hint():
     events = [
         CompileEvent("f (a.py:1)", "0/1", True, ("tensor 'x' size mismatch at index 1. expected 5, actual 6",)),
-        CompileEvent("wrapper (generic.py:9)", "1/8", True, ("tensor 'w' size mismatch at index 0. expected 2, actual 3",),
+        CompileEvent("wrapper (generic.py:9)", "1/8", True,
+                     ("tensor 'w' size mismatch at index 0. expected 2, actual 3",),
                      limit_hit="recompile_limit=8"),
     ]
     pytest.LineMatcher(explain(events, max_recompiles=1).splitlines()).fnmatch_lines([
@@ -191,7 +200,7 @@ def test_explain_lists_each_compile_with_frame_guard_and_hint():
         "#2 recompile 1/8 of wrapper (generic.py:9)",
         "  hit recompile_limit=8: dynamo stopped compiling this frame *",
         "  guard failed: *",
-        "  HINT: dynamo hit recompile_limit=8 on wrapper (generic.py:9) *isolate()*",
+        "  HINT: dynamo hit recompile_limit=8 on wrapper (generic.py:9) *reset_dynamo()*",
     ])
 
 
@@ -201,8 +210,10 @@ def test_private_apis_resolve():
 
 
 def test_a_missing_private_api_breaks_loudly(monkeypatch):
-    monkeypatch.setattr(dynamo_hooks, "PRIVATE_APIS", (*dynamo_hooks.PRIVATE_APIS, "torch._dynamo.utils.gone_in_torch_3"))
-    with pytest.raises(DynamoHooksBroken, match=r"torch\._dynamo\.utils\.gone_in_torch_3 is missing .*recompiles/hooks\.py"):
+    monkeypatch.setattr(dynamo_hooks, "PRIVATE_APIS",
+                        (*dynamo_hooks.PRIVATE_APIS, "torch._dynamo.utils.gone_in_torch_3"))
+    with pytest.raises(DynamoHooksBroken,
+                       match=r"torch\._dynamo\.utils\.gone_in_torch_3 is missing .*recompiles/hooks\.py"):
         with CompileRecorder():
             pass
 
@@ -246,7 +257,8 @@ def test_cuda_graph_captures_are_recorded_split_at_warmup_and_unhooked_after():
             dynamo_hooks._CAPTURE_BEGIN = real
     assert graph_class.capture_begin is original
     assert len(outer.captures) == 2 and len(inner.captures) == 1
-    assert outer.captures[0].startswith("torch.cuda.CUDAGraph capture in test_cuda_graph_captures_are_recorded_split_at_"
+    assert outer.captures[0].startswith("torch.cuda.CUDAGraph capture in "
+                                        "test_cuda_graph_captures_are_recorded_split_at_"
                                         "warmup_and_unhooked_after.<locals>.capture (")
     assert "test_recompiles.py" in outer.captures[0]
     assert len(outer.post_warmup_captures) == 1
@@ -275,7 +287,8 @@ def test_a_torch_export_is_recorded_like_a_compile():
 
 def test_reexporting_per_shape_fails_the_recompile_check_exporting_once_passes(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines_export:ExportsOnce",
-                        "--kv-engine=kv_test_engines_export:ReexportsPerLength", "-k", "test_no_recompiles_after_warmup")
+                        "--kv-engine=kv_test_engines_export:ReexportsPerLength", "-k",
+                        "test_no_recompiles_after_warmup")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([
         "*engine 'kv_test_engines_export:ReexportsPerLength' on model 'llama': * dynamo compile(s) after warmup, 0 "

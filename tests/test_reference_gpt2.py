@@ -12,14 +12,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config  # noqa: E402
 
-from pytest_kvcompile.models import zoo  # noqa: E402
+from conftest import assert_matches_oracle  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelSpec  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.compile import left_pad  # noqa: E402
 from reference_impls.compiled_dynamic import CompiledDynamicCache  # noqa: E402
 from reference_impls.loader import load_model  # noqa: E402
-
-from conftest import assert_matches_oracle  # noqa: E402
 
 ATOL = 1e-4
 

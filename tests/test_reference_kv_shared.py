@@ -17,14 +17,13 @@ import torch  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-from pytest_kvcompile.models import zoo  # noqa: E402
+from conftest import run_suites  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.oracles.eviction import kv_sources  # noqa: E402
 from reference_impls.compile import left_pad  # noqa: E402
-from reference_impls.loader import load_model  # noqa: E402
 from reference_impls.kv_shared import KVSharedPrefillSkip  # noqa: E402
-
-from conftest import run_suites  # noqa: E402
+from reference_impls.loader import load_model  # noqa: E402
 
 LENGTHS = (2, 7, 9, 48)  # around the window (W=8) and longer
 

@@ -17,8 +17,8 @@ import torch  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Gemma3TextConfig, LlamaConfig  # noqa: E402
 
 from conftest import assert_matches_oracle, run_suites  # noqa: E402
-from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.compiled_dynamic import CompiledDynamicCache  # noqa: E402
 from reference_impls.model import UnsupportedModel  # noqa: E402

@@ -17,11 +17,11 @@ from transformers import AutoConfig, MistralConfig  # noqa: E402
 
 from conftest import run_suites  # noqa: E402
 from kv_test_engines_static import LeakyGraph, NoZero, StaleValid  # noqa: E402
-from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
 from pytest_kvcompile.oracles.hf import HFEagerOracle  # noqa: E402
+from pytest_kvcompile.oracles.token_match import TokenMismatch, check_tokens  # noqa: E402
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
-from pytest_kvcompile.oracles.token_match import TokenMismatch, assert_tokens_match  # noqa: E402
 from reference_impls.model import UnsupportedModel  # noqa: E402
 from reference_impls.static_cache import StaticCache, StaticCacheCudaGraph  # noqa: E402
 
@@ -55,7 +55,7 @@ def engine(llama):
 def assert_oracle_tokens(oracle, prompts, outputs, engine=None):
     """Each output equals the oracle's greedy continuation up to near ties (verified along the engine's tokens)."""
     for i, (p, got) in enumerate(zip(prompts, outputs)):
-        assert_tokens_match(oracle.reference(p, len(got)), got, engine="static cache", model="llama", prompt=f"prompt {i}",
+        check_tokens(oracle.reference(p, len(got)), got, engine="static cache", model="llama", prompt=f"prompt {i}",
                             where=f"index {i} of lengths {[len(q) for q in prompts]}")
 
 
@@ -170,19 +170,21 @@ def test_each_half_of_the_reset_rule_is_needed(llama, oracle, broken):
 
 def test_suites_pass_the_reference_and_catch_a_static_cache_never_reset(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines_static:StaticEager",
-                        "--kv-engine=kv_test_engines_static:Stale", "--kv-engine=kv_test_engines_static:StaleValid", "-k",
+                        "--kv-engine=kv_test_engines_static:Stale", "--kv-engine=kv_test_engines_static:StaleValid",
+                        "-k",
                         "stale_state or StaticEager and (token_identity or batch_consistency or determinism or "
                         "no_recompiles_after_warmup)")
     # Stale fails the sequential check; StaleValid (valid mask OR-ed, never reset) only the batched one.
     result.assert_outcomes(passed=12, failed=2, skipped=1)
     result.stdout.fnmatch_lines([
         "*TokenMismatch: engine 'kv_test_engines_static:Stale' diverges from the oracle on model 'llama', prompt "
-        "'long48/v1' (length 48), call 2 of 6 on one engine object, after prompts ?'long48 (length 48)'?: step 0*",
+        "'long48/v1' (length 48), call 2 of 6 on one engine object, after prompts ?long48 (length 48)?: step 0*",
         "*check that caches and positions are reset per call*",
     ])
     result.stdout.fnmatch_lines([
-        "*engine 'kv_test_engines_static:StaleValid' diverges from the oracle on model 'llama', prompt 'len1' (length 1), "
-        "index 0 of a batch of lengths ?1, 48?, on one engine object after prompts ?'long48 (length 48)'?: step 0*",
+        "*engine 'kv_test_engines_static:StaleValid' diverges from the oracle on model 'llama', "
+        "prompt 'len1' (length 1), "
+        "index 0 of a batch of lengths ?1, 48?, after prompts ?long48 (length 48)?: step 0*",
     ])
 
 

@@ -81,7 +81,8 @@ def check_engine(bug: Bug, install: tuple[str, ...], tmp_path: Path) -> subproce
 def test_the_suite_fails_the_affected_release_and_passes_the_fix(name, tmp_path):
     bug = BUGS[name]
     affected = check_engine(bug, bug.affected, tmp_path / "affected")
-    assert affected.returncode == 1, f"{name}: {bug.affected} should fail:\n{affected.stdout[-3000:]}{affected.stderr[-2000:]}"
+    assert affected.returncode == 1, (f"{name}: {bug.affected} should fail:\n"
+                                      f"{affected.stdout[-3000:]}{affected.stderr[-2000:]}")
     pytest.LineMatcher(affected.stdout.splitlines()).fnmatch_lines([bug.says])
     fixed = check_engine(bug, bug.fixed, tmp_path / "fixed")
     assert fixed.returncode == 0, f"{name}: {bug.fixed} should pass:\n{fixed.stdout[-3000:]}{fixed.stderr[-2000:]}"

@@ -12,7 +12,7 @@ from conftest import run_suites
 from pytest_kvcompile import cli
 from pytest_kvcompile.reports import baseline, html, json_file, markdown
 from pytest_kvcompile.reports.json_file import SCHEMA_VERSION, ResultsFileError
-from pytest_kvcompile.reports.results import Collector, merge
+from pytest_kvcompile.verdicts.rows import Collector, merge
 
 GREEDY = "kv_test_engines:Greedy"
 INSTANT = "kv_test_engines_latency:Instant"
@@ -44,6 +44,10 @@ def test_reports_are_written(kvtester):
     assert greedy["tests"]["passed"] == 2 and greedy["tokens"]["identical"] == 1 and greedy["kv_bytes"] is None
     assert instant["tests"] == {**instant["tests"], "passed": 1, "failed": 1} and instant["tokens"]["mismatch"] == 1
     assert "TokenMismatch" in instant["failures"][0]["message"]
+    typed = instant["failures"][0]  # schema 2: the verdict as data, its kind and fields (verdicts/failures.py)
+    assert typed["kind"] == "mismatch" and typed["failure"]["kind"] == "mismatch"
+    assert (typed["failure"]["engine"], typed["failure"]["model"], typed["failure"]["step"]) == (INSTANT, "llama", 0)
+    assert typed["failure"]["hint"].startswith("step 0 is decided by prefill alone") and data["problems"] == []
     assert instant["kv_bytes"] == {"expected": None, "measured": (32 + 1 + 8) * 64}
     for row in (greedy, instant):
         assert len(row["latency"]["prefill_ms"]) == 3 and set(row["latency"]["decode"]) == {"median", "p90"}
@@ -67,7 +71,8 @@ def test_reports_are_written(kvtester):
 
 
 def test_progress_lines_are_quiet_under_q_and_known_findings_show_in_the_verdict(kvtester):
-    result = run_suites(kvtester, f"--kv-engine={INSTANT}", "-q", "-k", "test_token_identity and short7 and not batched",
+    result = run_suites(kvtester, f"--kv-engine={INSTANT}", "-q", "-k",
+                        "test_token_identity and short7 and not batched",
                         f"--kv-known-finding={INSTANT} | test_token_identity* | answers zeros | TokenMismatch")
     result.assert_outcomes(xfailed=1)
     assert "built in" not in result.stdout.str()
@@ -100,7 +105,8 @@ def test_corrupt_baseline_is_a_usage_error(kvtester):
     bad.write_text('{"schema_version": 1,')
     result = run_suites(kvtester, f"--kv-engine={INSTANT}", f"--kv-baseline={bad}", FAIL_ON)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([f"ERROR: --kv-baseline: {bad}: not valid JSON (*); give a file written by --kv-report-json"])
+    result.stderr.fnmatch_lines([f"ERROR: --kv-baseline: {bad}: not valid JSON (*); "
+                                 f"give a file written by --kv-report-json"])
     assert "Traceback" not in result.stderr.str() + result.stdout.str()
 
 
@@ -109,10 +115,13 @@ def _collector(device="cpu", scale=1.0):
     latency = {"prompt_len": 32, "decode_tokens": 8, "timer": "perf_counter"}
     found.add("hf-eager", "llama", tests={"passed": 3}, tokens={"identical": 3},
               latency={**latency, "prefill_ms": [2.0 * scale], "decode_ms_per_token": [1.0 * scale]})
-    found.add("my-engine", "llama", tests={"passed": 2, "failed": 1}, tokens={"identical": 1, "near_tie": 1}, near_tie_tokens=1,
+    found.add("my-engine", "llama", tests={"passed": 2, "failed": 1}, tokens={"identical": 1, "near_tie": 1},
+              near_tie_tokens=1,
               near_ties=["my-engine / llama / short7 (alone): near tie at step 2"],
-              failures=[{"test": "suites/test_recompiles.py::x", "message": "recompiled after warmup"}],
-              compiles={"warmup": 2, "after_warmup": 1, "reasons": ["recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7"]},
+              failures=[{"test": "suites/test_recompiles.py::x", "kind": "recompile",
+                         "message": "recompiled after warmup", "failure": None}],
+              compiles={"warmup": 2, "after_warmup": 1,
+                        "reasons": ["recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7"]},
               kv_bytes={"expected": 4096, "measured": 8192},
               latency={**latency, "prefill_ms": [3.0 * scale], "decode_ms_per_token": [0.5 * scale]})
     return {"runs": [{"device": device, "engines": ["hf-eager", "my-engine"]}], "rows": found.as_dict()["rows"]}
@@ -131,8 +140,8 @@ def _hand_made_baseline():
 def test_markdown_and_html_show_every_column():
     results = _collector()
     md = markdown.render(results)
-    assert "| my-engine | llama | cpu float32 | 2 passed, 1 failed | 1/2 | 1 | 0 / 2 / 1 | 4.0 KiB / 8.0 KiB | 3.000 (3.000) " \
-           "| 0.500 (0.500) | 2000.0 | 1.50 / 0.50 |" in md
+    assert "| my-engine | llama | cpu float32 | 2 passed, 1 failed | 1/2 | 1 | 0 / 2 / 1 | 4.0 KiB / 8.0 KiB " \
+           "| 3.000 (3.000) | 0.500 (0.500) | 2000.0 | 1.50 / 0.50 |" in md
     assert "- recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7" not in md  # listed with the engine
     assert "- my-engine / llama: recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7" in md
     page = html.render(results)
@@ -159,7 +168,8 @@ def test_baseline_compare_lists_moved_numbers():
 
 @pytest.mark.parametrize(("content", "problem"), [
     ("not json", "not valid JSON"),
-    ('{"kind": "pytest-kvcompile-results", "schema_version": 99, "runs": [], "rows": []}', "schema_version 99 is not supported"),
+    ('{"kind": "pytest-kvcompile-results", "schema_version": 99, "runs": [], "rows": []}',
+     "schema_version 99 is not supported"),
     ('{"kind": "pytest-kvcompile-results", "schema_version": 1, "runs": []}', "missing key 'rows'"),
     ('{"kind": "pytest-kvcompile-results", "schema_version": 1, "runs": [], "rows": [{"engine": "e"}]}',
      "rows\\[0\\]: missing key 'model'"),
@@ -207,7 +217,9 @@ def test_merging_different_latency_protocols_is_refused():
 def test_markdown_fits_a_github_summary_and_says_what_was_cut():
     row = Collector("cpu", "float32").row("engine", "llama")
     row["tests"]["failed"] = 5000
-    row["failures"] = [{"test": f"test_x[{i}]", "message": "TokenMismatch: " + "x" * 80} for i in range(5000)]
+    row["failures"] = [{"test": f"test_x[{i}]", "kind": "mismatch", "message": "TokenMismatch: " + "x" * 80,
+                        "failure": None}
+                      for i in range(5000)]
     text = markdown.render({"runs": [], "rows": [row]})
     assert len(text) <= markdown.LIMIT
     assert "**FAIL** `engine`: 5000 failed (1 model)" in text
@@ -215,3 +227,68 @@ def test_markdown_fits_a_github_summary_and_says_what_was_cut():
     assert "more not shown (the report is kept under 65,000 characters for GitHub" in text
     small = markdown.render({"runs": [], "rows": [Collector("cpu", "float32").row("engine", "llama")]})
     assert "more not shown" not in small
+
+
+V1_ROW = {"engine": "e", "model": "llama", "device": "cpu", "dtype": "float32",
+          "tests": {"passed": 1, "failed": 2, "skipped": 0, "xfailed": 0, "xpassed": 0, "error": 0},
+          "tokens": {"identical": 1, "near_tie": 0, "mismatch": 1}, "near_ties": [],
+          "failures": [{"test": "t::recompiles", "message": "no_recompile: 2 compiles after warmup"},
+                       {"test": "t::tokens", "message": "TokenMismatch: ...",
+                        "diff": {"prompt": "prompt 'short7'", "where": "index 1 of a batch of lengths [7, 48]",
+                                 "prompt_tail": [1, 2], "prompt_length": 7, "oracle": [1, 2, 3], "engine": [1, 9, 3],
+                                 "step": 1, "gap": 2.5, "tolerance": 0.001, "top3": [[2, 4.0], [9, 1.5]],
+                                 "near_ties": [], "kind": "mismatch", "hint": "prefill was right; ..."}}],
+          "compiles": None, "kv_bytes": None, "latency": None}
+
+
+def test_a_schema_1_file_is_read_and_upgraded_to_typed_verdicts(tmp_path):
+    """Baselines and merge inputs written before typed verdicts keep working (issue 27)."""
+    old = tmp_path / "v1.json"
+    old.write_text(json.dumps({"schema_version": 1, "kind": json_file.KIND, "runs": [], "rows": [V1_ROW]}))
+    found = json_file.load(old)
+    plain, token = found["rows"][0]["failures"]
+    assert (plain["kind"], plain["failure"]) == ("other", None) and found["problems"] == []
+    assert token["kind"] == "mismatch" and token["failure"]["hint"] == "prefill was right; ..."
+    assert (token["failure"]["step"], token["failure"]["gap"], token["failure"]["tokens"]) == (1, 2.5, [1, 9, 3])
+    assert token["failure"]["where"]["note"] == "index 1 of a batch of lengths [7, 48]"
+    again = tmp_path / "v2.json"
+    again.write_text(json_file.dumps(found))
+    assert json.loads(again.read_text())["schema_version"] == SCHEMA_VERSION == 2
+    assert json_file.load(again)["rows"][0]["failures"] == found["rows"][0]["failures"]
+    assert "token-diff" in html.render(found, None)  # the old diff still draws
+    changes, notes = baseline.compare(found, found, {"recompiles": 0})
+    assert notes == [] and not any(c.regressed for c in changes)
+
+
+def test_an_unknown_failure_kind_is_refused_naming_the_kinds(tmp_path):
+    row = {**V1_ROW, "failures": [{"test": "t", "kind": "mystery", "message": "", "failure": None}]}
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"schema_version": 2, "kind": json_file.KIND, "runs": [], "rows": [row]}))
+    with pytest.raises(ResultsFileError,
+                       match=r"rows\[0\].failures\[0\].kind: unknown kind 'mystery' \(one of mismatch, "):
+        json_file.load(bad)
+
+
+def test_a_run_rule_fails_the_engine_it_names_in_its_field_not_in_its_words():
+    from pytest_kvcompile.reports.table import verdict_lines
+    from pytest_kvcompile.verdicts.failures import Kind, Problem
+
+    found = Collector("cpu", "float32")
+    for engine in ("a", "b"):
+        found.add(engine, "llama", tests={"passed": 1})
+    rule = Problem(Kind.VACUOUS, "a", "cpu", "float32", "no token verified (compare engine 'b')", "llama")
+    lines = verdict_lines(found.as_dict()["rows"], [rule.to_dict()])
+    assert lines == ["FAIL  a: 1 passed, 1 run rule(s) failed (1 model)", "PASS  b: 1 passed (1 model)"]
+    assert rule.line == "engine 'a' on model 'llama' (cpu, float32): no token verified (compare engine 'b')"
+    assert Problem.from_dict(rule.to_dict()) == rule
+    results = {**found.as_dict(), "problems": [rule.to_dict()]}
+    assert f"- :x: run rule (vacuous): {rule.line}" in markdown.render(results)
+    assert "run rule (vacuous): engine &#x27;a&#x27; on model" in html.render(results, None)
+
+
+def test_a_row_has_exactly_the_typed_fields():
+    """`Row` types every field a row holds (the JSON schema's rows): a new field is added to both or neither."""
+    from pytest_kvcompile.verdicts.rows import FailureEntry, Row, new_row
+
+    assert list(new_row("e", "m", "cpu", "float32")) == list(Row.__annotations__)
+    assert set(FailureEntry.__annotations__) == {"test", "kind", "message", "failure"}

@@ -17,8 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoConfig
 
-from pytest_kvcompile.models import zoo
 from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.models import zoo
 from reference_impls.compiled_dynamic import CompiledDynamicCache
 from reference_impls.model import attention_mask
 from reference_impls.sliding_window import SlidingWindowCache, gather_ring, ring_sources
@@ -102,7 +102,8 @@ def engines(zoo_cache):
     built = {}
     for name in ("mistral-sw", "gemma3-hybrid"):
         path = zoo.checkpoint(name, zoo_cache / "zoo")
-        built[name] = SlidingWindowCache(ModelSpec(name, path, AutoConfig.from_pretrained(path)), compile_backend="eager")
+        built[name] = SlidingWindowCache(ModelSpec(name, path, AutoConfig.from_pretrained(path)),
+                                         compile_backend="eager")
     path = zoo.checkpoint("mistral-sw", zoo_cache / "zoo")
     full = AutoConfig.from_pretrained(path)
     full.sliding_window = None

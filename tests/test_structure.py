@@ -2,7 +2,9 @@
 
 - Importing the entry point (every pytest run where the package is installed) imports neither torch nor
   transformers; a run that uses no kvcompile feature never loads them; ``kvcompile merge`` never does.
-- No module-level import cycle inside ``pytest_kvcompile``; no module imports ``pytest_kvcompile.plugin``.
+- Layers (`LAYERS`, lowest first): every import inside ``pytest_kvcompile`` (module level or in a function;
+  not under TYPE_CHECKING) goes to the same or a lower layer, and no import circle exists at all; no module
+  imports ``pytest_kvcompile.plugin``.
 - Options the pytest-benchmark way: a bad value is a usage error for the command line and the ini alike.
 """
 
@@ -54,32 +56,81 @@ def test_a_run_without_kvcompile_features_loads_no_torch(pytester: pytest.Pytest
     result.stdout.fnmatch_lines(["HEAVY: []"])
 
 
-def _module_imports(path: Path) -> set[str]:
-    """pytest_kvcompile modules imported at module level (not in functions, not under TYPE_CHECKING)."""
-    tree = ast.parse(path.read_text())
-    found = set()
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node) if not isinstance(node, (ast.FunctionDef, ast.ClassDef)) else ():
-            if isinstance(sub, ast.ImportFrom) and sub.module and sub.module.startswith("pytest_kvcompile"):
-                found.add(sub.module)
-                found.update(f"{sub.module}.{a.name}" for a in sub.names)
-            elif isinstance(sub, ast.Import):
-                found.update(a.name for a in sub.names if a.name.startswith("pytest_kvcompile"))
-    return found
+#: The layers of ``pytest_kvcompile``, lowest first: a module may import (at module level or inside a function; not
+#: under ``if TYPE_CHECKING:``) only modules of its own layer or a lower one, and no import circle exists at all.
+#: A layer is a set of top-level packages/modules; ``__init__`` is the package root (its lazy public names count).
+LAYERS: list[tuple[str, ...]] = [
+    ("errors",),                                # exception types
+    ("config",),                                # option and marker tables, Settings, float32 tolerances
+    ("verdicts",),                              # typed failure kinds, result rows, the collector
+    ("contract", "recompiles"),                 # the engine contract (KVLayout included); the compile recorder
+    ("models",),                                # the zoo, checkpoints, prompts
+    ("memory",),                                # held bytes, KV footprints, limit_memory
+    ("oracles", "engines", "latency"),          # what is right; the built-in engines; timings
+    ("run",),                                   # session, harness, isolation, fixtures, fuzzer
+    ("reports",),                               # JSON/Markdown/HTML reports, baselines, the terminal table
+    ("check_engine", "cli", "__init__"),        # the commands and the package's public names
+    ("plugin",),                                # the pytest hooks: wires everything, imported by nothing
+]
+LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names}
 
 
-def _graph() -> dict[str, set[str]]:
+def _modules() -> dict[str, Path]:
     modules = {}
     for path in PACKAGE.rglob("*.py"):
         parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
-        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-        modules[name] = path
-    return {name: {m for m in _module_imports(path) if m in modules and m != name} for name, path in modules.items()}
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return modules
 
 
-def test_no_module_level_import_cycles():
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """pytest_kvcompile modules `name` imports, at module level or in a function, not under TYPE_CHECKING
+    (``from package import module`` counts as the module; the root's lazy public names as imports)."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(sub) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for stmt in node.body for sub in ast.walk(stmt)}
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join([*package.split(".")[:len(package.split(".")) - node.level + 1], *filter(None, [base])])
+            found.update(f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    if name == "pytest_kvcompile":
+        import pytest_kvcompile
+
+        found.update(pytest_kvcompile._PUBLIC.values())
+    return {m for m in found if m in modules and m != name}
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def _layer(module: str) -> str:
+    return module.split(".")[1] if "." in module else "__init__"
+
+
+def test_every_module_is_in_a_layer():
+    assert sorted({_layer(m) for m in _modules()} - set(LAYER_OF)) == []
+
+
+def test_imports_go_to_the_same_or_a_lower_layer():
+    upward = [f"{importer} -> {imported} (layer {_layer(imported)} above layer {_layer(importer)})"
+              for importer, deps in sorted(_graph().items()) for imported in sorted(deps)
+              if LAYER_OF[_layer(imported)] > LAYER_OF[_layer(importer)]]
+    if upward:
+        pytest.fail("imports into a higher layer (tests/test_structure.py LAYERS):\n" + "\n".join(upward))
+
+
+def test_no_import_cycles():
     graph = _graph()
     state: dict[str, int] = {}
 
@@ -87,8 +138,7 @@ def test_no_module_level_import_cycles():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycle = stack[stack.index(nxt):] + [nxt] if nxt in stack else [node, nxt]
-                pytest.fail("import cycle: " + " -> ".join(cycle))
+                pytest.fail("import cycle: " + " -> ".join([*stack[stack.index(nxt):], nxt]))
             if nxt not in state:
                 visit(nxt, [*stack, nxt])
         state[node] = 2

@@ -1,6 +1,8 @@
 """Every suite check FAILS, with a useful message, on an engine carrying the bug it is for,
 and PASSES on a correct engine. Real pytest runs of suites/ (pytester)."""
 
+import json
+
 import pytest
 
 from conftest import TOKEN_CHECKS, run_suites
@@ -17,7 +19,8 @@ def test_wrong_late_token_fails_token_identity(kvtester):
     result.stdout.fnmatch_lines([
         "*TokenMismatch: engine 'kv_test_engines:WrongLateToken' diverges from the oracle on model 'llama', "
         "prompt 'short7' (length 7), alone: step 14 of 16",
-        "*expected token *, got *: the oracle prefers * by a logit gap of * > tie tolerance 0.001, so this is a real mismatch*",
+        "*expected token *, got *: the oracle prefers * by a logit gap of * > tie tolerance 0.001, "
+        "so this is a real mismatch*",
         "*oracle top-3 at this step:*",
         "*hint: prefill was right; decode step 14 reads 21 cached positions*",
     ])
@@ -27,7 +30,8 @@ def test_stale_cache_fails_stale_state_naming_the_call(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "-k", "stale_state and not batched")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
-        "*prompt 'long48/v1' (length 48), call 2 of 6 on one engine object, after prompts ?'long48 (length 48)'?: step 0*",
+        "*prompt 'long48/v1' (length 48), call 2 of 6 on one engine object, "
+        "after prompts ?long48 (length 48)?: step 0*",
         "*check that caches and positions are reset per call*",
         "*engine object: served 1 earlier call(s) in this process before this one: generate(<1 prompt(s) of lengths "
         "?48?>, 16); to rule out state left by them, rerun with --kv-fresh-engine*",
@@ -44,7 +48,9 @@ def test_stale_cache_is_caught_by_the_short_prompt_on_a_sliding_window_model(kvt
 
 
 def test_padding_bug_fails_batched_checks_only(kvtester):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug", "-k", TOKEN_CHECKS)
+    report = kvtester.path / "r.json"
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug", "-k", TOKEN_CHECKS,
+                        f"--kv-report-json={report}")
     result.assert_outcomes(passed=8, failed=4)
     result.stdout.fnmatch_lines([
         "FAILED *test_batch_consistency*PaddingBug-llama*",
@@ -56,13 +62,24 @@ def test_padding_bug_fails_batched_checks_only(kvtester):
         "*prompt 'short7' (length 7), index 0 of a batch of lengths ?7, 1, 48, 23?: step 0 of 16",
         "*hint: *it happens inside a batch: check padding, attention masks and per-row positions",
     ])
+    failures = {f["test"].split("::")[1].split("[")[0]: f
+                for f in json.loads(report.read_text())["rows"][0]["failures"]}
+    assert {f["kind"] for f in failures.values()} == {"mismatch"}  # typed: read from the verdict, not its words
+    where = failures["test_batch_consistency"]["failure"]["where"]
+    assert where["index"] is not None and len(where["lengths"]) > 1 and where["note"].startswith("differs from the")
+    assert "inside a batch" in failures["test_batch_consistency"]["failure"]["hint"]
 
 
 def test_flaky_engine_fails_determinism(kvtester):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Flaky", "-k", "test_determinism and not batched")
+    report = kvtester.path / "r.json"
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Flaky", "-k", "test_determinism and not batched",
+                        f"--kv-report-json={report}")
     result.assert_outcomes(failed=1)
+    failure = json.loads(report.read_text())["rows"][0]["failures"][0]
+    assert (failure["kind"], failure["failure"]) == ("inconsistent", None)
     result.stdout.fnmatch_lines([
-        "*engine 'kv_test_engines:Flaky' on model 'llama', prompt 'long250': two identical generate() calls differ at step 15 (*",
+        "*engine 'kv_test_engines:Flaky' on model 'llama', prompt 'long250': "
+        "two identical generate() calls differ at step 15 (*",
     ])
 
 
@@ -78,7 +95,8 @@ def test_near_tie_passes_and_is_reported(kvtester):
 
 
 def test_near_tie_with_default_tolerance_is_a_mismatch(kvtester):
-    result = run_suites(kvtester, "--kv-engine=kv_test_engines:SecondBest", "-k", "token_identity and short7 and not batched")
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:SecondBest", "-k",
+                        "token_identity and short7 and not batched")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*step 2 of 16*", "*so this is a real mismatch*"])
 
@@ -89,7 +107,8 @@ def test_a_declared_score_is_checked_against_generate(kvtester):
                         "-k", "token_identity and short7 and not batched")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines([
-        "*score() is not the oracle's logits on model 'llama', prompt 'short7', teacher-forced on the tokens generate() "
+        "*score() is not the oracle's logits on model 'llama', prompt 'short7', "
+        "teacher-forced on the tokens generate() "
         "produced*",
         "*at step 15 generate() produced * but score() prefers * by * > tie tolerance 5: score() and generate() do not "
         "run the same computation*",
@@ -135,7 +154,8 @@ def test_an_engine_declaring_compiled_that_compiles_nothing_fails(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:DeclaredCompiledButIsNot", "-k", "recompiles")
     result.assert_outcomes(failed=1, skipped=1)
     result.stdout.fnmatch_lines([
-        "*engine 'kv_test_engines:DeclaredCompiledButIsNot' on model 'llama' declares compiled=True but no compiled code "
+        "*engine 'kv_test_engines:DeclaredCompiledButIsNot' on model 'llama' declares compiled=True "
+        "but no compiled code "
         "ran: dynamo compiled nothing while it was built or in 17 generate() calls*",
     ])
 
@@ -143,7 +163,8 @@ def test_an_engine_declaring_compiled_that_compiles_nothing_fails(kvtester):
 def test_engines_running_no_compiled_code_skip_the_recompile_check(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "-k", "recompiles", "-rs")
     result.assert_outcomes(skipped=2)
-    result.stdout.fnmatch_lines(["*no torch.compile code observed (dynamo compiled nothing and no compiled frame ran)*"])
+    result.stdout.fnmatch_lines(["*no torch.compile code observed "
+                                 "(dynamo compiled nothing and no compiled frame ran)*"])
 
 
 def test_a_known_finding_is_a_strict_xfail(kvtester):
@@ -162,4 +183,5 @@ def test_a_known_finding_is_a_strict_xfail(kvtester):
 def test_a_malformed_known_finding_is_a_usage_error(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-known-finding=hf-eager: flaky")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*--kv-known-finding='hf-eager: flaky': must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'*"])
+    result.stderr.fnmatch_lines(["*--kv-known-finding='hf-eager: flaky': "
+                                 "must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'*"])

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from pytest_kvcompile import Reference, TokenMismatch, assert_tokens_match
-from pytest_kvcompile.oracles.token_match import assert_score_matches, compare
+from pytest_kvcompile import Kind, Reference, TokenMismatch, Where, check_tokens
+from pytest_kvcompile.oracles.token_match import check_score, token_verdict
 
 ROWS = [[3.0, 0.0, 0.0], [1.0, 0.9999, -2.0], [0.0, 5.0, 0.0], [0.0, 0.0, 2.0]]
 
@@ -22,15 +22,15 @@ REF = reference(ROWS)
 
 
 def test_identical_tokens_have_no_divergence():
-    verdict = compare(REF, [0, 0, 1, 2], tie_tolerance=1e-3)
+    verdict = token_verdict(REF, [0, 0, 1, 2], tie_tolerance=1e-3)
     assert verdict.divergences == [] and verdict.mismatch is None and not verdict.drift
 
 
 def test_a_flip_within_tolerance_is_a_near_tie_and_every_later_step_is_verified():
-    verdict = compare(REF, [0, 1, 1, 2], tie_tolerance=1e-3)
+    verdict = token_verdict(REF, [0, 1, 1, 2], tie_tolerance=1e-3)
     assert [(d.step, d.near_tie) for d in verdict.divergences] == [(1, True)]
     assert verdict.divergences[0].gap == pytest.approx(1e-4, rel=1e-2)
-    bad = compare(REF, [0, 1, 0, 2], tie_tolerance=1e-3)  # garbage after the tie is caught
+    bad = token_verdict(REF, [0, 1, 0, 2], tie_tolerance=1e-3)  # garbage after the tie is caught
     assert (bad.mismatch.step, bad.mismatch.expected, bad.mismatch.got) == (2, 1, 0)
 
 
@@ -43,55 +43,104 @@ def test_later_steps_are_judged_by_the_oracle_given_the_engines_own_prefix():
         return rows
 
     ref = reference(ROWS, given)
-    assert compare(ref, [0, 1, 0, 2], 1e-3).mismatch is None
-    assert compare(ref, [0, 1, 1, 2], 1e-3).mismatch.step == 2
+    assert token_verdict(ref, [0, 1, 0, 2], 1e-3).mismatch is None
+    assert token_verdict(ref, [0, 1, 1, 2], 1e-3).mismatch.step == 2
 
 
 def test_the_same_flip_beyond_tolerance_is_a_mismatch():
-    verdict = compare(REF, [0, 1, 1, 2], tie_tolerance=1e-5)
+    verdict = token_verdict(REF, [0, 1, 1, 2], tie_tolerance=1e-5)
     assert verdict.mismatch.step == 1 and not verdict.mismatch.near_tie
 
 
 def test_too_many_near_ties_in_one_sequence_is_drift():
     ref = reference([[1.0, 0.9999, 0.0]] * 4)
-    assert not compare(ref, [1, 1, 0, 0], 1e-3, max_near_ties=2).drift
-    verdict = compare(ref, [1, 1, 1, 0], 1e-3, max_near_ties=2)
+    assert not token_verdict(ref, [1, 1, 0, 0], 1e-3, max_near_ties=2).drift
+    verdict = token_verdict(ref, [1, 1, 1, 0], 1e-3, max_near_ties=2)
     assert verdict.drift and verdict.mismatch is None
     with pytest.raises(TokenMismatch, match=r"drifts from the oracle .* 3 near ties in one sequence of 4 steps, more "
                                             r"than the 2 allowed \(--kv-max-near-ties\)"):
-        assert_tokens_match(ref, [1, 1, 1, 0], tie_tolerance=1e-3, max_near_ties=2)
-
-
-def test_assert_tokens_match_message_carries_the_values():
+        check_tokens(ref, [1, 1, 1, 0], tie_tolerance=1e-3, max_near_ties=2)
     with pytest.raises(TokenMismatch) as info:
-        assert_tokens_match(REF, [0, 0, 0, 2], tie_tolerance=1e-3, engine="e", model="m", prompt="prompt 'p'",
-                            where="index 1 of a batch of lengths [3, 9]", window=4, context="  engine object: fresh")
+        check_tokens(ref, [1, 1, 1, 0], tie_tolerance=1e-3, max_near_ties=2)
+    failure = info.value.failure
+    assert (info.value.kind, failure.kind, failure.step, failure.max_near_ties) == (Kind.DRIFT, Kind.DRIFT, None, 2)
+    assert [t[0] for t in failure.near_ties] == [0, 1, 2] and "raise --kv-max-near-ties" in failure.hint
+
+
+def test_check_tokens_message_carries_the_values():
+    with pytest.raises(TokenMismatch) as info:
+        check_tokens(REF, [0, 0, 0, 2], tie_tolerance=1e-3, engine="e", model="m", prompt="prompt 'p'",
+                     where=Where(index=1, lengths=(3, 9)), window=4, context="  engine object: fresh")
     message = str(info.value)
     for expected in ("engine 'e' diverges from the oracle on model 'm', prompt 'p' (length 3), index 1 of a batch",
                      "step 2 of 4", "expected token 1, got 0", "logit gap of 5 > tie tolerance 0.001",
                      "oracle top-3 at this step: 1 (5), 0 (0), 2 (0)", "oracle: [0, 0, 1, 2]", "engine: [0, 0, 0, 2]",
                      "crossed the sliding window (4 keys)", "check padding, attention masks", "engine object: fresh"):
         assert expected in message, f"{expected!r} missing from:\n{message}"
+    failure = info.value.failure  # the same verdict as data: the reports read it, the hint comes from it
+    assert (failure.kind, failure.step, failure.expected, failure.got, failure.gap, failure.tolerance) == \
+        (Kind.MISMATCH, 2, 1, 0, 5.0, 1e-3)
+    assert (failure.where.index, failure.where.lengths, failure.window, failure.top3[0]) == (1, (3, 9), 4, (1, 5.0))
+    assert failure.oracle == (0, 0, 1, 2) and failure.tokens == (0, 0, 0, 2) and failure.hint in message
+
+
+@pytest.mark.parametrize(("where", "batch", "history"), [
+    (Where(), False, False),
+    (Where(index=0, lengths=(3, 9)), True, False),
+    (Where(number=3, calls=6, before=("a (length 3)", "b (length 9)")), False, True),
+    (Where(index=1, lengths=(3, 9), before=("a (length 3)",)), True, True),
+    (Where(note="alone (vs batched: index 1 of a batch of lengths [3, 9], after prompts [a])"), False, False),
+    ("index 1 of a batch of lengths [3, 9], after prompts [a]", False, False),
+])
+def test_the_hint_is_chosen_from_the_calls_fields_never_from_its_words(where, batch, history):
+    """A row judged alone (even one compared with a batch, as batch consistency's) gets no batch hint; a string is
+    shown, not parsed (issue 27: verdict logic passes facts as fields)."""
+    with pytest.raises(TokenMismatch) as info:
+        check_tokens(REF, [0, 0, 0, 2], tie_tolerance=1e-3, where=where)
+    hint = info.value.failure.hint
+    assert ("check padding, attention masks" in hint) == batch, hint
+    assert ("caches and positions are reset per call" in hint) == history, hint
+    assert Where.of(where).describe() in str(info.value)
+
+
+def test_a_failure_survives_the_json_round_trip():
+    from pytest_kvcompile import Failure
+
+    with pytest.raises(TokenMismatch) as info:
+        check_tokens(REF, [0, 1, 0, 2], tie_tolerance=1e-3, where=Where(index=1, lengths=(3, 9), number=2))
+    failure = info.value.failure
+    assert Failure.from_dict(failure.to_dict()) == failure
+    assert failure.to_dict()["kind"] == "mismatch" and failure.to_dict()["hint"] == failure.hint
+    assert failure.near_ties[0][:3] == (1, 0, 1)
 
 
 def test_wrong_length_is_reported_not_compared():
-    with pytest.raises(TokenMismatch, match="returned 3 tokens .* expected 4"):
-        assert_tokens_match(REF, [0, 0, 1])
+    with pytest.raises(TokenMismatch, match="returned 3 tokens .* expected 4") as info:
+        check_tokens(REF, [0, 0, 1])
+    assert info.value.kind is Kind.LENGTH and "max_new_tokens" in info.value.failure.hint
 
 
 def test_a_reference_without_its_oracle_cannot_verify_tokens_off_its_path():
     bare = Reference(REF.prompt, REF.tokens, REF.logits, "hand-made")
-    assert compare(bare, [0, 0, 1, 2], 1e-3).mismatch is None
+    assert token_verdict(bare, [0, 0, 1, 2], 1e-3).mismatch is None
     with pytest.raises(ValueError, match="built without its oracle"):
-        compare(bare, [0, 1, 1, 2], 1e-3)
+        token_verdict(bare, [0, 1, 1, 2], 1e-3)
 
 
 def test_score_rows_are_checked_against_the_oracle_and_generate():
     rows = torch.tensor(ROWS)
-    assert assert_score_matches(REF, [0, 0, 1, 2], rows + 1e-4, tie_tolerance=1e-3, score_tolerance=1e-2) < 1e-3
-    with pytest.raises(TokenMismatch, match=r"differ from the oracle's by up to 1 > score tolerance 0.01"):
-        assert_score_matches(REF, [0, 0, 1, 2], rows + 1.0, tie_tolerance=1e-3, score_tolerance=1e-2)
+    assert check_score(REF, [0, 0, 1, 2], rows + 1e-4, tie_tolerance=1e-3, score_tolerance=1e-2) < 1e-3
+    with pytest.raises(TokenMismatch, match=r"differ from the oracle's by up to 1 > score tolerance 0.01") as info:
+        check_score(REF, [0, 0, 1, 2], rows + 1.0, tie_tolerance=1e-3, score_tolerance=1e-2)
+    assert info.value.kind is Kind.SCORE and info.value.failure.gap == pytest.approx(1.0)
     wrong = rows.clone()
     wrong[2] = torch.tensor([0.0, 0.0, 5.0])
     with pytest.raises(TokenMismatch, match=r"at step 2 generate\(\) produced 1 but score\(\) prefers 2 by 5"):
-        assert_score_matches(REF, [0, 0, 1, 2], wrong, tie_tolerance=1e-3, score_tolerance=10.0)
+        check_score(REF, [0, 0, 1, 2], wrong, tie_tolerance=1e-3, score_tolerance=10.0)
+
+
+def test_assert_tokens_match_is_the_deprecated_spelling_of_check_tokens():
+    from pytest_kvcompile import assert_tokens_match
+
+    with pytest.warns(DeprecationWarning, match="call check_tokens"):
+        assert assert_tokens_match(REF, [0, 0, 1, 2]).mismatch is None

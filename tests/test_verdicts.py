@@ -82,7 +82,7 @@ def test_a_prefix_cache_keyed_by_16_tokens_fails_the_shared_prefix_check_only(kv
     result = run_suites(kvtester, E + "PrefixCacheBug", "-k", "shared_prefixes")
     result.assert_outcomes(failed=1, skipped=1)  # the batched variant: PrefixCacheBug does not batch
     result.stdout.fnmatch_lines(["*prompt 'shared16+b' (length 24), call 10 of 41 on one engine object, after prompts "
-                                 "?shared15+b, shared15+a, shared16+a? (shared-prefix check): step 0*"])
+                                 "?shared15+b, shared15+a, shared16+a?: shared-prefix check: step 0*"])
 
 
 def test_a_strategy_that_never_evicts_fails_the_run_as_vacuous(kvtester):
@@ -183,7 +183,8 @@ def test_verdicts_do_not_depend_on_test_order(kvtester):
         run_suites(kvtester, "--kv-engine=kv_test_engines:StaleCache", "--kv-zoo=mistral-sw,gemma3-hybrid",
                    "-n", workers, "-k", TOKEN_CHECKS, f"--kv-report-json={report}")
         found = json.loads(report.read_text())["rows"]
-        rows[workers] = {(r["engine"], r["model"]): (r["tests"], sorted(f["test"] for f in r["failures"])) for r in found}
+        rows[workers] = {(r["engine"], r["model"]): (r["tests"], sorted(f["test"] for f in r["failures"]))
+                         for r in found}
     assert rows["0"] == rows["2"]
     mistral = rows["0"][("kv_test_engines:StaleCache", "mistral-sw")][0]
     assert mistral["passed"] and mistral["failed"], mistral  # a mix: the order could have mattered
@@ -219,9 +220,35 @@ def test_an_oracle_that_fails_its_self_check_skips_the_model_as_not_judged(kvtes
                         "-k", "token_identity and short7 and not batched")
     result.assert_outcomes(skipped=1)
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(["*oracle unreliable: transformers *, model 'llama' (float32, cpu), prompt of length *, "
+    result.stdout.fnmatch_lines(["*oracle unreliable: transformers *, model 'llama' (float32, cpu), "
+                                 "prompt of length *, "
                                  "step 5: the oracle (transformers eager greedy, full DynamicCache) chose *, but "
                                  "transformers eager in float64 without a cache (one full recompute) prefers * by *"
                                  "(this is not a verdict on the engine)*"])
     result.stdout.fnmatch_lines(["NOT CHECKED  kv_test_engines:Greedy: 1 skipped, not judged on llama (oracle "
                                  "unreliable) (1 model)"])
+
+
+def test_the_kv_check_fixture_is_the_deprecated_spelling_of_kv_check_tokens(kvtester):
+    """Downstream tests written with ``kv_check`` or ``kv_engine.check`` keep working, warned to move to
+    ``kv_check_tokens`` (issue 27)."""
+    kvtester.makepyfile(test_old="""
+        def test_old(kv_engine, kv_oracle, kv_prompt, kv_check):
+            got = kv_engine.generate([kv_prompt])[0]
+            kv_check(kv_oracle.reference(kv_prompt.ids, kv_engine.max_new_tokens), got, kv_prompt)
+
+        def test_older(kv_engine, kv_oracle, kv_prompt):
+            got = kv_engine.generate([kv_prompt])[0]
+            kv_engine.check(kv_oracle.reference(kv_prompt.ids, kv_engine.max_new_tokens), got, kv_prompt)
+
+        def test_new(kv_engine, kv_oracle, kv_prompt, kv_check_tokens):
+            got = kv_engine.generate([kv_prompt])[0]
+            kv_check_tokens(kv_oracle.reference(kv_prompt.ids, kv_engine.max_new_tokens), got, kv_prompt)
+    """)
+    result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama",
+                                           "--kv-engine=kv_test_engines:Greedy", "-k", "short7", "-rw")
+    result.assert_outcomes(passed=3, warnings=2)
+    result.stdout.fnmatch_lines(["*test_old.py::test_old*", "*PytestDeprecationWarning: the kv_check fixture is "
+                                 "deprecated: use kv_check_tokens (same arguments)*"])
+    result.stdout.fnmatch_lines(["*test_old.py::test_older*", "*DeprecationWarning: kv_engine.check() is deprecated: "
+                                 "call kv_engine.check_tokens() (same arguments)*"])

@@ -17,8 +17,7 @@ import transformers
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from pytest_kvcompile.models import prompts
-from pytest_kvcompile.models import zoo
+from pytest_kvcompile.models import prompts, zoo
 
 NAMES = list(zoo.ZOO)
 WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared"]

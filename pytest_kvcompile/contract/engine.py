@@ -18,8 +18,6 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from pytest_kvcompile.memory.measure import KVLayout
-
 #: Capability names, as they appear in skip reasons and in ``--kv-list-engines``.
 BATCHING = "batching"
 SCORING = "scoring"
@@ -47,7 +45,8 @@ class ModelSpec:
         return int(self.config.vocab_size)
 
     def weights(self, device: str = "cpu") -> dict[str, torch.Tensor]:
-        """The checkpoint's tensors by name, from every ``*.safetensors`` file in `path` (for adapters converting it)."""
+        """The checkpoint's tensors by name, from every ``*.safetensors`` file in `path` (for adapters converting
+        it)."""
         from safetensors.torch import load_file
 
         files = sorted(Path(self.path).glob("*.safetensors"))
@@ -85,6 +84,91 @@ class Strategy:
 EXACT = Strategy()
 
 
+KINDS = ("dynamic", "static", "budget")  # KVLayout.kind
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """How an engine's KV cache stores positions, so its footprint can be computed exactly.
+
+    T = positions written by ``generate(prompts, new_tokens)`` = prompt width + new_tokens - 1: the
+    width is the longest prompt (a batch is one padded cache of one row per prompt) and the last
+    generated token is never fed back. W = the model's ``sliding_window``. Per layer with its own KV
+    (KV-sharing layers hold none), each of K and V holds ``rows x kv_heads x head_dim`` values per position:
+
+    ============  ==========================  =====================================================
+    kind          full-attention layer        sliding-window layer (S = W + window_offset)
+    ============  ==========================  =====================================================
+    ``dynamic``   T (grows by concatenation)  min(T, S)
+    ``static``    max_cache_len (allocated)   min(max_cache_len, S)
+    ``budget``    min(T, budget) (eviction)   min(T, budget, S)
+    ============  ==========================  =====================================================
+
+    `rows`: rows the cache allocates whatever the batch (a static cache padded to a max batch size);
+    None: one row per prompt.
+
+    `windowed=False`: sliding layers keep every position like full layers (keys that left the window are
+    masked, never read again, but held). `extra_positions`: positions a growing (dynamic or budget) layer holds
+    beyond T, e.g. one pad key kept so the cache is never empty.
+
+    `window_offset`: what a sliding layer really holds, relative to W. transformers' dynamic sliding
+    layer keeps W-1 positions as a view of the W-position concatenation of the last step, so it
+    *holds* W (offset 0); its static sliding layer allocates W (offset 0). An engine copying out the
+    last W-1 positions declares -1. The formulas hold after a ``generate()`` that ran at least one
+    decode step (new_tokens >= 2): after prefill alone transformers' dynamic sliding layer still holds
+    the whole prompt (its W-1 kept positions are a view of the prefill's keys).
+    """
+
+    kind: str = "dynamic"
+    max_cache_len: int | None = None
+    budget: int | None = None
+    window_offset: int = 0
+    rows: int | None = None
+    windowed: bool = True
+    extra_positions: int = 0
+
+    def __post_init__(self) -> None:
+        usage = ('KVLayout("dynamic"), KVLayout("static", max_cache_len=N) or KVLayout("budget", budget=N), '
+                 "optionally with window_offset=-1 (sliding layers hold W-1 positions) or 0 (W) and rows=N "
+                 "(rows allocated whatever the batch)")
+        if self.kind not in KINDS:
+            raise ValueError(f"KVLayout kind {self.kind!r} is unknown; write {usage}")
+        for name, needed in (("max_cache_len", "static"), ("budget", "budget"), ("rows", None)):
+            value = getattr(self, name)
+            if needed and (self.kind == needed) != (value is not None):
+                raise ValueError(f"{self}: {name} is required for kind {needed!r} and only there; write {usage}")
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"{self}: {name} must be an int >= 1, got {value!r}")
+        if type(self.window_offset) is not int or self.window_offset not in (-1, 0):
+            raise ValueError(f"{self}: window_offset must be -1 (W-1 positions) or 0 (W), got {self.window_offset!r}")
+        if type(self.windowed) is not bool:
+            raise ValueError(f"{self}: windowed must be True or False, got {self.windowed!r}")
+        if type(self.extra_positions) is not int or self.extra_positions < 0:
+            raise ValueError(f"{self}: extra_positions must be an int >= 0, got {self.extra_positions!r}")
+
+    def __str__(self) -> str:
+        params = [f"{n}={getattr(self, n)}" for n in ("max_cache_len", "budget", "rows")
+                  if getattr(self, n) is not None]
+        params += [f"window_offset={self.window_offset}"] if self.window_offset else []
+        params += ["windowed=False"] if not self.windowed else []
+        params += [f"extra_positions={self.extra_positions}"] if self.extra_positions else []
+        return f"KVLayout({', '.join([repr(self.kind), *params])})"
+
+    def positions(self, written: int, window: int | None) -> tuple[int, str]:
+        """Positions one layer holds after `written` positions (window: None for full attention), and why."""
+        if self.kind == "static":
+            bounds = [(self.max_cache_len, f"max_cache_len={self.max_cache_len}")]
+        else:
+            extra = self.extra_positions
+            bounds = [(written + extra, f"T+{extra}={written + extra}" if extra else f"T={written}")]
+            bounds += [(self.budget, f"budget={self.budget}")] if self.budget else []
+        if window is not None and self.windowed:
+            slots = window + self.window_offset
+            bounds.append((slots, f"W-1={slots}" if self.window_offset else f"W={slots}"))
+        held = min(value for value, _ in bounds)
+        return held, bounds[0][1] if len(bounds) == 1 else f"min({', '.join(term for _, term in bounds)})"
+
+
 @dataclass(frozen=True)
 class Declaration:
     """What an engine factory declares about itself (all optional).
@@ -103,7 +187,7 @@ class Declaration:
       on this engine. Matching tests become strict xfails that absorb only a failure whose
       ``"<exception type>: <message>"`` matches the regex `expected failure` (a different failure still
       fails; a fixed engine shows as XPASS(strict)).
-    - `kv_layout`: a ``pytest_kvcompile.memory.measure.KVLayout`` saying how the cache stores positions
+    - `kv_layout`: a `KVLayout` saying how the cache stores positions
       (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
       `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
     - `kv_released`: every ``generate`` call makes its own KV cache and drops it before returning: afterwards

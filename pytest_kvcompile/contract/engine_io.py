@@ -71,14 +71,16 @@ def build(ref: EngineRef, spec: ModelSpec, compile_backend: str) -> Any:
     return engine
 
 
-def generate(ref: EngineRef, engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, vocab_size: int) -> list[list[int]]:
+def generate(ref: EngineRef, engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             vocab_size: int) -> list[list[int]]:
     """engine.generate(prompts, max_new_tokens), validated against the contract."""
     __tracebackhide__ = True
     lengths = [len(p) for p in prompts]
     try:
         out = engine.generate([list(p) for p in prompts], max_new_tokens)
     except Exception as exc:
-        _fail_raised(ref, f"generate(<{len(prompts)} prompt(s) of lengths {lengths}>, max_new_tokens={max_new_tokens})", exc)
+        _fail_raised(ref, f"generate(<{len(prompts)} prompt(s) of lengths {lengths}>, "
+                          f"max_new_tokens={max_new_tokens})", exc)
     try:
         return validate_generate(out, len(prompts), max_new_tokens, vocab_size)
     except MalformedOutput as exc:
@@ -97,7 +99,8 @@ def score(ref: EngineRef, engine: Any, vocab_size: int):
         try:
             logits = engine.score(list(prompt), list(continuation))
         except Exception as exc:
-            _fail_raised(ref, f"score(<prompt of length {len(prompt)}>, <continuation of length {len(continuation)}>)", exc)
+            _fail_raised(ref, f"score(<prompt of length {len(prompt)}>, "
+                              f"<continuation of length {len(continuation)}>)", exc)
         expected = (len(continuation), vocab_size)
         if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
@@ -132,8 +135,10 @@ def validate_generate(out: Any, n_prompts: int, max_new_tokens: int, vocab_size:
             )
         for step, tok in enumerate(row):
             if isinstance(tok, bool) or not isinstance(tok, numbers.Integral):
-                raise MalformedOutput(f"continuation {i}, step {step}: {tok!r} ({type(tok).__name__}) is not an int token id")
+                raise MalformedOutput(f"continuation {i}, step {step}: {tok!r} ({type(tok).__name__}) "
+                                      f"is not an int token id")
             if not 0 <= int(tok) < vocab_size:
-                raise MalformedOutput(f"continuation {i}, step {step}: token id {int(tok)} is outside the vocabulary [0, {vocab_size})")
+                raise MalformedOutput(f"continuation {i}, step {step}: token id {int(tok)} "
+                                      f"is outside the vocabulary [0, {vocab_size})")
         result.append([int(t) for t in row])
     return result

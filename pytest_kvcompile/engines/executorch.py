@@ -51,10 +51,11 @@ def lower_to_executorch(program: torch.export.ExportedProgram, backend: str = "x
     return edge.to_executorch().buffer
 
 
-_XNNPACK_NUMERICS = ("executorch 1.5.1 XNNPACK delegate, float32: on gemma4-kvshared its logits differ from transformers' by "
-                     "up to ~0.024 (hf-export's program: 1.5e-5; the same program lowered without XNNPACK, portable kernels "
-                     "only: 5e-5), over the 0.01 score tolerance, and flip a near tie (gap 0.008 > tie tolerance 0.001) on "
-                     "the stale-state prompt long48/v1, on a fresh engine too: numerics, not state (docs/engines/hf-export.md)")
+_XNNPACK_NUMERICS = (
+    "executorch 1.5.1 XNNPACK delegate, float32: on gemma4-kvshared its logits differ from transformers' by "
+    "up to ~0.024 (hf-export's program: 1.5e-5; the same program lowered without XNNPACK, portable kernels "
+    "only: 5e-5), over the 0.01 score tolerance, and flip a near tie (gap 0.008 > tie tolerance 0.001) on "
+    "the stale-state prompt long48/v1, on a fresh engine too: numerics, not state (docs/engines/hf-export.md)")
 #: Prompts whose score() deviation exceeded the tolerance in the 2026-11-23 run (the others stay under it).
 _XNNPACK_PROMPTS = ("len1", "W-1=7", "W+1=9", "2W+3=19", "long48", "long250")
 
@@ -93,7 +94,8 @@ class ExecuTorch(HFExport):
             (logits,) = self.method.execute(inputs)
         except RuntimeError as exc:  # the runtime logs the cause on stderr; its exception carries an error code only
             raise RuntimeError(
-                f"{self.NAME}: {what}: the ExecuTorch runtime failed at cache positions {start}..{start + len(ids) - 1} "
+                f"{self.NAME}: {what}: the ExecuTorch runtime failed at cache positions "
+                f"{start}..{start + len(ids) - 1} "
                 f"({exc}; the runtime's own log on stderr names the cause). Accepted shapes: {self.shapes}") from exc
         return logits[0]
 

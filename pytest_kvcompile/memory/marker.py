@@ -28,15 +28,15 @@ from typing import Any
 
 import pytest
 
+from pytest_kvcompile.config import markers
 from pytest_kvcompile.memory.units import format_bytes, parse_size
-from pytest_kvcompile.run import markers
 
 MARKER = "limit_memory"
 DEVICES = ("auto", "cpu", "cuda")
 STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")
 
 
-def limit_memory(measured: dict[str, Any], limit: str, *, device: str = "auto") -> markers.Failure | None:
+def limit_memory(measured: dict[str, Any], limit: str, *, device: str = "auto") -> markers.Finding | None:
     """fail the test if its call allocates more than limit ("64 MiB"; units B, KB, MB, GB, TB or KiB, MiB,
     GiB, TiB, all powers of 1024 as in pytest-memray): on device="cuda" the growth of
     torch.cuda.max_memory_allocated, on "cpu" the growth of the process's peak RSS (VmHWM, Linux);
@@ -44,7 +44,7 @@ def limit_memory(measured: dict[str, Any], limit: str, *, device: str = "auto") 
     grown, limit_bytes = max(measured["peak"] - measured["start"], 0), parse_size(limit)
     if grown <= limit_bytes:
         return None
-    return markers.Failure(
+    return markers.Finding(
         f"test allocated {format_bytes(grown)}, limit {limit} ({limit_bytes:,} B)",
         f"device: {measured['device']}\nmeasure: {measured['measure']}\nat the call's start: "
         f"{format_bytes(measured['start'])}\npeak during the call: {format_bytes(measured['peak'])}\n"
@@ -136,7 +136,7 @@ def _peak(arguments: dict[str, Any], item: pytest.Item):
     found["peak"] = probe.peak()
 
 
-SPEC = markers.Marker(limit_memory, _validate, _setup, _peak, example='("64 MiB", device="auto")')
+SPEC = markers.Marker(limit_memory, _validate, _setup, _peak, example='("64 MiB", device="auto")', kind="memory")
 
 
 def register(config: pytest.Config) -> None:

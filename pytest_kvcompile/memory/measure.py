@@ -5,10 +5,9 @@
   view of a ``W``-position buffer, so it holds W/(W-1) times its ``nbytes``: tests/test_memory.py),
   two tensors sharing a storage hold it once, and a lazily allocated cache (transformers'
   ``StaticCache`` before its first forward: keys ``None``) holds nothing.
-- `KVLayout`: how an engine's cache stores positions, declared as
-  ``Declaration(kv_cache_bytes=True, kv_layout=KVLayout(...))``.
-- `expected_kv_bytes(layout, config, ...)`: the exact bytes that layout holds at the end of
-  ``generate()``, with the formula's terms per layer (`Footprint`).
+- `expected_kv_bytes(layout, config, ...)`: the exact bytes a `KVLayout` (contract/engine.py, declared as
+  ``Declaration(kv_cache_bytes=True, kv_layout=KVLayout(...))``) holds at the end of ``generate()``, with the
+  formula's terms per layer (`Footprint`).
 - `live_tensor_bytes()`: every tensor the garbage collector can see (the leak check's census).
 - `held_by(engine)`: what an engine object really holds beyond its weights (the memory cross-check).
 """
@@ -25,10 +24,9 @@ from typing import Any
 
 import torch
 
+from pytest_kvcompile.contract.engine import KVLayout
 from pytest_kvcompile.memory.units import format_bytes
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
-
-KINDS = ("dynamic", "static", "budget")
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -91,7 +89,7 @@ def _referents(obj: Any) -> Iterable[Any]:
 
 def _filled(cell) -> bool:
     try:
-        cell.cell_contents
+        _ = cell.cell_contents
     except ValueError:
         return False
     return True
@@ -131,89 +129,9 @@ def held_by(root: Any, limit: int = 500_000) -> Held:
         except Exception:  # an exotic object that refuses introspection holds nothing we can see
             continue
     weight_keys = {(t.device, t.untyped_storage().data_ptr()) for t in params if t.device.type != "meta"}
-    state = [t for t in other if t.device.type == "meta" or (t.device, t.untyped_storage().data_ptr()) not in weight_keys]
+    state = [t for t in other
+             if t.device.type == "meta" or (t.device, t.untyped_storage().data_ptr()) not in weight_keys]
     return Held(held_bytes(params), held_bytes(state), len(params) + len(other))
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """How an engine's KV cache stores positions, so its footprint can be computed exactly.
-
-    T = positions written by ``generate(prompts, new_tokens)`` = prompt width + new_tokens - 1: the
-    width is the longest prompt (a batch is one padded cache of one row per prompt) and the last
-    generated token is never fed back. W = the model's ``sliding_window``. Per layer with its own KV
-    (KV-sharing layers hold none), each of K and V holds ``rows x kv_heads x head_dim`` values per position:
-
-    ============  ==========================  =====================================================
-    kind          full-attention layer        sliding-window layer (S = W + window_offset)
-    ============  ==========================  =====================================================
-    ``dynamic``   T (grows by concatenation)  min(T, S)
-    ``static``    max_cache_len (allocated)   min(max_cache_len, S)
-    ``budget``    min(T, budget) (eviction)   min(T, budget, S)
-    ============  ==========================  =====================================================
-
-    `rows`: rows the cache allocates whatever the batch (a static cache padded to a max batch size);
-    None: one row per prompt.
-
-    `windowed=False`: sliding layers keep every position like full layers (keys that left the window are
-    masked, never read again, but held). `extra_positions`: positions a growing (dynamic or budget) layer holds
-    beyond T, e.g. one pad key kept so the cache is never empty.
-
-    `window_offset`: what a sliding layer really holds, relative to W. transformers' dynamic sliding
-    layer keeps W-1 positions as a view of the W-position concatenation of the last step, so it
-    *holds* W (offset 0); its static sliding layer allocates W (offset 0). An engine copying out the
-    last W-1 positions declares -1. The formulas hold after a ``generate()`` that ran at least one
-    decode step (new_tokens >= 2): after prefill alone transformers' dynamic sliding layer still holds
-    the whole prompt (its W-1 kept positions are a view of the prefill's keys).
-    """
-
-    kind: str = "dynamic"
-    max_cache_len: int | None = None
-    budget: int | None = None
-    window_offset: int = 0
-    rows: int | None = None
-    windowed: bool = True
-    extra_positions: int = 0
-
-    def __post_init__(self) -> None:
-        usage = ('KVLayout("dynamic"), KVLayout("static", max_cache_len=N) or KVLayout("budget", budget=N), '
-                 "optionally with window_offset=-1 (sliding layers hold W-1 positions) or 0 (W) and rows=N "
-                 "(rows allocated whatever the batch)")
-        if self.kind not in KINDS:
-            raise ValueError(f"KVLayout kind {self.kind!r} is unknown; write {usage}")
-        for name, needed in (("max_cache_len", "static"), ("budget", "budget"), ("rows", None)):
-            value = getattr(self, name)
-            if needed and (self.kind == needed) != (value is not None):
-                raise ValueError(f"{self}: {name} is required for kind {needed!r} and only there; write {usage}")
-            if value is not None and (type(value) is not int or value < 1):
-                raise ValueError(f"{self}: {name} must be an int >= 1, got {value!r}")
-        if type(self.window_offset) is not int or self.window_offset not in (-1, 0):
-            raise ValueError(f"{self}: window_offset must be -1 (W-1 positions) or 0 (W), got {self.window_offset!r}")
-        if type(self.windowed) is not bool:
-            raise ValueError(f"{self}: windowed must be True or False, got {self.windowed!r}")
-        if type(self.extra_positions) is not int or self.extra_positions < 0:
-            raise ValueError(f"{self}: extra_positions must be an int >= 0, got {self.extra_positions!r}")
-
-    def __str__(self) -> str:
-        params = [f"{n}={getattr(self, n)}" for n in ("max_cache_len", "budget", "rows") if getattr(self, n) is not None]
-        params += [f"window_offset={self.window_offset}"] if self.window_offset else []
-        params += ["windowed=False"] if not self.windowed else []
-        params += [f"extra_positions={self.extra_positions}"] if self.extra_positions else []
-        return f"KVLayout({', '.join([repr(self.kind), *params])})"
-
-    def positions(self, written: int, window: int | None) -> tuple[int, str]:
-        """Positions one layer holds after `written` positions (window: None for full attention), and why."""
-        if self.kind == "static":
-            bounds = [(self.max_cache_len, f"max_cache_len={self.max_cache_len}")]
-        else:
-            extra = self.extra_positions
-            bounds = [(written + extra, f"T+{extra}={written + extra}" if extra else f"T={written}")]
-            bounds += [(self.budget, f"budget={self.budget}")] if self.budget else []
-        if window is not None and self.windowed:
-            slots = window + self.window_offset
-            bounds.append((slots, f"W-1={slots}" if self.window_offset else f"W={slots}"))
-        held = min(value for value, _ in bounds)
-        return held, bounds[0][1] if len(bounds) == 1 else f"min({', '.join(term for _, term in bounds)})"
 
 
 @dataclass(frozen=True)
@@ -249,7 +167,8 @@ class Footprint:
     def explain(self) -> str:
         """The formula with its terms, one line per layer."""
         lines = [f"{self.layout}, T = width {self.width} + new_tokens {self.new_tokens} - 1 = "
-                 f"{self.width + self.new_tokens - 1}; bytes = rows x positions x 2 (K,V) x kv_heads x head_dim x dtype bytes"]
+                 f"{self.width + self.new_tokens - 1}; "
+                 f"bytes = rows x positions x 2 (K,V) x kv_heads x head_dim x dtype bytes"]
         for t in self.layers:
             if t.kind == "shared":
                 lines.append(f"  layer {t.layer} (shared KV): 0")
@@ -289,10 +208,8 @@ def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: i
 
 
 __all__ = [
-    "KINDS",
     "Footprint",
     "Held",
-    "KVLayout",
     "LayerTerm",
     "cache_tensors",
     "expected_kv_bytes",

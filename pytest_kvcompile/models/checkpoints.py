@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from pytest_kvcompile.config.options import MODEL, ZOO, Settings
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
-from pytest_kvcompile.run.options import MODEL, ZOO, Settings
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,8 @@ def collect(settings: Settings) -> dict[str, ModelEntry]:
     names = list(zoo.ZOO) if settings.zoo is None else list(settings.zoo)
     unknown = [n for n in names if n not in zoo.ZOO]
     if unknown:
-        raise pytest.UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; choose from {', '.join(zoo.ZOO)}, 'all' or 'none'")
+        raise pytest.UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; "
+                                f"choose from {', '.join(zoo.ZOO)}, 'all' or 'none'")
     entries: dict[str, ModelEntry] = {}
     for name in names:
         try:

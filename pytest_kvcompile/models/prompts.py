@@ -57,7 +57,8 @@ def of_length(length: int, vocab_size: int, salt: int = 0) -> Prompt:
 
 def prompt_set(vocab_size: int, window: int | None, extra: dict[str, int] | None = None,
                limit: int | None = None) -> list[Prompt]:
-    return [Prompt(name, _ids(length, vocab_size, salt=0)) for name, length in lengths_for(window, extra, limit).items()]
+    return [Prompt(name, _ids(length, vocab_size, salt=0))
+            for name, length in lengths_for(window, extra, limit).items()]
 
 
 def variant(prompt: Prompt, vocab_size: int, salt: int) -> Prompt:

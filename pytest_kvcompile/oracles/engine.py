@@ -44,7 +44,7 @@ from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
 from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.errors import OracleUnreliable
-from pytest_kvcompile.oracles.hf import Reference
+from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
 HF, EAGER = "hf", "eager"
@@ -68,7 +68,8 @@ class Choice:
             return "hf (transformers eager)"
         if self.forced:
             return f"eager: engine '{self.ref.name}' itself under torch.compiler.set_stance('force_eager')"
-        return f"{self.kind}: engine '{self.ref.name}'" + (" (its declared eager counterpart)" if self.kind == EAGER else "")
+        return f"{self.kind}: engine '{self.ref.name}'" + (
+            " (its declared eager counterpart)" if self.kind == EAGER else "")
 
 
 def choose(name: str, ref: EngineRef, wanted: str, resolve) -> Choice:

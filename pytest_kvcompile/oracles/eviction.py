@@ -112,7 +112,7 @@ import copy
 import dataclasses
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -120,16 +120,15 @@ import torch.nn.functional as F
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
 from pytest_kvcompile.oracles.precision import NOISE_FACTOR, load_lm
-
-if TYPE_CHECKING:
-    from pytest_kvcompile.oracles.hf import Reference
+from pytest_kvcompile.oracles.reference import Reference
 
 EMPTY = -1  # position of an empty cache slot
 
 
 def order(pos: torch.Tensor, score: torch.Tensor, protected: torch.Tensor) -> torch.Tensor:
     """Candidate indices [..., n], best first: protected entries (by position), then the others by
-    higher score, then lower position; empty slots (pos < 0) last. Deterministic: stable sorts, no reliance on topk's tie order."""
+    higher score, then lower position; empty slots (pos < 0) last. Deterministic: stable sorts, no reliance on
+    topk's tie order."""
     key = torch.where(protected, torch.inf, score.to(torch.promote_types(score.dtype, torch.float32)))
     key = key.masked_fill(pos < 0, -torch.inf)
     by_pos = pos.argsort(dim=-1, stable=True)
@@ -566,9 +565,6 @@ class EvictionOracle:
     @torch.inference_mode()
     def run(self, prompt, steps: int) -> tuple[Reference, _Masks]:
         """The greedy run (one path: at a near tie the rule's own choice, never a fork), memoized."""
-        # Imported here: hf imports this module (its ORACLES table).
-        from pytest_kvcompile.oracles.hf import Reference
-
         key = (tuple(prompt), steps)
         if key not in self._memo:
             branch, inputs, tokens, rows = self._start(), key[0], [], []

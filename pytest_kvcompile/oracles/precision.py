@@ -23,7 +23,7 @@ local term covers them without widening the rule elsewhere. NOISE_FACTOR covers 
 ties as a correct engine flipping at the flip rate's upper bound shows with probability >= `FALSE_ALARM`
 (binomial); so may a whole run (`run_rate_exceeded`). The numbers per zoo model: docs/precision.md.
 
-float32 keeps its constants (oracles/tolerances.py): its noise is ~1e-5, far inside them (measured in the same doc).
+float32 keeps its constants (config/tolerances.py): its noise is ~1e-5, far inside them (measured in the same doc).
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
+from pytest_kvcompile.config.tolerances import FALSE_ALARM, binomial_tail
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
-from pytest_kvcompile.oracles.tolerances import FALSE_ALARM, binomial_tail
 
 REDUCED = ("bfloat16", "float16")  # dtypes judged by this module's rule
 NOISE_FACTOR = 1.5
@@ -240,7 +240,7 @@ class LocalNoise:
 class Rules:
     """The verdict numbers on one model: tie tolerance, near-tie budget per sequence (None: none), score()
     tolerance, and the noise the 16-bit ones were measured from (None: the options' values, or float32's constants).
-    The run's near-tie rate is a reports rule (reports/results.py: run_problems, from each row's noise)."""
+    The run's near-tie rate is a reports rule (verdicts/rows.py: run_problems, from each row's noise)."""
 
     tie_tolerance: float
     max_near_ties: int | None
@@ -251,7 +251,7 @@ class Rules:
     def of(cls, settings: Any, noise: Noise | None) -> Rules:
         """From the run's settings (None = measured: needs `noise`). Without noise in 16-bit (a model transformers
         cannot run, with the numbers given explicitly) the given tie tolerance also bounds score() rows."""
-        from pytest_kvcompile.oracles.tolerances import DEFAULT_SCORE_TOLERANCE
+        from pytest_kvcompile.config.tolerances import DEFAULT_SCORE_TOLERANCE
 
         if noise is None:
             return cls(settings.tie_tolerance, settings.max_near_ties,

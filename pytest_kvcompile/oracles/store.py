@@ -14,9 +14,10 @@ the oracle's token at some step is more than `ORACLE_CHECK_TOLERANCE` (per dtype
 the oracle is unreliable for this model: `OracleUnreliable` names transformers, model, prompt and step, and
 every token check on that model stops with that error: never a verdict on the engine.
 
-The tolerance is the oracle's own rounding, not the engine's tie tolerance: a bfloat16 oracle is up to ~0.2
-logits from float64 on the zoo (measured: 0.19 on gemma4-kvshared, 0.16 on gpt2-abspos), while a cache bug
-moves logits by whole units. float32: 1e-3 (measured differences ~1e-5).
+The tolerance is the oracle's own rounding, not the engine's tie tolerance. float32: 1e-3 (measured differences
+~1e-5). A 16-bit run's hf oracle is the float64 truth: 1e-6. An engine oracle run in 16-bit: bfloat16 1.0, float16
+0.25 (a bfloat16 oracle trailed its float64 path by up to 0.19 on the CPU zoo and 0.766 on an H100,
+docs/gpu-results.md), while a cache bug moves logits by whole units.
 """
 
 from __future__ import annotations
@@ -36,11 +37,12 @@ import torch
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import OracleUnreliable
 from pytest_kvcompile.models.zoo import shared_kv_layers
-from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
-from pytest_kvcompile.oracles.engine import EngineOracle
-from pytest_kvcompile.oracles.hf import Reference, oracle_for
 from pytest_kvcompile.oracles import precision
+from pytest_kvcompile.oracles.engine import EngineOracle
+from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
+from pytest_kvcompile.oracles.hf import oracle_for
 from pytest_kvcompile.oracles.precision import load_lm
+from pytest_kvcompile.oracles.reference import Reference
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
 #: bfloat16 from data: the bfloat16 oracle's own tokens trailed its float64 path by up to 0.766 (H100,
@@ -219,8 +221,9 @@ class StoredOracle:
 
     def noise(self) -> precision.Noise:
         """This model's measured 16-bit noise (precision.calibrate over this oracle, the truth), memoized."""
-        found = self._cached(("noise", _PRECISION),
-                             lambda: precision.calibrate(self.computations.spec, self.oracle, self.computations).to_dict())
+        found = self._cached(
+            ("noise", _PRECISION),
+            lambda: precision.calibrate(self.computations.spec, self.oracle, self.computations).to_dict())
         return precision.Noise.from_dict(found)
 
     def self_check(self, ref: Reference) -> None:
@@ -250,7 +253,8 @@ class StoredOracle:
                     f"oracle unreliable: {who}torch {torch.__version__}, model "
                     f"'{self.spec.name}' ({dtype_name(self.spec.dtype)}, {self.spec.device}), prompt of length "
                     f"{len(ref.prompt)} ...{list(ref.prompt[-4:])}, step {step}: the oracle ({self.source}) chose "
-                    f"{token}, but {name} prefers {best} by {gap:.4g} > {tolerance:g} (the oracle's rounding allowance in "
+                    f"{token}, but {name} prefers {best} by {gap:.4g} > {tolerance:g} "
+                    f"(the oracle's rounding allowance in "
                     f"{dtype_name(self.spec.dtype)}). The "
                     "oracle's references cannot judge an engine on this model, so its token checks there are skipped "
                     "as not judged (this is not a verdict on the engine). " + (

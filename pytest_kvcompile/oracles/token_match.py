@@ -16,16 +16,18 @@ computing what the model computes).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from pytest_kvcompile.oracles.hf import Reference
-from pytest_kvcompile.oracles.tolerances import (
+from pytest_kvcompile.config.tolerances import (
     DEFAULT_MAX_NEAR_TIES,
     DEFAULT_TIE_TOLERANCE,
 )
+from pytest_kvcompile.oracles.reference import Reference
+from pytest_kvcompile.verdicts.failures import Failure, Kind, Where
 
 
 @dataclass(frozen=True)
@@ -63,15 +65,18 @@ class Verdict:
 
 
 class TokenMismatch(AssertionError):
-    """The engine's tokens differ from the oracle's by more than near ties allow. `diff` (when set) is the
-    comparison as plain data for the reports' token diff: oracle and engine tokens, the step, gap, tolerance,
-    the oracle's top-3 there, the hint."""
+    """The engine's tokens differ from the oracle's by more than near ties allow. `failure` (when set) is the
+    verdict as data (verdicts/failures.py: its kind, step, gap, tolerance, the oracle's top-3 there, the tokens):
+    the reports' token diff and the JSON read it, the hint is chosen from it."""
 
-    diff: dict | None = None
+    def __init__(self, message: str, failure: Failure | None = None, kind: Kind | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
+        self.kind = failure.kind if failure is not None else kind or Kind.MISMATCH
 
 
-def compare(reference: Reference, got: Sequence[int], tie_tolerance: float,
-            max_near_ties: int | None = None) -> Verdict:
+def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float,
+                  max_near_ties: int | None = None) -> Verdict:
     """Classify every step of `got` against the oracle given the engine's own prefix (the module rule)."""
     verdict = Verdict(steps=len(reference.tokens), max_near_ties=max_near_ties)
     first = next((i for i, (e, g) in enumerate(zip(reference.tokens, got)) if e != g), None)
@@ -104,7 +109,7 @@ def allowed_gap(reference: Reference, got: Sequence[int], step: int, best: int, 
     return max(tie_tolerance, reference.noise(got).allowed(step, best, token, row))
 
 
-def assert_tokens_match(
+def check_tokens(
     reference: Reference,
     got: Sequence[int],
     *,
@@ -113,84 +118,88 @@ def assert_tokens_match(
     engine: str = "engine",
     model: str = "model",
     prompt: str = "prompt",
-    where: str = "",
+    where: Where | str = "",
     window: int | None = None,
     context: str = "",
 ) -> Verdict:
     """Fail with a full explanation unless every step of `got` is the oracle's choice or a near tie,
     and near ties stay within `max_near_ties` (None: unlimited).
 
-    Returns the verdict when it passes. `where` describes the call (e.g. "alone" or "index 2 of a batch of
-    lengths [7, 1, 48]"); `window` is the model's sliding window, used for hints; `context` is appended
-    to a failure (e.g. the calls the engine object served before).
+    Returns the verdict when it passes. `where` says which call (verdicts/failures.py: `Where`, e.g. the row of a batch
+    and the prompts served before; the hint reads its fields; a plain string is shown, not read); `window` is the
+    model's sliding window, used for hints; `context` is appended to a failure (e.g. the calls the engine object
+    served before).
     """
     __tracebackhide__ = True
     got = [int(t) for t in got]
+    where = Where.of(where)
+    facts = dict(engine=engine, model=model, prompt=prompt, prompt_length=len(reference.prompt), where=where,
+                 window=window, tolerance=tie_tolerance, scored=reference.scored, max_near_ties=max_near_ties,
+                 oracle=tuple(int(t) for t in reference.tokens), tokens=tuple(got),
+                 prompt_tail=tuple(int(t) for t in reference.prompt[-8:]))
+    described = where.describe()
+    at = f"on model '{model}', {prompt} (length {len(reference.prompt)}){', ' + described if described else ''}"
     if len(got) != len(reference.tokens):
-        raise TokenMismatch(
-            f"engine '{engine}' returned {len(got)} tokens for {prompt} on model '{model}', "
-            f"expected {len(reference.tokens)}"
-        )
-    verdict = compare(reference, got, tie_tolerance, max_near_ties)
-    at = f"on model '{model}', {prompt} (length {len(reference.prompt)}){', ' + where if where else ''}"
-    if verdict.mismatch is not None:
-        lines = _mismatch(reference, got, verdict, tie_tolerance, engine, at, where, window)
-    elif verdict.drift:
-        lines = _drift(reference, got, verdict, tie_tolerance, engine, at)
+        failure = Failure(Kind.LENGTH, **facts)
+        lines = [f"engine '{engine}' returned {len(got)} tokens {at}, expected {len(reference.tokens)}"]
     else:
-        return verdict
-    error = TokenMismatch("\n".join(lines + ([context] if context else [])))
-    error.diff = _diff(reference, got, verdict, tie_tolerance, prompt, where, lines[-1].removeprefix("  hint: "))
-    raise error
+        verdict = token_verdict(reference, got, tie_tolerance, max_near_ties)
+        ties = tuple((t.step, t.expected, t.got, round(t.gap, 6)) for t in verdict.near_ties)
+        if verdict.mismatch is not None:
+            bad = verdict.mismatch
+            failure = Failure(Kind.MISMATCH, **facts, step=bad.step, expected=bad.expected, got=bad.got,
+                              gap=round(bad.gap, 6) if reference.scored else None, allowed=bad.allowed,
+                              top3=_top3(reference, got, bad.step, tie_tolerance), near_ties=ties)
+            lines = _mismatch(reference, got, verdict, failure, at)
+        elif verdict.drift:
+            failure = Failure(Kind.DRIFT, **facts, near_ties=ties)
+            lines = _drift(reference, got, verdict, tie_tolerance, engine, at)
+        else:
+            return verdict
+    lines.append("  hint: " + failure.hint)
+    raise TokenMismatch("\n".join(lines + ([context] if context else [])), failure)
 
 
-def _diff(ref: Reference, got: list[int], verdict: Verdict, tol: float, prompt: str, where: str, hint: str) -> dict:
-    bad = verdict.mismatch
-    top = []
-    if bad is not None and ref.scored:
-        row = ref.given(got, tol)[bad.step].float()
-        values, ids = row.topk(min(3, row.numel()))
-        top = [[int(i), round(float(v), 4)] for v, i in zip(values, ids)]
-    return {"prompt": prompt, "where": where, "prompt_tail": [int(t) for t in ref.prompt[-8:]],
-            "prompt_length": len(ref.prompt), "oracle": [int(t) for t in ref.tokens], "engine": got,
-            "step": bad.step if bad else None, "gap": round(bad.gap, 6) if bad and ref.scored else None, "tolerance": tol,
-            "top3": top, "near_ties": [[t.step, t.expected, t.got, round(t.gap, 6)] for t in verdict.near_ties],
-            "kind": "mismatch" if bad else "drift", "hint": hint}
+def assert_tokens_match(*args, **kwargs) -> Verdict:
+    """Deprecated spelling of `check_tokens` (the one name of the token check)."""
+    __tracebackhide__ = True
+    warnings.warn("pytest_kvcompile.assert_tokens_match is deprecated: call check_tokens (same arguments)",
+                  DeprecationWarning, stacklevel=2)
+    return check_tokens(*args, **kwargs)
 
 
-def _mismatch(ref: Reference, got, verdict: Verdict, tol, engine, at, where, window) -> list[str]:
-    bad = verdict.mismatch
-    n, plen = len(ref.tokens), len(ref.prompt)
+def _top3(ref: Reference, got: list[int], step: int, tol: float) -> tuple[tuple[int, float], ...]:
+    if not ref.scored:
+        return ()
+    row = ref.given(got, tol)[step].float()
+    values, ids = row.topk(min(3, row.numel()))
+    return tuple((int(i), round(float(v), 4)) for v, i in zip(values, ids))
+
+
+def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) -> list[str]:
+    bad, engine, tol = verdict.mismatch, failure.engine, failure.tolerance
+    n = len(ref.tokens)
+    context = (f"  context: prompt ...{list(ref.prompt[-4:])} | generated {got[max(0, bad.step - 6):bad.step]}"
+               f" -> expected {bad.expected}, got {bad.got}")
     if not ref.scored:
         return [
             f"engine '{engine}' diverges from the oracle {at}: step {bad.step} of {n}",
             f"  expected token {bad.expected}, got {bad.got}: the oracle has no logits (it declares no score()), so "
             "every token must be equal: a near tie cannot be told from a bug here",
-            f"  context: prompt ...{list(ref.prompt[-4:])} | generated {got[max(0, bad.step - 6):bad.step]}"
-            f" -> expected {bad.expected}, got {bad.got}",
-            f"  oracle: {list(ref.tokens)}",
-            f"  engine: {got}",
-            f"  reference: {ref.source}",
-            "  hint: " + _hint(bad.step, plen, window, where) + "; if this is a near tie, give the oracle engine "
-            "score() (Declaration(scoring=True)) so near ties can be judged",
+            context, f"  oracle: {list(ref.tokens)}", f"  engine: {got}", f"  reference: {ref.source}",
         ]
     given = " (given the engine's own tokens before it, which left the oracle's path at an earlier near tie)" \
         if verdict.near_ties else ""
-    rows = ref.given(got, tol)
-    top = rows[bad.step].topk(min(3, rows.size(-1)))
     lines = [
         f"engine '{engine}' diverges from the oracle {at}: step {bad.step} of {n}{given}",
         f"  expected token {bad.expected}, got {bad.got}: the oracle prefers {bad.expected} by a logit gap of "
         f"{bad.gap:.4g} > {_allowed(bad, tol)}, so this is a real mismatch, not numerics",
-        "  oracle top-3 at this step: " + ", ".join(f"{int(t)} ({float(v):.4g})" for v, t in zip(*top)),
-        f"  context: prompt ...{list(ref.prompt[-4:])} | generated {got[max(0, bad.step - 6):bad.step]}"
-        f" -> expected {bad.expected}, got {bad.got}",
-        f"  oracle: {list(ref.tokens)}",
-        f"  engine: {got}",
+        "  oracle top-3 at this step: " + ", ".join(f"{t} ({v:.4g})" for t, v in failure.top3),
+        context, f"  oracle: {list(ref.tokens)}", f"  engine: {got}",
     ]
-    lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}" for t in verdict.near_ties]
+    lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}"
+              for t in verdict.near_ties]
     lines.append(f"  reference: {ref.source}")
-    lines.append("  hint: " + _hint(bad.step, plen, window, where))
     return lines
 
 
@@ -206,38 +215,17 @@ def _drift(ref: Reference, got, verdict: Verdict, tol, engine, at) -> list[str]:
     return [
         f"engine '{engine}' drifts from the oracle {at}: {len(ties)} near ties in one sequence of "
         f"{verdict.steps} steps, more than the {verdict.max_near_ties} allowed (--kv-max-near-ties)",
-        *(f"  near tie at step {t.step}: oracle {t.expected} vs engine {t.got}, gap {t.gap:.3g} <= {max(t.allowed, tol):.3g}"
+        *(f"  near tie at step {t.step}: oracle {t.expected} vs engine {t.got}, "
+          f"gap {t.gap:.3g} <= {max(t.allowed, tol):.3g}"
           for t in ties),
         f"  oracle: {list(ref.tokens)}",
         f"  engine: {got}",
         f"  reference: {ref.source}",
-        "  hint: each flip is within the tie tolerance, but a correct engine flips rarely; this many means its "
-        "numerics are not the model's (lower precision in attention or the cache, a wrong scale, accumulated "
-        "error); if the dtype really is this noisy, raise --kv-max-near-ties",
     ]
 
 
-def _hint(step: int, plen: int, window: int | None, where: str) -> str:
-    position = plen + step  # index of the token being predicted
-    if step == 0:
-        hint = "step 0 is decided by prefill alone: check the prefill forward (masking, positions, RoPE)"
-    else:
-        hint = (
-            f"prefill was right; decode step {step} reads {position} cached positions: check the cache "
-            "update/read path, cache positions and state left over from earlier calls"
-        )
-    if window and plen <= window < position + 1:
-        hint += f"; the sequence crossed the sliding window ({window} keys) before this step: check window eviction"
-    if "after prompts [" in where:
-        hint += "; earlier calls ran on this engine object: check that caches and positions are reset per call"
-    if "batch" in where:
-        hint += "; it happens inside a batch: check padding, attention masks and per-row positions"
-    return hint
-
-
-def assert_score_matches(reference: Reference, got: Sequence[int], scored: torch.Tensor, *, tie_tolerance: float,
-                         score_tolerance: float, engine: str = "engine", model: str = "model",
-                         prompt: str = "prompt") -> float:
+def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, *, tie_tolerance: float,
+                score_tolerance: float, engine: str = "engine", model: str = "model", prompt: str = "prompt") -> float:
     """A declared ``score(prompt, got)`` is checked twice: its rows against the oracle's logits given the same
     tokens (max abs difference <= `score_tolerance`), and its argmax against `got`, the tokens ``generate()``
     produced (the same path must pick the same tokens, up to near ties in its own logits). Returns the max
@@ -258,22 +246,24 @@ def assert_score_matches(reference: Reference, got: Sequence[int], scored: torch
     problems = []
     if worst > score_tolerance:
         step = int(diff.amax(-1).argmax())
-        problems.append(f"  its logits differ from the oracle's by up to {worst:.4g} > score tolerance {score_tolerance:g} "
-                        f"(worst at step {step}: oracle top-3 {_top(oracle[step])}, score() top-3 {_top(scored[step])})")
+        problems.append(f"  its logits differ from the oracle's by up to {worst:.4g} "
+                        f"> score tolerance {score_tolerance:g} "
+                        f"(worst at step {step}: oracle top-3 {_top(oracle[step])}, "
+                        f"score() top-3 {_top(scored[step])})")
     for step, token in enumerate(got):
         best = int(scored[step].argmax())
         gap = float(scored[step][best] - scored[step][token])
         if best != token and gap > tie_tolerance:
             problems.append(f"  at step {step} generate() produced {token} but score() prefers {best} by {gap:.4g} "
-                            f"> tie tolerance {tie_tolerance:g}: score() and generate() do not run the same computation")
+                            f"> tie tolerance {tie_tolerance:g}: "
+                            f"score() and generate() do not run the same computation")
             break
     if problems:
+        failure = Failure(Kind.SCORE, engine, model, prompt, len(reference.prompt), tolerance=score_tolerance,
+                          gap=round(worst, 6), tokens=tuple(got), oracle=tuple(int(t) for t in reference.tokens))
         raise TokenMismatch("\n".join([
             f"engine '{engine}': score() is not the oracle's logits on model '{model}', {prompt}, teacher-forced on "
-            "the tokens generate() produced", *problems,
-            "  hint: score(prompt, continuation) must return the logits of the same cache/decode path as generate() "
-            "(row i predicts continuation[i]); raw logits, not log-probabilities or processed scores",
-        ]))
+            "the tokens generate() produced", *problems, "  hint: " + failure.hint]), failure)
     return worst
 
 

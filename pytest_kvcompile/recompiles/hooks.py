@@ -1,8 +1,11 @@
-"""The one adapter between pytest-kvcompile and torch's private compile internals.
+"""The one adapter between pytest-kvcompile (and `reference_impls`) and the private APIs of torch and transformers.
 
-Rule: when a torch upgrade moves anything used here, fail loudly with `DynamoHooksBroken`
-naming what moved; never report zero compiles because a hook went quiet. Everything
-version-specific (private names, config fields, log text formats) lives in this module.
+Rule: every name with a leading underscore in a torch or transformers path is used here and nowhere else
+(tests/test_private_apis.py enforces it), and is listed in `PRIVATE_APIS` (transformers':
+`TRANSFORMERS_PRIVATE_APIS`; CUDA builds': `CUDA_PRIVATE_APIS`), which `check_private_apis()` resolves when a
+recording starts. When an upgrade moves anything used here, fail loudly with `DynamoHooksBroken` naming what
+moved; never report zero compiles because a hook went quiet. Everything version-specific (private names, config
+fields, log text formats) lives in this module.
 
 Private torch APIs used, and why (checked against torch 2.13):
 
@@ -34,6 +37,20 @@ Private torch APIs used, and why (checked against torch 2.13):
   it, an engine's own ``torch.cuda.graph(...)`` and inductor's cudagraph trees (``mode="reduce-overhead"``)
   alike. A capture after warmup is a re-capture (a new graph for an unseen shape), which dynamo never
   reports: the tap counts captures, with the engine code that asked for one.
+- ``torch._dynamo.eval_frame._stance.stance``: the stance ``torch.compiler.set_stance`` set (`forced_eager`).
+- ``torch._inductor.compile_fx``: imported early with one warning ignored (`import_inductor_quietly`); not
+  resolved when a recording starts (importing inductor costs seconds), so listed in `IMPORTED_ON_USE`.
+- ``torch._C._cuda_clearCublasWorkspaces`` (CUDA builds only): free cuBLAS workspaces before reading allocated
+  memory, as torch's own CUDA leak check does (`clear_cublas_workspaces`).
+- For `reference_impls`' compiled code: ``torch._check`` (state a size fact dynamo cannot prove; exported as
+  `torch_check`, the function itself, which dynamo knows by identity) and
+  ``torch._dynamo.decorators.mark_unbacked`` (a dynamic dim with no 0/1 specialisation; not in ``torch._dynamo``
+  in torch 2.13).
+
+Private transformers API used (checked against transformers 5.23):
+
+- ``CompileConfig._compile_all_devices``: off CUDA, ``generate()`` compiles only with it set
+  (`compile_on_every_device`).
 
 Not used: the ``torch._dynamo.guards.__recompiles`` logger only fires when TORCH_LOGS
 enables it (torch checks its own log state, not the logger's level), so a handler alone
@@ -63,7 +80,7 @@ GUARDS = "guard_complete"  # our own record: one per guard evaluation of a frame
 CAPTURE = "cuda_graph_capture"  # our own record: one per CUDA graph capture (capture_begin)
 EXPORT = "torch_export"  # our own record: one per outermost torch.export call (_trace._export)
 
-#: Every private name this module resolves; `check_private_apis()` tries them all.
+#: Every private torch name this module resolves; `check_private_apis()` tries them all.
 PRIVATE_APIS = (
     "torch._logging._internal.trace_log",
     "torch._dynamo.utils.get_compilation_metrics",
@@ -72,36 +89,65 @@ PRIVATE_APIS = (
     "torch._dynamo.reset",
     "torch._C._dynamo.eval_frame.set_guard_complete_hook",
     "torch.cuda.graphs.CUDAGraph",
+    "torch.export._trace._export",
+    "torch._dynamo.eval_frame._stance.stance",
+    "torch._check",
+    "torch._dynamo.decorators.mark_unbacked",
 )
-_METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type", "fail_reason")
+#: On CUDA builds only (`check_private_apis()` tries them there).
+CUDA_PRIVATE_APIS = ("torch._C._cuda_clearCublasWorkspaces",)
+#: transformers' private names used here; `check_private_apis()` tries them once transformers is imported.
+TRANSFORMERS_PRIVATE_APIS = ("transformers.generation.configuration_utils.CompileConfig._compile_all_devices",)
+#: Imported where used, not at each start (too slow); a missing one raises `DynamoHooksBroken` there.
+IMPORTED_ON_USE = ("torch._inductor.compile_fx",)
+_METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type",
+                   "fail_reason")
 
 
 class DynamoHooksBroken(RuntimeError):
-    """torch no longer provides an internal this plugin reads: recompile counts can't be trusted."""
+    """torch (or transformers) no longer provides an internal this plugin reads: what it reads can't be trusted."""
 
 
-def _broken(what: str) -> DynamoHooksBroken:
+def _broken(what: str, library: str = "torch") -> DynamoHooksBroken:
+    version = getattr(sys.modules.get(library), "__version__", "(version unknown)")
     return DynamoHooksBroken(
-        f"{what} (torch {torch.__version__}): pytest_kvcompile/recompiles/hooks.py must be updated for "
-        "this torch before recompiles can be counted"
+        f"{what} ({library} {version}): pytest_kvcompile/recompiles/hooks.py must be updated for "
+        f"this {library}; until then nothing read through it (compile counts included) can be trusted"
     )
 
 
 def resolve(path: str) -> Any:
-    """The object at a dotted torch path (module attribute); `DynamoHooksBroken` if it is gone."""
-    module, _, name = path.rpartition(".")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as exc:
-        raise _broken(f"{path} is missing") from exc
+    """The object at a dotted path (a module's attribute, or a class's in a module); `DynamoHooksBroken` if it
+    is gone."""
+    parts = path.split(".")
+    for split in range(len(parts) - 1, 0, -1):  # the longest importable module first
+        try:
+            found = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for name in parts[split:]:
+                found = getattr(found, name)
+        except AttributeError as exc:
+            raise _broken(f"{path} is missing", parts[0]) from exc
+        return found
+    raise _broken(f"{path} is missing", parts[0])
 
 
 def check_private_apis() -> None:
-    """Resolve every private name this module uses, so a torch upgrade fails here first."""
+    """Resolve every private name this module uses, so a torch (or transformers) upgrade fails here first."""
     for path in PRIVATE_APIS:
+        resolve(path)
+    for path in CUDA_PRIVATE_APIS if torch.version.cuda else ():
+        resolve(path)
+    for path in TRANSFORMERS_PRIVATE_APIS if "transformers" in sys.modules else ():  # importing it costs seconds
         resolve(path)
     if resolve("torch._logging._internal.trace_log") is not logging.getLogger(TRACE_LOGGER):
         raise _broken(f"torch's structured trace no longer logs to {TRACE_LOGGER!r}")
+
+
+#: ``torch._check`` itself, for compiled code (dynamo knows it by identity; a wrapper would be traced instead).
+torch_check = resolve("torch._check")
 
 
 def limits() -> str:
@@ -112,8 +158,7 @@ def limits() -> str:
 
 def forced_eager() -> bool:
     """Whether ``torch.compiler.set_stance("force_eager")`` is in effect (torch.compile directives ignored)."""
-    stance = getattr(importlib.import_module("torch._dynamo.eval_frame"), "_stance", None)  # torch >= 2.6
-    return getattr(stance, "stance", None) == "force_eager"
+    return resolve("torch._dynamo.eval_frame._stance.stance") == "force_eager"
 
 
 def reset() -> None:
@@ -127,8 +172,31 @@ def import_inductor_quietly() -> None:
     run put a DeprecationWarning about torch's code into the user's warnings summary (issue 31). Narrow: that
     message, during this import only; torch versions without the warning import as usual."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated", category=DeprecationWarning)
-        importlib.import_module("torch._inductor.compile_fx")
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script_method` is deprecated",
+                                category=DeprecationWarning)
+        try:
+            importlib.import_module("torch._inductor.compile_fx")
+        except ImportError as exc:
+            raise _broken("torch._inductor.compile_fx is missing") from exc
+
+
+def clear_cublas_workspaces() -> None:
+    """Free cuBLAS's per-(handle, stream) workspaces, as torch's own CUDA leak check does; nothing off CUDA builds."""
+    if torch.version.cuda:
+        resolve("torch._C._cuda_clearCublasWorkspaces")()
+
+
+def mark_unbacked(tensor: torch.Tensor, dim: int, **kwargs: Any) -> None:
+    """``torch._dynamo.decorators.mark_unbacked``: `dim` of `tensor` is dynamic, sizes 0 and 1 not specialised."""
+    resolve("torch._dynamo.decorators.mark_unbacked")(tensor, dim, **kwargs)
+
+
+def compile_on_every_device(compile_config: Any) -> Any:
+    """Set transformers' private ``CompileConfig._compile_all_devices`` on `compile_config` (off CUDA,
+    ``generate()`` compiles only with it) and return it."""
+    resolve("transformers.generation.configuration_utils.CompileConfig._compile_all_devices")  # renamed: set in vain
+    compile_config._compile_all_devices = True
+    return compile_config
 
 
 def _frame_metrics() -> list[Any]:

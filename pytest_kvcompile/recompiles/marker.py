@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_kvcompile.run import markers
+from pytest_kvcompile.config import markers
 
 if TYPE_CHECKING:
     from pytest_kvcompile.recompiles.recorder import CompileRecorder
@@ -37,20 +37,20 @@ SECTION = "compiles after warmup"
 RECORDER = pytest.StashKey["CompileRecorder"]()
 
 
-def no_recompile(recorder: CompileRecorder, *, max_recompiles: int = 0, graph_breaks: bool = False,
-                 warmup: bool = False) -> markers.Failure | None:
+def no_recompile(recorder: CompileRecorder, *, max_recompiles: int = 0, allow_graph_breaks: bool = False,
+                 warmup: bool = False) -> markers.Finding | None:
     """fail the test if, during its call, dynamo compiles more than max_recompiles frames after
-    warmup, a compile fails or hits a recompile limit, or a graph break happens (graph_breaks=True allows them). warmup=True: the
-    test takes the kv_compile_recorder fixture and calls kv_compile_recorder.mark_warmup_done()
-    where warmup ends (dynamo is reset before the test, see recompiles.recorder.isolate); otherwise every
-    compile in the test call counts."""
+    warmup, a compile fails or hits a recompile limit, or a graph break happens (allow_graph_breaks=True allows
+    them). warmup=True: the test takes the kv_compile_recorder fixture and calls
+    kv_compile_recorder.mark_warmup_done() where warmup ends (dynamo is reset before the test, see
+    recompiles.recorder.reset_dynamo); otherwise every compile in the test call counts."""
     from pytest_kvcompile.recompiles.recorder import verdict
 
-    failure = verdict(recorder, max_recompiles=max_recompiles, allow_graph_breaks=graph_breaks, warmup=warmup)
+    failure = verdict(recorder, max_recompiles=max_recompiles, allow_graph_breaks=allow_graph_breaks, warmup=warmup)
     if not failure:
         return None
     line, _, details = failure.partition("\n")
-    return markers.Failure(line, details, SECTION)
+    return markers.Finding(line, details, SECTION)
 
 
 def _validate(arguments: dict[str, Any], item: pytest.Item) -> dict[str, Any]:
@@ -70,9 +70,9 @@ def _setup(arguments: dict[str, Any], item: pytest.Item) -> None:
     if RECORDER in item.stash:  # a rerun of the item records afresh
         del item.stash[RECORDER]
     if arguments["warmup"]:
-        from pytest_kvcompile.recompiles.recorder import isolate
+        from pytest_kvcompile.recompiles.recorder import reset_dynamo
 
-        isolate()
+        reset_dynamo()
 
 
 def recorder_of(item: pytest.Item) -> CompileRecorder:
@@ -91,7 +91,8 @@ def _record(arguments: dict[str, Any], item: pytest.Item):
         yield recorder
 
 
-SPEC = markers.Marker(no_recompile, _validate, _setup, _record)
+SPEC = markers.Marker(no_recompile, _validate, _setup, _record, kind="recompile",
+                      renamed=(("graph_breaks", "allow_graph_breaks"),))  # the name until issue 27
 
 
 class RecorderFixture:

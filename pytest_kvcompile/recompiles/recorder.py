@@ -20,21 +20,25 @@ from __future__ import annotations
 
 import re
 import textwrap
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
 from pytest_kvcompile.recompiles import hooks as dynamo_hooks
 from pytest_kvcompile.recompiles.hooks import DynamoHooksBroken
+from pytest_kvcompile.verdicts.failures import Kind
 
 __all__ = [
     "CompileEvent", "CompileRecorder", "DynamoHooksBroken", "RecompileError", "expect_no_recompiles", "explain",
-    "hints", "isolate", "verdict",
+    "hints", "reset_dynamo", "verdict",
 ]
 
 
 class RecompileError(AssertionError):
     """Dynamo compiled after warmup (or hit its recompile limit) where that was not allowed."""
+
+    kind = Kind.RECOMPILE
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class CompileEvent:
         kind = "recompile" if self.is_recompile else "first compile"
         lines = [f"{kind} {self.compile_id} of {self.frame}"]
         if self.limit_hit:
-            lines.append(f"  hit {self.limit_hit}: dynamo stopped compiling this frame and runs it in eager from now on")
+            lines.append(f"  hit {self.limit_hit}: "
+                         f"dynamo stopped compiling this frame and runs it in eager from now on")
         if self.failed:
             lines.append(f"  compile FAILED: {self.failed}")
         lines += [f"  guard failed: {re.sub(' {3,}', '  ', guard)}" for guard in self.guard_failures]
@@ -137,8 +142,9 @@ class CompileRecorder:
         return [gb for event in self.events for gb in event.graph_breaks]
 
 
-def isolate() -> None:
-    """Start the next engine from a clean dynamo (``torch._dynamo.reset()``).
+def reset_dynamo() -> None:
+    """Start the next engine from a clean dynamo (``torch._dynamo.reset()``); not to be confused with
+    ``--kv-isolate``, which runs an engine in a process of its own.
 
     Compiled code and recompile counts are kept per code object, and every transformers
     model's forward runs through one shared wrapper function, so compiling several models
@@ -148,6 +154,14 @@ def isolate() -> None:
     earlier recompiles on next use, and dynamo's compile callbacks are cleared.
     """
     dynamo_hooks.reset()
+
+
+def __getattr__(name: str) -> object:
+    if name == "isolate":  # renamed in issue 27: "isolate" is the engine's own process (--kv-isolate)
+        warnings.warn("pytest_kvcompile.recompiles.recorder.isolate() is deprecated: call reset_dynamo()",
+                      DeprecationWarning, stacklevel=2)
+        return reset_dynamo
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _SIZE_MISMATCH = re.compile(r"tensor '(.+?)' size mismatch at index (\d+)\. expected (\d+), actual (\d+)")
@@ -163,7 +177,7 @@ def hints(event: CompileEvent, *, after_warmup: bool = True) -> list[str]:
         found.append(
             f"dynamo hit {event.limit_hit} on {event.frame} and now runs it in eager: fix the recompiles "
             "listed; if many models share this frame (transformers' forward wrapper), call "
-            "pytest_kvcompile.recompiles.recorder.isolate() between engines. Raising the limit only hides it."
+            "pytest_kvcompile.recompiles.recorder.reset_dynamo() between engines. Raising the limit only hides it."
         )
     if after_warmup and not event.is_recompile:
         found.append(
@@ -177,7 +191,7 @@ def hints(event: CompileEvent, *, after_warmup: bool = True) -> list[str]:
         if min(int(expected), int(actual)) <= 1:
             causes.append(
                 f"size {expected} -> {actual} at dim {dim} of {name}: dynamo specialises sizes 0 and 1 even on "
-                f"dynamic dims; use torch._dynamo.mark_unbacked(tensor, {dim}) or warm up with sizes >= 2"
+                f"dynamic dims; use torch._dynamo.decorators.mark_unbacked(tensor, {dim}) or warm up with sizes >= 2"
             )
         else:
             causes.append(
@@ -193,7 +207,7 @@ def hints(event: CompileEvent, *, after_warmup: bool = True) -> list[str]:
             "(torch.where, clamped slicing) so it does not guard"
         )
     elif "0/1 specialization" in guards:
-        causes.append("dynamo specialised a size to 0/1: use torch._dynamo.mark_unbacked(tensor, dim) on it")
+        causes.append("dynamo specialised a size to 0/1: use torch._dynamo.decorators.mark_unbacked(tensor, dim) on it")
     if _PYTHON_VALUE.search(guards):
         causes.append(
             "guard on a Python value (int, flag or object identity) kept in the cache/engine state, e.g. a "
@@ -301,8 +315,8 @@ def expect_no_recompiles(
     *, max_recompiles: int = 0, allow_graph_breaks: bool = False, warmup: bool = False,
 ) -> Iterator[CompileRecorder]:
     """Record the block; on a clean exit raise `RecompileError` (with `explain`'s message) if more
-    than `max_recompiles` compiles happened after warmup, a CUDA graph was captured after warmup, a compile failed or hit a recompile limit, or (unless
-    `allow_graph_breaks`) any graph break was seen. `warmup=True`: the block calls
+    than `max_recompiles` compiles happened after warmup, a CUDA graph was captured after warmup, a compile failed
+    or hit a recompile limit, or (unless `allow_graph_breaks`) any graph break was seen. `warmup=True`: the block calls
     ``rec.mark_warmup_done()``; otherwise every compile in the block counts."""
     _validate(max_recompiles, {"allow_graph_breaks": allow_graph_breaks, "warmup": warmup})
     with CompileRecorder() as recorder:

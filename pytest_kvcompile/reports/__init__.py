@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvcompile.config.options import Option, value
 from pytest_kvcompile.errors import NotApplicable, OracleUnreliable
 from pytest_kvcompile.reports import baseline as baseline_mod
 from pytest_kvcompile.reports import html, json_file, markdown
@@ -30,7 +31,9 @@ from pytest_kvcompile.reports.live import (
     with_status,
     write_heartbeat,
 )
-from pytest_kvcompile.reports.results import (
+from pytest_kvcompile.reports.table import text_table, verdict_lines
+from pytest_kvcompile.verdicts.failures import Failure, Kind, Problem, kind_of
+from pytest_kvcompile.verdicts.rows import (
     NOTE,
     WORKER_KEY,
     Collector,
@@ -43,8 +46,6 @@ from pytest_kvcompile.reports.results import (
     run_problems,
     skipped_everywhere,
 )
-from pytest_kvcompile.reports.table import text_table, verdict_lines
-from pytest_kvcompile.run.options import Option, value
 
 REPORT_JSON = "--kv-report-json"
 REPORT_MD = "--kv-report-md"
@@ -58,9 +59,10 @@ def _fail_on(spec: str) -> str:
 
 
 OPTIONS = [
-    Option(REPORT_JSON, "kv_report_json", "", "write the run's results as versioned JSON to FILE (baseline and merge input)",
-           "FILE"),
-    Option(REPORT_MD, "kv_report_md", "", "write a Markdown summary to FILE (for a CI job summary or a PR comment)", "FILE"),
+    Option(REPORT_JSON, "kv_report_json", "",
+           "write the run's results as versioned JSON to FILE (baseline and merge input)", "FILE"),
+    Option(REPORT_MD, "kv_report_md", "",
+           "write a Markdown summary to FILE (for a CI job summary or a PR comment)", "FILE"),
     Option(REPORT_HTML, "kv_report_html", "", "write a self-contained HTML report with plots to FILE", "FILE"),
     Option(BASELINE, "kv_baseline", "", "compare this run with a results JSON written by an earlier --kv-report-json",
            "FILE"),
@@ -108,7 +110,7 @@ class ResultsPlugin:
         self.baseline = self.fail_on = self.changes = None
         self.notes: list[str] = []
         self.results: dict[str, Any] | None = None
-        self.problems: list[str] = []
+        self.problems: list[Problem] = []
         self.skipped_everywhere: list[str] = []
         if hasattr(config, "workerinput"):
             return  # workers only collect: the controller validates, compares and writes
@@ -203,7 +205,8 @@ class ResultsPlugin:
         self.crashed.append({**dataclasses.asdict(beat), "worker": worker, "message": message})
         if beat.engine and beat.model:
             self.collector.add(beat.engine, beat.model, tests={"failed": 1},
-                               failures=[{"test": report.nodeid, "message": message}])
+                               failures=[{"test": report.nodeid, "kind": Kind.CRASH.value, "message": message,
+                                          "failure": None}])
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -216,10 +219,12 @@ class ResultsPlugin:
             failures, declared, reason = [], [], ""
             if decided in ("failed", "error"):
                 crash = getattr(getattr(report.longrepr, "reprcrash", None), "message", None)
-                failures = [{"test": item.nodeid, "message": first_lines(crash or report.longreprtext)}]
-                diff = getattr(call.excinfo.value, "diff", None) if call.excinfo is not None else None
-                if isinstance(diff, dict):  # a token mismatch: the data of the HTML report's token diff
-                    failures[0]["diff"] = diff
+                error = call.excinfo.value if call.excinfo is not None else None
+                typed = getattr(error, "failure", None)  # a token verdict as data (verdicts/failures.py)
+                kind = getattr(report, "kv_kind", None) or kind_of(error)  # a marker's check, else the exception's
+                failures = [{"test": item.nodeid, "kind": Kind(kind).value,
+                             "message": first_lines(crash or report.longreprtext),
+                             "failure": typed.to_dict() if isinstance(typed, Failure) else None}]
             if decided == "skipped" and isinstance(report.longrepr, tuple):
                 reason = report.longrepr[2].removeprefix("Skipped: ")
                 if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable):
@@ -248,7 +253,7 @@ class ResultsPlugin:
         self.results = self._results()
         self.results["status"] = self._status(complete=True)
         self.problems = run_problems(self.results["rows"], self.settings.max_near_tie_rate)
-        self.results["problems"] = self.problems  # for the reports' verdict lines (not part of the JSON schema)
+        self.results["problems"] = [p.to_dict() for p in self.problems]
         self.skipped_everywhere = skipped_everywhere(self.results["rows"])
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
@@ -267,7 +272,7 @@ class ResultsPlugin:
         tr = terminalreporter
         if self.results["rows"]:
             tr.write_sep("-", "kvcompile: verdict per engine")
-            for line in verdict_lines(self.results["rows"], self.problems):
+            for line in verdict_lines(self.results["rows"], self.results["problems"]):
                 tr.write_line(line, red=line.startswith("FAIL"), green=line.startswith("PASS "))
             tr.write_sep("-", "kvcompile: results per engine and model")
             for line in text_table(self.results["rows"]):
@@ -305,8 +310,8 @@ class ResultsPlugin:
                 tr.write_line(line)
         if self.problems:
             tr.write_sep("=", f"kvcompile: the run FAILS on {len(self.problems)} verdict rule(s)", red=True, bold=True)
-            for line in self.problems:
-                tr.write_line(line, red=True)
+            for problem in self.problems:
+                tr.write_line(problem.line, red=True)
         if self.changes is not None:
             regressed = [c for c in self.changes if c.regressed]
             tr.write_sep("=" if regressed else "-", f"kvcompile: {len(regressed)} regression(s) vs baseline "
@@ -323,9 +328,11 @@ class ResultsPlugin:
 def noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
     """One model's 16-bit rule as measured (oracles/precision.py: Noise.to_dict())."""
     oracle = next(iter(noise["per_computation"].values()), {})
-    return (f"{model} ({dtype}): tie tolerance {noise['tolerance']:.3g} ({noise['factor']:g} x noise scale {noise['scale']:.3g}, or x "
+    return (f"{model} ({dtype}): tie tolerance {noise['tolerance']:.3g} "
+            f"({noise['factor']:g} x noise scale {noise['scale']:.3g}, or x "
             f"the noise at the position), near-tie rate of equivalent computations {noise['flip_rate']:.1%} (bound "
-            f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g}; judged against float64 "
+            f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g}; "
+            f"judged against float64 "
             f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"
             f"{noise['positions']} calibration positions")
 
@@ -333,7 +340,8 @@ def noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
 def eviction_noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
     """One model's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise.to_dict())."""
     return (f"{model} ({dtype}) {noise['policy']}: eviction near-tie tolerance {noise['tolerance']:.3g} relative "
-            f"({noise['factor']:g} x p99 {noise['scale']:.3g} of the score-difference errors of a {dtype} computation vs float64 at "
+            f"({noise['factor']:g} x p99 {noise['scale']:.3g} of the score-difference errors of a {dtype} computation "
+            f"vs float64 at "
             f"{noise['cuts']} calibration cuts; it kept another set at {noise['flips']})")
 
 
@@ -359,7 +367,7 @@ class RunNotes:
 
 
 def register(config: pytest.Config, settings: Any, collector: Collector) -> None:
-    """Add the results collector, the run notes and the reports to this run (`settings`: run.options.Settings)."""
+    """Add the results collector, the run notes and the reports to this run (`settings`: config.options.Settings)."""
     config.stash[PLUGIN] = ResultsPlugin(config, settings, collector)
     config.pluginmanager.register(config.stash[PLUGIN], "kvcompile.results")
     config.pluginmanager.register(RunNotes(), "kvcompile.notes")

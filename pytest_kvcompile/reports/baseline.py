@@ -28,7 +28,8 @@ def parse_fail_on(spec: str) -> dict[str, float]:
     for part in filter(None, (p.strip() for p in spec.split(","))):
         name, sep, value = (s.strip() for s in part.partition(":"))
         if not sep or name not in PERCENT_NAMES + COUNT_NAMES:
-            raise ValueError(f"{part!r}: expected NAME:LIMIT with NAME one of {', '.join(PERCENT_NAMES + COUNT_NAMES)}, "
+            raise ValueError(f"{part!r}: expected NAME:LIMIT with NAME one of "
+                             f"{', '.join(PERCENT_NAMES + COUNT_NAMES)}, "
                              f"e.g. {SYNTAX}")
         number = value.removesuffix("%") if name in PERCENT_NAMES else value
         try:
@@ -106,10 +107,13 @@ def _numbers(row: dict[str, Any]) -> dict[str, tuple[str, float]]:
     return found
 
 
-def compare(baseline: dict[str, Any], current: dict[str, Any], fail_on: dict[str, float]) -> tuple[list[Change], list[str]]:
+def compare(baseline: dict[str, Any], current: dict[str, Any],
+            fail_on: dict[str, float]) -> tuple[list[Change], list[str]]:
     """(every number of matched rows, old -> new, with fail_on's limit where it names the check; notes on rows that
     could not be matched)."""
-    key = lambda r: (r["engine"], r["model"], r["device"], r["dtype"])
+    def key(r):
+        return r["engine"], r["model"], r["device"], r["dtype"]
+
     old_rows = {key(r): r for r in baseline["rows"]}
     new_rows = {key(r): r for r in current["rows"]}
     changes, notes = [], []

@@ -15,8 +15,9 @@ from typing import Any
 
 from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
-from pytest_kvcompile.reports.results import coverage_line, stats
 from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats, verdicts
+from pytest_kvcompile.verdicts.failures import Failure, Problem
+from pytest_kvcompile.verdicts.rows import coverage_line, stats
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:.3em .6em;font-size:.9em;text-align:left}th{background:#f3f3f3}
@@ -25,7 +26,8 @@ td,th{border:1px solid #ccc;padding:.3em .6em;font-size:.9em;text-align:left}th{
 .v-FAIL{background:#b00020}.v-known{background:#b26a00}.v-none{background:#666}
 .diff td{font-family:ui-monospace,monospace;text-align:center;padding:.15em .3em}.diff th{font-weight:normal}
 .diff .off{background:#fde0e0}.diff .first{background:#b00020;color:#fff;font-weight:bold}.diff .tie{background:#fff3cd}
-.timeline{display:flex;flex-wrap:wrap;gap:.3em;margin:.5em 0}.call{border:1px solid #ccc;border-radius:.3em;padding:.2em .4em;
+.timeline{display:flex;flex-wrap:wrap;gap:.3em;margin:.5em 0}\
+.call{border:1px solid #ccc;border-radius:.3em;padding:.2em .4em;
 font-size:.8em;min-width:7em}.call.build{background:#eef}.call.warmup{background:#f3f3f3}.call.after{background:#eaf6ea}
 .call.after.compiled{background:#fde0e0;border-color:#b00020}.call b{display:block}details{margin:.3em 0}
 pre{white-space:pre-wrap;font-size:.8em;background:#f8f8f8;padding:.5em}.improved{color:#2e7d32}"""
@@ -44,7 +46,8 @@ def bar_chart(title: str, bars: list[tuple[str, float]], unit: str) -> str:
         length = (WIDTH - LABEL_WIDTH - 90) * value / top
         parts += [f'<text x="0" y="{y + 12}" font-size="11">{escape(label[:28])}</text>',
                   f'<rect x="{LABEL_WIDTH}" y="{y}" width="{length:.1f}" height="{BAR_HEIGHT - 4}" fill="#4a7bd0"/>',
-                  f'<text x="{LABEL_WIDTH + length + 4:.1f}" y="{y + 12}" font-size="11">{value:.3g} {escape(unit)}</text>']
+                  f'<text x="{LABEL_WIDTH + length + 4:.1f}" y="{y + 12}" font-size="11">'
+                  f'{value:.3g} {escape(unit)}</text>']
     return "".join(parts) + "</svg>"
 
 
@@ -83,30 +86,35 @@ def strip_chart(title: str, series: list[tuple[str, list[float]]], unit: str) ->
     return "".join(parts) + "</svg>"
 
 
-def token_diff(diff: dict[str, Any]) -> str:
+def token_diff(failure: Failure) -> str:
     """Oracle and engine tokens aligned by step; the first real divergence highlighted, near ties marked."""
-    ties = {t[0] for t in diff.get("near_ties", [])}
-    step = diff.get("step")
-    oracle, engine = diff["oracle"], diff["engine"]
+    ties = {t[0] for t in failure.near_ties}
+    step, oracle, engine = failure.step, failure.oracle, failure.tokens
 
     def cell(i: int, token: int, mine: bool) -> str:
-        css = "first" if i == step else "tie" if i in ties else "off" if oracle[i] != engine[i] and mine else ""
+        off = mine and i < len(oracle) and oracle[i] != token
+        css = "first" if i == step else "tie" if i in ties else "off" if off else ""
         return f'<td class="{css}">{token}</td>'
 
-    head = "".join(f"<th>{i}</th>" for i in range(len(oracle)))
+    head = "".join(f"<th>{i}</th>" for i in range(max(len(oracle), len(engine))))
     rows = (f"<tr><th>step</th>{head}</tr>"
             + "<tr><th>oracle</th>" + "".join(cell(i, t, False) for i, t in enumerate(oracle)) + "</tr>"
             + "<tr><th>engine</th>" + "".join(cell(i, t, True) for i, t in enumerate(engine)) + "</tr>")
-    facts = [f"{escape(diff['prompt'])} (length {diff['prompt_length']}, ends ...{diff['prompt_tail']}), {escape(diff['where'])}"]
-    if step is not None and diff.get("gap") is None:  # an engine oracle without score(): equality is the rule
+    where = failure.where.describe()
+    facts = [f"{escape(failure.prompt)} (length {failure.prompt_length}, ends ...{list(failure.prompt_tail)})"
+             f"{', ' + escape(where) if where else ''}; {escape(failure.kind.value)}"]
+    if step is not None and failure.gap is None:  # an engine oracle without score(): equality is the rule
         facts.append(f"first divergence at step {step}: oracle {oracle[step]}, engine {engine[step]}; the oracle has "
                      "no logits (no score()), so every token must be equal")
     elif step is not None:
-        facts.append(f"first divergence at step {step}: oracle {oracle[step]}, engine {engine[step]}; logit gap "
-                     f"{diff['gap']:.4g} &gt; tie tolerance {diff['tolerance']:g}")
-        facts.append("oracle top-3 there: " + ", ".join(f"{t} ({v:.4g})" for t, v in diff["top3"]))
-    facts += [f"near tie at step {s}: {e} vs {g}, gap {gap:.3g}" for s, e, g, gap in diff.get("near_ties", [])]
-    facts.append(f"hint: {escape(diff['hint'])}")
+        allowed = max(failure.allowed or 0.0, failure.tolerance or 0.0)
+        facts.append(f"first divergence at step {step}: "
+                     f"oracle {failure.expected if failure.expected is not None else oracle[step]}, "
+                     f"engine {engine[step]}; logit gap {failure.gap:.4g} &gt; {allowed:.4g} allowed (tie tolerance "
+                     f"{failure.tolerance:g})")
+        facts.append("oracle top-3 there: " + ", ".join(f"{t} ({v:.4g})" for t, v in failure.top3))
+    facts += [f"near tie at step {s}: {e} vs {g}, gap {gap:.3g}" for s, e, g, gap in failure.near_ties]
+    facts.append(f"hint: {escape(failure.hint)}")
     return (f'<div class="token-diff"><table class="diff">{rows}</table><ul>'
             + "".join(f"<li>{fact}</li>" for fact in facts) + "</ul></div>")
 
@@ -135,15 +143,18 @@ def kv_layers(model: str, kv: dict[str, Any]) -> str:
     expected = kv["expected"]
     verdict = ("matches" if expected == measured else
                f'<span class="bad">differs by {measured - expected:+,} B</span>') if expected is not None else ""
-    return (f"<h4>KV bytes per layer: {escape(model)}, {escape(kv.get('layout', ''))}, {escape(kv.get('call', ''))}</h4>"
+    return (f"<h4>KV bytes per layer: {escape(model)}, {escape(kv.get('layout', ''))}, "
+            f"{escape(kv.get('call', ''))}</h4>"
             "<table><tr><th>layer</th><th>kind</th><th>positions</th><th>why</th><th>expected bytes</th></tr>"
             f"{rows}<tr><th colspan=\"4\">expected total</th><th>{(expected or 0):,}</th></tr>"
             f"<tr><th colspan=\"4\">measured (reported, else held)</th><th>{measured:,} {verdict}</th></tr></table>")
 
 
 def _failure(failure: dict[str, Any]) -> str:
-    diff = token_diff(failure["diff"]) if failure.get("diff") else ""
-    return (f'<details class="failure"{" open" if diff else ""}><summary class="bad">{escape(failure["test"])}</summary>'
+    typed = failure.get("failure")
+    diff = token_diff(Failure.from_dict(typed)) if typed and typed.get("oracle") else ""
+    return (f'<details class="failure"{" open" if diff else ""}><summary class="bad">{escape(failure["test"])} '
+            f'({escape(failure["kind"])})</summary>'
             f"{diff}<pre>{escape(failure['message'])}</pre></details>")
 
 
@@ -152,7 +163,8 @@ def _engine_section(engine: str, rows: list[dict[str, Any]], all_rows: list[dict
     charts = ""
     if measured:
         charts = (bar_chart(f"{engine}: prefill median", [(r["model"], s[0]["median"]) for r, s in measured], "ms")
-                  + bar_chart(f"{engine}: decode median", [(r["model"], s[1]["median"]) for r, s in measured], "ms/token"))
+                  + bar_chart(f"{engine}: decode median", [(r["model"], s[1]["median"]) for r, s in measured],
+                              "ms/token"))
         repeated = [r for r, _ in measured if len(r["latency"]["prefill_ms"]) > 1]
         if repeated:
             charts += (strip_chart(f"{engine}: prefill, every repeat", [(r["model"], r["latency"]["prefill_ms"])
@@ -162,7 +174,8 @@ def _engine_section(engine: str, rows: list[dict[str, Any]], all_rows: list[dict
     reasons = [f"{r['model']}: {x}" for r in rows if r["compiles"] for x in r["compiles"]["reasons"]]
     timelines = "".join(compile_timeline(r["model"], r["compiles"]["timeline"]) for r in rows
                         if r["compiles"] and r["compiles"].get("timeline"))
-    layers = "".join(kv_layers(r["model"], r["kv_bytes"]) for r in rows if r["kv_bytes"] and r["kv_bytes"].get("layers"))
+    layers = "".join(kv_layers(r["model"], r["kv_bytes"]) for r in rows
+                     if r["kv_bytes"] and r["kv_bytes"].get("layers"))
     failures = [f for r in rows for f in r["failures"]]
     shown = (f'<h4>failures ({len(failures)})</h4>' + "".join(_failure(f) for f in failures)) if failures else ""
     return (f'<section class="engine" id="engine-{escape(engine)}"><h2>{escape(engine)}</h2>'
@@ -205,7 +218,10 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>pytest-kvcompile results</title>"
             f"<style>{STYLE}</style></head><body><h1>pytest-kvcompile results</h1>"
             + "".join(f'<p class="v-FAIL">{escape(line)}</p>' for line in status_lines(results))
-            + f'<ul class="verdicts">{summary}</ul>{baseline}<ul>{runs}</ul>'
+            + f'<ul class="verdicts">{summary}</ul>'
+            + "".join(f'<p class="v-FAIL">run rule ({escape(p["kind"])}): {escape(Problem.from_dict(p).line)}</p>'
+                      for p in results.get("problems", ()))
+            + f'{baseline}<ul>{runs}</ul>'
             f"<h2>All engines</h2>{_table(rows, rows)}{comparisons}"
             + "".join(_engine_section(e, [r for r in rows if r["engine"] == e], rows) for e in engines)
             + "</body></html>\n")

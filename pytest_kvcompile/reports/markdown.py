@@ -7,6 +7,7 @@ from typing import Any
 from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
+from pytest_kvcompile.verdicts.failures import Problem
 
 
 def _escape(cell: str) -> str:
@@ -42,6 +43,8 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
     lines += [f"> :boom: {_escape(line)}" for line in status_lines(results)] + ([""] if status_lines(results) else [])
     lines += [f"- {marks[verdict]} **{verdict}** `{engine}`: {counts}"
               for engine, verdict, counts in verdicts(rows, results.get("problems", ()))]
+    lines += [f"- :x: run rule ({p['kind']}): {_escape(Problem.from_dict(p).line)}"
+              for p in results.get("problems", ())]
     if changes is not None:  # right after the verdicts, as pytest-codspeed's PR comment leads with its verdict
         regressed = [c.line() for c in changes if c.regressed]
         improved = [c.line() for c in changes if c.improved]
@@ -52,7 +55,7 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
     lines += ["", *_runs(results), ""]
     lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(_escape(c) for c in cells(row, rows)) + " |" for row in rows]
-    details = [("failures", [f"{f['test']}: {f['message'].splitlines()[0] if f['message'] else ''}"
+    details = [("failures", [f"{f['test']} ({f['kind']}): {f['message'].splitlines()[0] if f['message'] else ''}"
                              for row in rows for f in row["failures"]]),
                ("recompiles after warmup", [f"{row['engine']} / {row['model']}: {reason}" for row in rows
                                             if row["compiles"] for reason in row["compiles"]["reasons"]]),

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from pytest_kvcompile.reports.results import stats
+from pytest_kvcompile.verdicts.rows import stats
 
 REFERENCE_ENGINE = "hf-eager"  # latency ratios are given against it when it ran on the same model, device, dtype
 HEADERS = ("engine", "model", "device", "tests", "tokens identical", "near ties", "compiles (build / warmup / after)",
@@ -71,19 +72,20 @@ def text_table(rows: list[dict[str, Any]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(line, widths)).rstrip() for line in lines]
 
 
-def verdicts(rows: list[dict[str, Any]], problems: list[str] | tuple[str, ...] = ()) -> list[tuple[str, str, str]]:
+def verdicts(rows: list[dict[str, Any]], problems: Sequence[dict[str, Any]] = ()) -> list[tuple[str, str, str]]:
     """(engine, verdict, counts) per engine, the first thing every report says.
 
-    FAIL: a test failed or errored on any model, or a run rule (`problems`, e.g. no token verified) names the
-    engine (listed first). PASS with known findings: nothing failed, and strict xfails absorbed the failures its known findings
-    name. PASS: tests ran and none failed. NOT CHECKED: every test was skipped."""
+    FAIL: a test failed or errored on any model, or a run rule (`problems`: Problem.to_dict(), e.g. no token
+    verified) names the engine in its field (listed first). PASS with known findings: nothing failed, and strict
+    xfails absorbed the failures its known findings name. PASS: tests ran and none failed. NOT CHECKED: every test
+    was skipped."""
     found = []
     for engine in dict.fromkeys(r["engine"] for r in rows):
         mine = [r for r in rows if r["engine"] == engine]
         counts = {name: sum(r["tests"].get(name, 0) for r in mine) for name in mine[0]["tests"]}
         if not any(counts.values()):  # only measured for others (a relative latency budget's reference engine)
             continue
-        ruled = sum(f"engine '{engine}'" in line for line in problems)
+        ruled = sum(p["engine"] == engine for p in problems)
         ran = sum(n for name, n in counts.items() if name != "skipped")
         if counts.get("failed") or counts.get("error") or counts.get("xpassed") or ruled:
             verdict = "FAIL"
@@ -108,7 +110,7 @@ def verdicts(rows: list[dict[str, Any]], problems: list[str] | tuple[str, ...] =
     return sorted(found, key=lambda f: order.index(f[1]))  # failures first
 
 
-def verdict_lines(rows: list[dict[str, Any]], problems: list[str] | tuple[str, ...] = ()) -> list[str]:
+def verdict_lines(rows: list[dict[str, Any]], problems: Sequence[dict[str, Any]] = ()) -> list[str]:
     """``FAIL  engine: 2 failed, 40 passed (3 models)``, one per engine, verdicts aligned."""
     found = verdicts(rows, problems)
     width = max((len(v) for _, v, _ in found), default=0)

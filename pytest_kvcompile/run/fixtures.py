@@ -5,19 +5,21 @@
 from __future__ import annotations
 
 import hashlib
+import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import pytest
 
+from pytest_kvcompile.config.options import NO_ENGINE, Settings
 from pytest_kvcompile.errors import NotApplicable, OracleUnreliable
 from pytest_kvcompile.latency.marker import Probe
 from pytest_kvcompile.models.prompts import Prompt, batch
-from pytest_kvcompile.reports.results import Recorder
-from pytest_kvcompile.run.options import NO_ENGINE, Settings
+from pytest_kvcompile.verdicts.failures import Where
+from pytest_kvcompile.verdicts.rows import Recorder
 
 if TYPE_CHECKING:  # torch-heavy: the fixtures module is imported by every run, they only when a fixture runs
-    from pytest_kvcompile.oracles.hf import Reference
+    from pytest_kvcompile.oracles.reference import Reference
     from pytest_kvcompile.oracles.store import StoredOracle
     from pytest_kvcompile.oracles.token_match import Verdict
     from pytest_kvcompile.run.harness import EngineUnderTest
@@ -116,38 +118,48 @@ def kv_batch(kv_session: Session, kv_model_name: str, kv_prompts) -> list[Prompt
 @pytest.fixture
 def kv_record(request: pytest.FixtureRequest, kv_session: Session) -> Recorder:
     """``kv_record(category, line, **metrics)``: a passing-but-notable fact (a near tie, a compile
-    count) for the run's terminal summary; metrics go to the reports (see reports.results.Recorder)."""
+    count) for the run's terminal summary; metrics go to the reports (see verdicts.rows.Recorder)."""
     return Recorder(request.node, kv_session.collector)
 
 
-def check_tokens(engine: EngineUnderTest, record: Recorder, reference: Reference, got: Sequence[int], prompt: Prompt,
-                 where: str = "alone") -> Verdict:
-    """engine.check, with the verdict (or the mismatch) recorded for the reports."""
+def _check_and_record(engine: EngineUnderTest, record: Recorder, reference: Reference, got: Sequence[int],
+                      prompt: Prompt, where: Where | str = "alone") -> Verdict:
+    """engine.check_tokens, with the verdict (or the mismatch) recorded for the reports."""
     from pytest_kvcompile.oracles.token_match import TokenMismatch
 
     __tracebackhide__ = True
+    where = Where.of(where)
     try:
-        verdict = engine.check(reference, got, prompt, where)
+        verdict = engine.check_tokens(reference, got, prompt, where)
     except TokenMismatch:
         record.verdict(None, "", len(got), None)
         raise
     sequence = hashlib.sha256(repr((tuple(reference.prompt), tuple(int(t) for t in got))).encode()).hexdigest()[:16]
-    record.verdict(verdict, f"{engine.name} / {engine.spec.name} / {prompt.name} ({where})", len(got),
+    record.verdict(verdict, f"{engine.name} / {engine.spec.name} / {prompt.name} ({where.describe()})", len(got),
                    reference.evicted, sequence)
     return verdict
 
 
 @pytest.fixture
-def kv_check(kv_engine: EngineUnderTest, kv_record: Recorder) -> Callable[..., Verdict]:
-    """``kv_check(reference, got, prompt, where="alone")``: the engine's tokens `got` for `prompt` against the
-    oracle's `reference` under the run's verdict rules (TokenMismatch says where and why), the verdict recorded
-    for the reports."""
+def kv_check_tokens(kv_engine: EngineUnderTest, kv_record: Recorder) -> Callable[..., Verdict]:
+    """``kv_check_tokens(reference, got, prompt, where="alone")``: the engine's tokens `got` for `prompt` against
+    the oracle's `reference` under the run's verdict rules (TokenMismatch says where and why), the verdict recorded
+    for the reports. `where` is a `pytest_kvcompile.verdicts.failures.Where` (the row of a batch, the call number,
+    the prompts served before: the failure's hint reads them) or a plain string shown as is."""
 
-    def check(reference: Reference, got: Sequence[int], prompt: Prompt, where: str = "alone") -> Verdict:
+    def check_tokens(reference: Reference, got: Sequence[int], prompt: Prompt, where: Where | str = "alone") -> Verdict:
         __tracebackhide__ = True
-        return check_tokens(kv_engine, kv_record, reference, got, prompt, where)
+        return _check_and_record(kv_engine, kv_record, reference, got, prompt, where)
 
-    return check
+    return check_tokens
+
+
+@pytest.fixture
+def kv_check(kv_check_tokens: Callable[..., Verdict]) -> Callable[..., Verdict]:
+    """Deprecated spelling of ``kv_check_tokens``."""
+    warnings.warn("the kv_check fixture is deprecated: use kv_check_tokens (same arguments)",
+                  pytest.PytestDeprecationWarning, stacklevel=2)
+    return kv_check_tokens
 
 
 @pytest.fixture

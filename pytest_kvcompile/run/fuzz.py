@@ -42,21 +42,14 @@ from typing import Any
 
 import pytest
 
+from pytest_kvcompile.config.options import FuzzSettings, Option, choice, number, value, whole
 from pytest_kvcompile.models.prompts import Prompt, of_length
-from pytest_kvcompile.run.options import Option, choice, number, value, whole
+from pytest_kvcompile.verdicts import failures
 
 PROFILES = ("ci", "dev")
 FUZZ, FUZZ_PROFILE, FUZZ_BUDGET, FUZZ_SEED = "--kv-fuzz", "--kv-fuzz-profile", "--kv-fuzz-budget", "--kv-fuzz-seed"
 BOUNDARIES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257)
 NEW_TOKENS = (1, 2, 3, 8, 15, 16, 17, 32, 33, 63, 64)
-
-
-@dataclass(frozen=True)
-class FuzzSettings:
-    examples: int
-    profile: str = "ci"
-    budget_s: float = 240.0
-    seed: int | None = None
 
 
 OPTIONS = [
@@ -97,7 +90,8 @@ def tokens(seed: int, length: int, vocab: int) -> tuple[int, ...]:
     return of_length(length, vocab, salt=10_000 + seed).ids
 
 
-def replay(calls: list[tuple[list[tuple[int, ...]], int]], what: str = "the shortest failing call sequence found") -> str:
+def replay(calls: list[tuple[list[tuple[int, ...]], int]],
+           what: str = "the shortest failing call sequence found") -> str:
     """The call sequence as Python to replay on a fresh engine."""
     lines = [f"    engine.generate({[list(p) for p in prompts]}, {n})" for prompts, n in calls]
     return "\n".join([f"  {what} (replay it on a fresh engine, in this order):", *lines])
@@ -107,8 +101,8 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
             neutral: Prompt, stats: dict[str, Any], check: Any = None) -> Any:
     """A RuleBasedStateMachine class fuzzing `kv_engine` (EngineUnderTest) against `oracle` (None: oracle-free:
     an exact repeat must give the same tokens). `check(reference, got, prompt, where)` judges a row (default:
-    kv_engine.check; the suite passes the kv_check fixture, which records verdicts). `stats` counts examples and
-    notes when the first failure came."""
+    kv_engine.check_tokens; the suite passes the kv_check_tokens fixture, which records verdicts). `stats` counts
+    examples and notes when the first failure came."""
     from hypothesis import strategies as st
     from hypothesis.stateful import (
         RuleBasedStateMachine,
@@ -359,26 +353,31 @@ class Caller:
 
     def __init__(self, kv_engine, oracle, check_compiles: bool, check: Any = None) -> None:
         self.engine, self.oracle, self.check_compiles = kv_engine, oracle, check_compiles
-        self.check = check or kv_engine.check
+        self.check = check or kv_engine.check_tokens
         self.outputs: dict[tuple[tuple[int, ...], int], list[int]] = {}
 
     def __call__(self, prompts: list[tuple[int, ...]], n: int, what: str) -> None:
         from pytest_kvcompile.oracles.token_match import TokenMismatch
+        from pytest_kvcompile.recompiles.recorder import RecompileError
 
         engine = self.engine
         outputs = engine.generate([Prompt(f"fuzz{len(p)}", p) for p in prompts], n)
         call = engine.history[-1]
         for i, (ids, got) in enumerate(zip(prompts, outputs)):
-            prompt, where = Prompt(f"fuzz/len{len(ids)}", ids), f"index {i} of {what} {call}"
+            prompt = Prompt(f"fuzz/len{len(ids)}", ids)
+            where = failures.Where(index=i, lengths=tuple(len(p) for p in prompts), number=len(engine.history),
+                         note=f"{what} {call}")
             if self.oracle is not None:
                 self.check(self.oracle.reference(prompt.ids, n), got, prompt, where)
                 continue
             seen = self.outputs.setdefault((prompt.ids, n), got)
             if seen != got:
                 raise TokenMismatch(f"engine '{engine.name}' on model '{engine.spec.name}': {prompt.name} gave "
-                                    f"{seen} earlier and {got} at {where} (no oracle: a repeat must give the same tokens)")
+                                    f"{seen} earlier and {got} at {where.describe()} "
+                                    f"(no oracle: a repeat must give the same tokens)",
+                                    kind=failures.Kind.INCONSISTENT)
         if self.check_compiles and call.compiles:
-            raise TokenMismatch(
+            raise RecompileError(
                 f"engine '{engine.name}' on model '{engine.spec.name}' compiled {len(call.compiles)} frame(s) during "
                 f"{what} {call}, after the warmup:\n" + "\n".join(e.describe() for e in call.compiles))
 
@@ -471,7 +470,8 @@ def _unflaky(exc: BaseException) -> BaseException:
 
     if not isinstance(exc, FlakyFailure):
         return exc
-    inner = next((e for e in exc.exceptions if isinstance(e, AssertionError)), exc.exceptions[0] if exc.exceptions else exc)
+    inner = next((e for e in exc.exceptions if isinstance(e, AssertionError)),
+                 exc.exceptions[0] if exc.exceptions else exc)
     if hasattr(inner, "add_note"):
         inner.add_note("fuzz: hypothesis could not replay this failure identically (the engine object keeps state "
                        "across calls and examples), so it is the failing sequence as first found, shrunk as far as "

@@ -13,6 +13,7 @@ import gc
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,15 +26,11 @@ from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.errors import CallTimeout, EngineProcessDied
 from pytest_kvcompile.memory.measure import Held, held_by, live_tensor_bytes
 from pytest_kvcompile.models.prompts import Prompt
-from pytest_kvcompile.oracles.hf import Reference
-from pytest_kvcompile.oracles.token_match import (
-    Verdict,
-    allowed_gap,
-    assert_score_matches,
-    assert_tokens_match,
-)
-from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder, isolate
+from pytest_kvcompile.oracles.reference import Reference
+from pytest_kvcompile.oracles.token_match import Verdict, allowed_gap, check_score, check_tokens
+from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder, reset_dynamo
 from pytest_kvcompile.run.isolation import IsolatedEngine
+from pytest_kvcompile.verdicts.failures import Where
 
 FRESH_ENGINE = "--kv-fresh-engine"
 CALL_TIMEOUT = "--kv-call-timeout"
@@ -72,16 +69,16 @@ def cuda_allocated(device: str) -> int | None:
 
     cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB each on Hopper), made by
     whichever code runs the first matmul on a stream: process state, not an engine's. They are cleared
-    before reading, as torch's own CUDA leak check does (``torch._C._cuda_clearCublasWorkspaces``); a graph
+    before reading, as torch's own CUDA leak check does (`recompiles.hooks.clear_cublas_workspaces`); a graph
     captured with one keeps it in its private pool, which still counts."""
     import torch
+
+    from pytest_kvcompile.recompiles.hooks import clear_cublas_workspaces
 
     if torch.device(device).type != "cuda":
         return None
     torch.cuda.synchronize(device)
-    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is not None:
-        clear()
+    clear_cublas_workspaces()
     return torch.cuda.memory_allocated(device)
 
 
@@ -169,13 +166,19 @@ class EngineUnderTest:
         """The engine runs in a process of its own (run/isolation.py)."""
         return isinstance(self.engine, IsolatedEngine)
 
-    def isolate_compiles(self) -> None:
-        """A fresh dynamo where the engine compiles (recompiles.recorder.isolate, in its process if isolated), so
-        its compiles are counted from scratch."""
+    def reset_dynamo(self) -> None:
+        """A fresh dynamo where the engine compiles (recompiles.recorder.reset_dynamo, in its process if isolated),
+        so its compiles are counted from scratch."""
         if self.isolated:
             self._remote("reset")
         else:
-            isolate()
+            reset_dynamo()
+
+    def isolate_compiles(self) -> None:
+        """Deprecated: `reset_dynamo` ("isolate" is the engine's own process, --kv-isolate)."""
+        warnings.warn("kv_engine.isolate_compiles() is deprecated: call kv_engine.reset_dynamo()", DeprecationWarning,
+                      stacklevel=2)
+        self.reset_dynamo()
 
     @contextlib.contextmanager
     def _guarded(self, call: Any) -> Iterator[None]:
@@ -240,15 +243,23 @@ class EngineUnderTest:
                 f"{' (the last 4)' if len(calls) > 4 else ''}: {shown}; to rule out state left by them, rerun with "
                 f"{FRESH_ENGINE} (a fresh engine per test)")
 
-    def check(self, reference: Reference, got: Sequence[int], prompt: Prompt, where: str = "alone") -> Verdict:
-        """assert_tokens_match with this run's tolerances, the model's window and the engine's call history:
-        the verdict, or TokenMismatch (the kv_check fixture records either for the reports)."""
+    def check_tokens(self, reference: Reference, got: Sequence[int], prompt: Prompt,
+                     where: Where | str = "alone") -> Verdict:
+        """token_match.check_tokens with this run's tolerances, the model's window and the engine's call history:
+        the verdict, or TokenMismatch (the kv_check_tokens fixture records either for the reports)."""
         __tracebackhide__ = True
-        return assert_tokens_match(
+        return check_tokens(
             reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.max_near_ties, engine=self.name,
             model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
             context=self.served(len(self.history) - 1),
         )
+
+    def check(self, *args: Any, **kwargs: Any) -> Verdict:
+        """Deprecated spelling of `check_tokens` (it checks the tokens and records nothing: use kv_check_tokens)."""
+        __tracebackhide__ = True
+        warnings.warn("kv_engine.check() is deprecated: call kv_engine.check_tokens() (same arguments), or the "
+                      "kv_check_tokens fixture, which also records the verdict", DeprecationWarning, stacklevel=2)
+        return self.check_tokens(*args, **kwargs)
 
     def differs(self, prompt: Prompt, first: Sequence[int], second: Sequence[int],
                 reference: Reference | Callable[[], Reference | None] | None = None) -> str | None:
@@ -265,7 +276,8 @@ class EngineUnderTest:
         if callable(reference):
             reference = reference()
         if reference is not None and not reference.scored:  # an engine oracle without score(): equality is the rule
-            return (f"at step {step} ({a} vs {b}): the oracle declares no score(), so nothing tells the difference from "
+            return (f"at step {step} ({a} vs {b}): the oracle declares no score(), "
+                    f"so nothing tells the difference from "
                     "a near tie (the engine's own score() does not judge itself)")
         if reference is not None:
             row, judge = reference.given(first, self.tie_tolerance)[step], "the oracle"
@@ -292,6 +304,6 @@ class EngineUnderTest:
             return None
         with self._guarded(f"score(<prompt of length {len(prompt)}>, <continuation of length {len(got)}>)"):
             scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
-        return assert_score_matches(reference, got, scored, tie_tolerance=self.tie_tolerance,
+        return check_score(reference, got, scored, tie_tolerance=self.tie_tolerance,
                                     score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
                                     prompt=f"prompt '{prompt.name}'")

@@ -97,7 +97,7 @@ class IsolatedEngine:
     def remote(self, what: str) -> Any:
         """A measurement or reset in the engine's process: 'held' (memory.measure.held_by of the engine),
         'freeze' / 'live' / 'unfreeze' (the live-tensor census, memory.measure.live_tensor_bytes), 'reset'
-        (recompiles.recorder.isolate: a fresh dynamo)."""
+        (recompiles.recorder.reset_dynamo: a fresh dynamo)."""
         return self._ask((what,), f"measuring '{what}'")
 
     observed: tuple[tuple, int, int, tuple] = ((), 0, 0, ())  # the last call's (compiles, hits, eager runs, captures)
@@ -360,10 +360,10 @@ def _answer(engine: Any, request: tuple) -> Any:
         return live_tensor_bytes()
     if kind == "unfreeze":
         return gc.unfreeze()
-    if kind == "reset":  # recompiles.recorder.isolate() where the engine compiles: count its compiles from scratch
-        from pytest_kvcompile.recompiles.recorder import isolate
+    if kind == "reset":  # recompiles.recorder.reset_dynamo() where the engine compiles: its compiles from scratch
+        from pytest_kvcompile.recompiles.recorder import reset_dynamo
 
-        return isolate()
+        return reset_dynamo()
     raise ValueError(f"unknown request {kind!r}")
 
 

@@ -11,12 +11,18 @@ from typing import Any
 
 import pytest
 
+from pytest_kvcompile.config.options import (
+    MAX_NEAR_TIE_RATE,
+    MAX_NEAR_TIES,
+    TIE_TOLERANCE,
+    Settings,
+    check_device,
+)
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
     ModelSpec,
     Strategy,
-    dtype_name,
     missing_capability,
 )
 from pytest_kvcompile.contract.registry import EngineRef
@@ -25,21 +31,14 @@ from pytest_kvcompile.latency.marker import Settings as LatencySettings
 from pytest_kvcompile.models import checkpoints as models
 from pytest_kvcompile.models.checkpoints import ModelEntry
 from pytest_kvcompile.models.prompts import Prompt, prompt_set
+from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
 from pytest_kvcompile.oracles.store import StoredOracle
-from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.recompiles.hooks import import_inductor_quietly
-from pytest_kvcompile.recompiles.recorder import CompileRecorder, isolate
-from pytest_kvcompile.reports.results import Collector
+from pytest_kvcompile.recompiles.recorder import CompileRecorder, reset_dynamo
 from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
 from pytest_kvcompile.run.isolation import IsolatedEngine
-from pytest_kvcompile.run.options import (
-    MAX_NEAR_TIE_RATE,
-    MAX_NEAR_TIES,
-    TIE_TOLERANCE,
-    Settings,
-    check_device,
-)
+from pytest_kvcompile.verdicts.rows import Collector
 
 
 @dataclass
@@ -118,7 +117,7 @@ class Session:
         if missing:
             raise NotApplicable(f"engine '{name}' does not declare {missing}")
         if ref.declaration.compiled:
-            isolate()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
+            reset_dynamo()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
             if self.settings.compile_backend == "inductor":
                 import_inductor_quietly()  # before the engine's first compile imports it, warning about torch
         recorder = CompileRecorder()
@@ -180,7 +179,8 @@ class Session:
             spec, rules = self.spec(model), self.rules(model)
             missing = missing_capability(choice.ref.declaration, spec)
             if missing:
-                found = f"no oracle on model '{model}': the oracle engine '{choice.ref.name}' does not declare {missing}"
+                found = (f"no oracle on model '{model}': "
+                         f"the oracle engine '{choice.ref.name}' does not declare {missing}")
                 self._oracles[key] = found
                 return found
             raw = EngineOracle(choice, spec, self.settings.compile_backend, rules.tie_tolerance)

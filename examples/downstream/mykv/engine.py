@@ -4,9 +4,8 @@ transformers model). One prompt per call: it declares no batching, so the suites
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, StaticCache
-
 from pytest_kvcompile import Declaration, KVLayout, ModelSpec, cache_tensors, held_bytes
+from transformers import AutoModelForCausalLM, StaticCache
 
 MAX_CACHE_LEN = 512
 

@@ -14,9 +14,8 @@ import sys
 from pathlib import Path
 
 import torch
-from torch import nn
-
 from pytest_kvcompile import Declaration, ModelSpec
+from torch import nn
 
 CONFIG = {"format": "mykv-own", "vocab_size": 64, "dim": 32, "heads": 2, "layers": 2, "max_position_embeddings": 320}
 
@@ -37,15 +36,18 @@ class Layer(nn.Module):
         self.v.index_copy_(2, pos, v)
         mask = torch.arange(self.k.size(2), device=x.device)[None] <= pos[:, None]
         scores = (q @ self.k.transpose(-1, -2)) / math.sqrt(self.head_dim)
-        x = x + self.out((scores.masked_fill(~mask, float("-inf")).softmax(-1) @ self.v).transpose(1, 2).reshape(b, t, d))
+        x = x + self.out(
+            (scores.masked_fill(~mask, float("-inf")).softmax(-1) @ self.v).transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(x)
 
 
 class Model(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
-        self.tok, self.pos = nn.Embedding(c["vocab_size"], c["dim"]), nn.Embedding(c["max_position_embeddings"], c["dim"])
-        self.layers = nn.ModuleList(Layer(c["dim"], c["heads"], c["max_position_embeddings"]) for _ in range(c["layers"]))
+        self.tok, self.pos = (nn.Embedding(c["vocab_size"], c["dim"]),
+                              nn.Embedding(c["max_position_embeddings"], c["dim"]))
+        self.layers = nn.ModuleList(
+            Layer(c["dim"], c["heads"], c["max_position_embeddings"]) for _ in range(c["layers"]))
         self.head = nn.Sequential(nn.LayerNorm(c["dim"]), nn.Linear(c["dim"], c["vocab_size"], bias=False))
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:

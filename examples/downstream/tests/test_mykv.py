@@ -2,9 +2,9 @@
 pytest --pyargs pytest_kvcompile.suites). The model comes from the plugin's tiny zoo (ini: kv_zoo = "llama")."""
 
 import pytest
-from mykv.engine import StaticDecode
+from pytest_kvcompile import HFEagerOracle, check_tokens
 
-from pytest_kvcompile import HFEagerOracle, assert_tokens_match
+from mykv.engine import StaticDecode
 
 PROMPT = [5, 17, 42, 99, 3, 64, 8]
 
@@ -25,7 +25,7 @@ def test_decode_compiles_once(engine, kv_compile_recorder):
 def test_tokens_match_the_oracle(engine, kv_model):
     got = engine.generate([PROMPT], 12)[0]
     reference = HFEagerOracle(kv_model).reference(PROMPT, 12)
-    assert_tokens_match(reference, got, engine="mykv", model=kv_model.name)
+    check_tokens(reference, got, engine="mykv", model=kv_model.name)
 
 
 @pytest.mark.limit_memory("32 MiB")

@@ -13,18 +13,15 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import pytest
 
-from pytest_kvcompile.oracles.tolerances import (
+from pytest_kvcompile.config.tolerances import (
     DEFAULT_MAX_NEAR_TIE_RATE,
     DEFAULT_MAX_NEAR_TIES,
     DEFAULT_TIE_TOLERANCE,
 )
-
-if TYPE_CHECKING:
-    from pytest_kvcompile.run.fuzz import FuzzSettings
 
 ENGINE = "--kv-engine"
 LIST_ENGINES = "--kv-list-engines"
@@ -243,7 +240,8 @@ OPTIONS = [
            "seconds one generate() or score() call may take; a call that outlives it fails its test naming the call, "
            "and the engine is built anew for the next test (isolated engines: their process is killed, and building "
            "one may take 10 x this; in-process engines: the call is interrupted by SIGALRM, which cannot stop a hang "
-           "inside C code: isolate those). 0 (default): no limit", "SECONDS", number(0, what="give a number of seconds >= 0, e.g. 120 (0: no limit)")),
+           "inside C code: isolate those). 0 (default): no limit", "SECONDS",
+           number(0, what="give a number of seconds >= 0, e.g. 120 (0: no limit)")),
     Option(ISOLATE, "kv_isolate", "auto",
            "which engines run in a process of their own, so that a crash or a hang fails one test and the run goes "
            "on: 'auto' (default: every engine that is not built-in, and built-in ones declaring isolated=True such as "
@@ -264,6 +262,16 @@ BY_FLAG = {o.flag: o for o in OPTIONS}
 def known_findings(config: pytest.Config) -> list[tuple[str, str, str, str]]:
     """(engine, test glob, reason, expected failure regex) per known finding of the run's options."""
     return list(value(config, BY_FLAG[KNOWN_FINDING]))
+
+
+@dataclass(frozen=True)
+class FuzzSettings:
+    """``--kv-fuzz*`` (their options and the fuzzer: run/fuzz.py)."""
+
+    examples: int
+    profile: str = "ci"
+    budget_s: float = 240.0
+    seed: int | None = None
 
 
 @dataclass(frozen=True)

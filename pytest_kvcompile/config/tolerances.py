@@ -1,5 +1,5 @@
 """Numeric tolerances of float32 verdicts, with where each number comes from, and the binomial rule of 16-bit
-near-tie budgets. No torch: options and reports read them.
+near-tie budgets. No torch and no other pytest_kvcompile import: options, verdicts and oracles read them.
 
 bfloat16 and float16 have no constants: their verdict numbers are measured per model from the noise of equivalent
 computations against a float64 truth (oracles/precision.py, docs/precision.md). A dtype missing here is measured.

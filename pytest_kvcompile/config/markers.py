@@ -2,7 +2,7 @@
 
 A `Marker`'s `check` function is the marker: its parameters after the first are the marker's arguments (their
 defaults the documented ones), its docstring the marker's help line, and after the test call it returns
-nothing or a `Failure` (one line, then a detail section of the report). `MarkersPlugin` validates every marked
+nothing or a `Finding` (one line, then a detail section of the report). `MarkersPlugin` validates every marked
 test at collection (bad arguments: a collection error naming the fix; a UsageError raised in an xdist worker
 would crash it instead), runs `setup` before the test's fixtures (it may skip), measures the call with `probe`
 (what the probe yields is the check's first argument) and turns a failed check into a failed test: one line
@@ -15,13 +15,13 @@ import contextlib
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ContextManager
+from typing import Any
 
 import pytest
 
 
 @dataclass(frozen=True)
-class Failure:
+class Finding:
     """What a marker's check found: `line` says what broke, `detail` is the report section titled `title`."""
 
     line: str
@@ -34,11 +34,13 @@ class Marker:
     """One marker (see the module docstring). `validate(arguments, item)` returns the checked arguments
     (ValueError names the fix); `setup(arguments, item)` and `probe(arguments, item)` are optional."""
 
-    check: Callable[..., Failure | None]
+    check: Callable[..., Finding | None]
     validate: Callable[[dict[str, Any], pytest.Item], dict[str, Any]] = lambda arguments, item: arguments
     setup: Callable[[dict[str, Any], pytest.Item], None] | None = None
-    probe: Callable[[dict[str, Any], pytest.Item], ContextManager[Any]] | None = None
+    probe: Callable[[dict[str, Any], pytest.Item], contextlib.AbstractContextManager[Any]] | None = None
     example: str = ""  # the usage shown in help and errors, e.g. '("64 MiB", device="auto")'; default: the signature
+    kind: str = "other"  # the verdict kind of its failures (a verdicts.failures.Kind value: recompile, memory, latency)
+    renamed: tuple[tuple[str, str], ...] = ()  # (old keyword, new keyword): the old still works, with a deprecation
 
     @property
     def signature(self) -> inspect.Signature:
@@ -66,13 +68,15 @@ def skip(reason: str) -> None:
 
 
 def written(mark: pytest.Mark) -> str:
-    """The marker as the test wrote it, e.g. ``@pytest.mark.limit_memory('64 MiB')``: every argument error starts with it."""
+    """The marker as the test wrote it, e.g. ``@pytest.mark.limit_memory('64 MiB')``: every argument error starts
+    with it."""
     given = ", ".join([*map(repr, mark.args), *(f"{k}={v!r}" for k, v in mark.kwargs.items())])
     return f"@pytest.mark.{mark.name}({given})"
 
 
 ARGUMENTS = pytest.StashKey[dict[str, Any]]()  # marker name -> validated arguments, per item
-FAILURES = pytest.StashKey[list[tuple[str, Failure]]]()
+FAILURES = pytest.StashKey[list[tuple[str, Finding]]]()
+WARNED = pytest.StashKey[set[str]]()  # renamed keywords' deprecations issued for this item
 PLUGIN = pytest.StashKey["MarkersPlugin"]()
 
 
@@ -91,8 +95,16 @@ class MarkersPlugin:
                 if mark is None:
                     continue
                 where = written(mark)
+                kwargs = dict(mark.kwargs)
+                for old, new in marker.renamed:
+                    if old in kwargs and new not in kwargs:
+                        kwargs[new] = kwargs.pop(old)
+                        message = f"{where}: {old}= is deprecated, write {new}="
+                        if message not in item.stash.setdefault(WARNED, set()):  # once, not again at setup
+                            item.stash[WARNED].add(message)
+                            item.warn(pytest.PytestDeprecationWarning(message))
                 try:
-                    bound = marker.signature.bind(*mark.args, **mark.kwargs)
+                    bound = marker.signature.bind(*mark.args, **kwargs)
                 except TypeError as exc:
                     raise ValueError(f"{where}: {exc}; write {marker.usage(name)}") from None
                 bound.apply_defaults()
@@ -151,6 +163,7 @@ class MarkersPlugin:
         failures = item.stash.get(FAILURES, [])
         if call.when == "call" and failures and report.passed:
             report.outcome = "failed"
+            report.kv_kind = self.table[failures[0][0]].kind  # the reports' failure kind (verdicts/failures.py)
             report.longrepr = "\n".join(f"{name}: {failure.line}" for name, failure in failures)
             for name, failure in reversed(failures):
                 if failure.detail.strip():

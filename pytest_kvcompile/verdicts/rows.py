@@ -1,6 +1,6 @@
-"""Per-run results: what every engine did on every model, as plain dicts, for the reports.
+"""Per-run results: what every engine did on every model, for the reports: JSON-ready dicts typed by `Row`.
 
-A *row* holds one (engine, model, device, dtype): test outcomes, token-identity verdicts and
+A *row* (`Row`) holds one (engine, model, device, dtype): test outcomes, token-identity verdicts and
 near ties, compile counts with recompile reasons, KV bytes, latency samples. Each process
 collects rows for the tests it runs. Under pytest-xdist a worker hands its rows to the
 controller as plain dicts in ``config.workeroutput``; only the controller merges them
@@ -20,26 +20,89 @@ import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import Any, TypedDict
 
 import pytest
 
-from pytest_kvcompile.oracles.tolerances import FALSE_ALARM, run_rate_exceeded
+from pytest_kvcompile.config.tolerances import FALSE_ALARM, run_rate_exceeded
+from pytest_kvcompile.verdicts.failures import Kind, Problem
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 TOKEN_VERDICTS = ("identical", "near_tie", "mismatch")
-COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions", "builds", "build_s")  # summed on merge
+# summed on merge
+COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions", "builds", "build_s")
 WORKER_KEY = "kvcompile_results"  # config.workeroutput key
 NOTE = "kvcompile"  # user_properties key of run notes: (category, line)
 NEAR_TIES = "near ties accepted as numerics"
 
+
+class FailureEntry(TypedDict):
+    """A failed test of a row: its kind (a `Kind` value), the first lines of its message, and for a token verdict
+    the typed failure (`Failure.to_dict()`, verdicts/failures.py), else None."""
+
+    test: str
+    kind: str
+    message: str
+    failure: dict[str, Any] | None
+
+
+class Compiles(TypedDict, total=False):
+    build: int
+    warmup: int
+    after_warmup: int
+    reasons: list[str]
+    graph_breaks: list[str]
+    eager_runs: int
+    timeline: list[dict[str, Any]]
+
+
+class KVBytes(TypedDict):
+    expected: int | None
+    measured: int
+
+
+class Check(TypedDict):
+    ran: int
+    skipped: int
+    reason: str
+
+
+class Row(TypedDict):
+    """One engine x model x device x dtype of a run (the results JSON's ``rows``, reports/json_file.py)."""
+
+    engine: str
+    model: str
+    device: str
+    dtype: str
+    tests: dict[str, int]  # OUTCOMES -> count
+    tokens: dict[str, int]  # TOKEN_VERDICTS -> verified sequences
+    near_ties: list[str]
+    verified_tokens: int
+    near_tie_tokens: int
+    token_checks: int
+    evicting: int
+    evictions: int
+    builds: int
+    build_s: float
+    declared_skips: list[str]
+    oracle_errors: list[str]
+    checks: dict[str, Check]
+    failures: list[FailureEntry]
+    compiles: Compiles | None
+    kv_bytes: KVBytes | None
+    latency: dict[str, Any] | None  # latency.measure.Latency.as_dict()
+    noise: dict[str, Any] | None  # oracles.precision.Noise.to_dict()
+    eviction_noise: dict[str, Any] | None  # oracles.eviction.ScoreNoise.to_dict()
+    fuzz_coverage: dict[str, Any] | None  # run.fuzz.Coverage
+    oracle: dict[str, Any] | None  # {"source", "engine", "limitations"}
+    sequences: dict[str, list[int]]
 
 
 class MergeError(ValueError):
     """Two result sets cannot be merged (say why and where)."""
 
 
-def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
+def new_row(engine: str, model: str, device: str, dtype: str) -> Row:
     return {
         "engine": engine, "model": model, "device": device, "dtype": dtype,
         "tests": dict.fromkeys(OUTCOMES, 0),
@@ -55,7 +118,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
         "declared_skips": [],  # why this engine x model could not run: ModelNotSupported, device/dtype, no oracle
         "oracle_errors": [],  # the oracle failed its self-check on this model: no verdict on the engine
         "checks": {},  # test function -> {"ran": n, "skipped": n, "reason": first skip reason}
-        "failures": [],  # {"test": nodeid, "message": first lines}
+        "failures": [],  # {"test": nodeid, "kind": Kind, "message": first lines, "failure": Failure.to_dict() | None}
         "compiles": None,  # {"build", "warmup", "after_warmup", "reasons": [str], "graph_breaks": [str], "eager_runs"}
         "kv_bytes": None,  # {"expected": int | None, "measured": int}
         "latency": None,  # see latency.Latency.as_dict()
@@ -67,7 +130,7 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> dict[str, Any]:
     }
 
 
-def row_key(row: dict[str, Any]) -> tuple[str, str, str, str]:
+def row_key(row: Row) -> tuple[str, str, str, str]:
     return row["engine"], row["model"], row["device"], row["dtype"]
 
 
@@ -102,7 +165,7 @@ _OPTIONAL = {"compiles": _merge_compiles, "kv_bytes": _merge_kv_bytes, "latency"
              "fuzz_coverage": lambda a, b: max(a, b, key=lambda x: (x["covered"], x["calls"]))}
 
 
-def merge_row(into: dict[str, Any], row: dict[str, Any]) -> None:
+def merge_row(into: Row, row: Row) -> None:
     """Fold `row` into `into` (same key)."""
     for counts in ("tests", "tokens"):
         for name, n in row[counts].items():
@@ -127,18 +190,20 @@ def merge_row(into: dict[str, Any], row: dict[str, Any]) -> None:
 
 
 def merge(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One results dict from several (workers of one run, or separate runs): runs are listed, rows merged."""
-    rows: dict[tuple, dict[str, Any]] = {}
-    runs = []
+    """One results dict from several (workers of one run, or separate runs): runs are listed, rows merged, the run
+    rules that failed in any of them kept."""
+    rows: dict[tuple, Row] = {}
+    runs, problems = [], []
     for result in results:
         runs += result["runs"]
+        problems += [p for p in result.get("problems", []) if p not in problems]
         for row in result["rows"]:
             key = row_key(row)
             if key in rows:
                 merge_row(rows[key], row)
             else:
                 rows[key] = copy.deepcopy(row)
-    return {"runs": runs, "rows": [rows[k] for k in sorted(rows)]}
+    return {"runs": runs, "rows": [rows[k] for k in sorted(rows)], "problems": problems}
 
 
 def coverage_line(found: dict[str, Any]) -> str:
@@ -178,7 +243,8 @@ def run_metadata(config: pytest.Config, settings: Any) -> dict[str, Any]:
         "engines": list(settings.engines),
         "compile_backend": settings.compile_backend,
         "max_new_tokens": settings.max_new_tokens,
-        "options": {k: v if isinstance(v, (bool, int, float)) else str(v) if not isinstance(v, list) else [str(x) for x in v]
+        "options": {k: v if isinstance(v, (bool, int, float))
+                    else str(v) if not isinstance(v, list) else [str(x) for x in v]
                     for k, v in sorted(options.items())},
     }
 
@@ -198,14 +264,14 @@ class Collector:
     dtype: str
 
     def __post_init__(self) -> None:
-        self.rows: dict[tuple, dict[str, Any]] = {}
-        self.pending: dict[tuple, dict[str, Any]] | None = None  # what add() merged since the last drain(), tracked
+        self.rows: dict[tuple, Row] = {}
+        self.pending: dict[tuple, Row] | None = None  # what add() merged since the last drain(), tracked
 
     def track(self) -> None:
         """From now on keep what add() merges until `drain()` (an xdist worker sends it with each test's report)."""
         self.pending = {}
 
-    def row(self, engine: str, model: str) -> dict[str, Any]:
+    def row(self, engine: str, model: str) -> Row:
         key = (engine, model, self.device, self.dtype)
         if key not in self.rows:
             self.rows[key] = new_row(*key)
@@ -291,51 +357,54 @@ def outcome(report: pytest.TestReport) -> str | None:
     return "skipped" if report.skipped and report.when == "setup" else None
 
 
-def run_problems(rows: list[dict[str, Any]], max_near_tie_rate: float | None) -> list[str]:
-    """What fails the run beyond single tests (one line each): an engine x model whose token checks ran but
-    verified no token (vacuous), unless it was skipped for a declared reason or the oracle was unreliable; an
-    engine whose near ties per verified token exceed `max_near_tie_rate` over the run (None, 16-bit 'auto': an
-    engine x model whose near ties a correct engine reaches with probability < 1e-4 at the model's measured flip
-    rate, oracles/precision.py)."""
+def run_problems(rows: list[Row], max_near_tie_rate: float | None) -> list[Problem]:
+    """What fails the run beyond single tests (verdicts/failures.py: Problem, its engine a field): an engine x model
+    whose token checks ran but verified no token (vacuous), unless it was skipped for a declared reason or the oracle
+    was unreliable; an engine whose near ties per verified token exceed `max_near_tie_rate` over the run (None, 16-bit
+    'auto': an engine x model whose near ties a correct engine reaches with probability < 1e-4 at the model's measured
+    flip rate, oracles/precision.py)."""
     problems = []
     for row in rows:
-        at = f"engine '{row['engine']}' on model '{row['model']}' ({row['device']}, {row['dtype']})"
+        at = dict(engine=row["engine"], model=row["model"], device=row["device"], dtype=row["dtype"])
         if row.get("token_checks") and not row.get("verified_tokens") and not row.get("declared_skips") \
                 and not row.get("oracle_errors"):
             reasons = sorted({c["reason"] for c in row.get("checks", {}).values() if c["reason"]})
-            problems.append(f"{at}: {row['token_checks']} token check(s) ran but no token was verified: a check "
-                            f"that cannot apply proves nothing (skips: {'; '.join(reasons) or 'none recorded'})")
+            problems.append(Problem(Kind.VACUOUS, message=(
+                f"{row['token_checks']} token check(s) ran but no token was verified: a check that cannot apply "
+                f"proves nothing (skips: {'; '.join(reasons) or 'none recorded'})"), **at))
         if row.get("evicting") and not row.get("evictions"):
-            problems.append(f"{at}: its eviction strategy evicted nothing on any of the {row['evicting']} verified "
-                            "sequence(s), so they proved nothing about eviction (the prompt set adds budget+1 and "
-                            "2*budget+3 tokens within the model's position limit: a larger budget cannot be exercised "
-                            "on this model)")
+            problems.append(Problem(Kind.NO_EVICTION, message=(
+                f"its eviction strategy evicted nothing on any of the {row['evicting']} verified sequence(s), so they "
+                "proved nothing about eviction (the prompt set adds budget+1 and 2*budget+3 tokens within the model's "
+                "position limit: a larger budget cannot be exercised on this model)"), **at))
     by_engine: dict[tuple, list[int]] = {}
     for row in rows:
         noise = row.get("noise")
-        at = f"engine '{row['engine']}' on model '{row['model']}' ({row['device']}, {row['dtype']})"
+        at = dict(engine=row["engine"], model=row["model"], device=row["device"], dtype=row["dtype"])
         if max_near_tie_rate is None:  # 16-bit, measured: distinct sequences, so a repeated one counts once
             rate = noise["flip_rate_bound"] if noise else None
             distinct = row.get("sequences", {}).values()
             verified, ties = sum(v for v, _ in distinct), sum(t for _, t in distinct)
             if rate is not None and run_rate_exceeded(ties, verified, rate):
-                problems.append(f"{at}: {ties} near ties in {verified} verified tokens of {len(distinct)} distinct "
-                                f"sequences ({ties / verified:.1%}): a correct engine flipping at the model's measured "
-                                f"rate (<= {rate:.1%}) shows this many with probability < {FALSE_ALARM:g}: numerics "
-                                "drift over the run (the near ties are listed above)")
+                problems.append(Problem(Kind.RUN_DRIFT, message=(
+                    f"{ties} near ties in {verified} verified tokens of {len(distinct)} distinct sequences "
+                    f"({ties / verified:.1%}): a correct engine flipping at the model's measured rate (<= {rate:.1%}) "
+                    f"shows this many with probability < {FALSE_ALARM:g}: numerics drift over the run (the near ties "
+                    "are listed above)"), **at))
             continue
         found = by_engine.setdefault((row["engine"], row["device"], row["dtype"]), [0, 0])
         found[0] += row.get("near_tie_tokens", 0)
         found[1] += row.get("verified_tokens", 0)
     for (engine, device, dtype), (ties, verified) in sorted(by_engine.items()):
         if verified and ties / verified > max_near_tie_rate:
-            problems.append(f"engine '{engine}' ({device}, {dtype}): {ties} near ties in {verified} verified tokens "
-                            f"({ties / verified:.1%}) exceed --kv-max-near-tie-rate={max_near_tie_rate:g}: numerics "
-                            "drift over the run (the near ties are listed above)")
+            problems.append(Problem(Kind.RUN_DRIFT, engine, device, dtype, message=(
+                f"{ties} near ties in {verified} verified tokens ({ties / verified:.1%}) exceed "
+                f"--kv-max-near-tie-rate={max_near_tie_rate:g}: numerics drift over the run (the near ties are listed "
+                "above)")))
     return problems
 
 
-def skipped_everywhere(rows: list[dict[str, Any]]) -> list[str]:
+def skipped_everywhere(rows: list[Row]) -> list[str]:
     """Checks skipped for every engine and model of the run, with a reason: nothing was checked by them."""
     seen: dict[str, dict[str, Any]] = {}
     for row in rows:

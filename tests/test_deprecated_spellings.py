@@ -1,0 +1,110 @@
+"""Renamed spellings (issue 27: one name per concept) keep working, with a deprecation warning naming the new one.
+
+- ``no_recompile(graph_breaks=...)`` is ``no_recompile(allow_graph_breaks=...)``, the keyword of
+  ``expect_no_recompiles`` and ``--kv-allow-graph-breaks``; the old one warns with a PytestDeprecationWarning.
+- ``recompiles.recorder.isolate()`` / ``kv_engine.isolate_compiles()`` reset dynamo: they are ``reset_dynamo()``
+  now ("isolate" is only ``--kv-isolate``'s process of its own).
+"""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONFTEST = """
+from pytest_kvcompile.recompiles import marker as recompile_marker
+
+
+def pytest_configure(config):
+    recompile_marker.register(config)
+"""
+OPTS = ("-p", "no:kvcompile", "-p", "no:cacheprovider", "-p", "no:benchmark", "-v")
+
+
+def cases(keyword: str) -> str:
+    """Two tests that graph-break (and may compile): one allows breaks, one does not: `keyword` spells the rule."""
+    return f'''
+import pytest
+import torch
+
+
+def breaks(x):
+    torch._dynamo.graph_break()
+    return x * 2
+
+
+@pytest.mark.no_recompile(max_recompiles=9, {keyword}=True)
+def test_allowed():
+    torch.compile(lambda x: breaks(x + 1), backend="eager")(torch.ones(2))
+
+
+@pytest.mark.no_recompile(max_recompiles=9, {keyword}=False)
+def test_refused():
+    torch.compile(lambda x: breaks(x + 2), backend="eager")(torch.ones(2))
+'''
+
+
+@pytest.fixture
+def tester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest.Pytester:
+    monkeypatch.setenv("PYTHONPATH", str(REPO), prepend=":")
+    pytester.makeconftest(CONFTEST)
+    return pytester
+
+
+def test_marker_graph_breaks_still_works_and_warns(tester):
+    tester.makepyfile(test_old=cases("graph_breaks"))
+    result = tester.runpytest_subprocess(*OPTS)
+    result.assert_outcomes(passed=1, failed=1, warnings=2)
+    result.stdout.fnmatch_lines(["*test_old.py::test_allowed PASSED*", "*test_old.py::test_refused FAILED*"])
+    result.stdout.fnmatch_lines([
+        "*PytestDeprecationWarning: @pytest.mark.no_recompile(max_recompiles=9, graph_breaks=True): "
+        "graph_breaks= is deprecated, write allow_graph_breaks=",
+        "*PytestDeprecationWarning: @pytest.mark.no_recompile(max_recompiles=9, graph_breaks=False): "
+        "graph_breaks= is deprecated, write allow_graph_breaks=",
+    ])
+    result.stdout.fnmatch_lines(["*no_recompile: 1 graph break(s), none allowed*"])
+
+
+def test_marker_allow_graph_breaks_works_without_warning(tester):
+    tester.makepyfile(test_new=cases("allow_graph_breaks"))
+    result = tester.runpytest_subprocess(*OPTS, "-W", "error::pytest.PytestDeprecationWarning")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*test_new.py::test_allowed PASSED*", "*test_new.py::test_refused FAILED*"])
+    result.stdout.no_fnmatch_line("*Deprecat*")
+
+
+def test_marker_both_spellings_is_an_error_naming_the_one(tester):
+    tester.makepyfile(test_both="""
+import pytest
+
+@pytest.mark.no_recompile(graph_breaks=True, allow_graph_breaks=True)
+def test_x():
+    pass
+""")
+    result = tester.runpytest_subprocess(*OPTS)
+    result.stdout.fnmatch_lines(["*got an unexpected keyword argument 'graph_breaks'; write "
+                                 "@pytest.mark.no_recompile(max_recompiles=0, allow_graph_breaks=False, warmup=False)"])
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+
+
+def test_recorder_isolate_is_reset_dynamo_with_a_warning():
+    from pytest_kvcompile.recompiles import recorder
+
+    with pytest.warns(DeprecationWarning, match=r"isolate\(\) is deprecated: call reset_dynamo\(\)"):
+        old = recorder.isolate
+    assert old is recorder.reset_dynamo
+    with pytest.raises(AttributeError, match="no attribute 'isolated'"):
+        recorder.isolated  # noqa: B018  (only the renamed name is an alias)
+
+
+def test_engine_isolate_compiles_is_reset_dynamo_with_a_warning():
+    from pytest_kvcompile.run.harness import EngineUnderTest
+
+    calls = []
+    engine = types.SimpleNamespace(reset_dynamo=lambda: calls.append("reset"))
+    with pytest.warns(DeprecationWarning, match=r"isolate_compiles\(\) is deprecated: call kv_engine\.reset_dynamo"):
+        EngineUnderTest.isolate_compiles(engine)
+    assert calls == ["reset"]
