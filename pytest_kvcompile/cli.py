@@ -1,6 +1,7 @@
-"""``kvcompile``: merge result files, and check an engine in a virtual environment of its own.
+"""``kvcompile``: merge result files, draw the conformance matrix, and check an engine in a venv of its own.
 
     kvcompile merge cpu.json gpu.json -o report.html   # also -o report.md / report.json, by extension
+    kvcompile matrix reports/*.json -o docs/conformance-matrix.md   # engines x checks (or .html)
     kvcompile check-engine vllm                        # venv + install + suites + reports
 
 `merge` joins the results of separate runs (``-n`` workers written apart, a CPU job and a GPU job)
@@ -15,8 +16,9 @@ import sys
 from pathlib import Path
 
 from pytest_kvcompile import check_engine
-from pytest_kvcompile.reports import WRITERS, write
+from pytest_kvcompile.reports import WRITERS, matrix, write
 from pytest_kvcompile.reports.json_file import ResultsFileError, load
+from pytest_kvcompile.reports.live import atomic_write
 from pytest_kvcompile.verdicts.rows import MergeError, merge
 
 
@@ -29,6 +31,16 @@ def _parser() -> argparse.ArgumentParser:
     merge_cmd.add_argument("inputs", nargs="+", metavar="RESULTS.json", help="files written by --kv-report-json")
     merge_cmd.add_argument("-o", "--output", required=True, metavar="FILE",
                            help=f"the merged report; its format follows the extension: {', '.join(WRITERS)}")
+    matrix_cmd = commands.add_parser(
+        "matrix", help="the conformance matrix (engines x checks) of result files",
+        description="Draw one page of engines x checks from the engines' result files: each cell pass, fail "
+        "(linking the engine's findings page), known finding or skip (with the reason), with versions and dates.")
+    matrix_cmd.add_argument("inputs", nargs="+", metavar="RESULTS.json", help="files written by --kv-report-json")
+    matrix_cmd.add_argument("-o", "--output", required=True, metavar="FILE",
+                            help=f"the page; its format follows the extension: {', '.join(matrix.WRITERS)}")
+    matrix_cmd.add_argument("--pages", type=Path, default=Path("docs/engines"),
+                            help="the engines' findings pages, NAME.md for the engines NAME and NAME-* "
+                            "(default: docs/engines)")
     check = commands.add_parser(
         "check-engine", help="run the suites on an engine in a virtual environment of its own",
         description="Create (or reuse) a venv, install torch, the engine and this project, run the conformance "
@@ -57,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         except check_engine.CheckEngineError as exc:
             parser.error(str(exc))
     output = Path(args.output)
+    if args.command == "matrix":
+        return _matrix(parser, args.inputs, output, args.pages)
     if output.suffix.lower() not in WRITERS:
         parser.error(f"-o {args.output}: unknown report format {output.suffix!r}; "
                      f"end the name in one of {', '.join(WRITERS)}")
@@ -66,6 +80,25 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     write(merged, output)
     print(f"kvcompile: merged {len(args.inputs)} file(s), {len(merged['rows'])} row(s) -> {output}")
+    return 0
+
+
+def _matrix(parser: argparse.ArgumentParser, inputs: list[str], output: Path, pages: Path) -> int:
+    if output.suffix.lower() not in matrix.WRITERS:
+        parser.error(f"-o {output}: unknown matrix format {output.suffix!r}; end the name in one of "
+                     f"{', '.join(matrix.WRITERS)}")
+    try:
+        merged = merge([load(path) for path in inputs])
+    except (ResultsFileError, MergeError) as exc:
+        parser.error(str(exc))
+    from pytest_kvcompile.contract.registry import BUILTIN_ENGINES  # imports torch: only here
+
+    expected = tuple(BUILTIN_ENGINES)  # every engine the project adapts gets a row, reported or not
+    atomic_write(output, matrix.WRITERS[output.suffix.lower()](merged, inputs, pages, output, expected))
+    engines = {row["engine"] for row in merged["rows"]}
+    missing = [name for name in expected if name not in engines]
+    print(f"kvcompile: matrix of {len(engines)} engine(s) from {len(inputs)} file(s) -> {output}"
+          + (f"; no report of {len(missing)} built-in engine(s): {', '.join(missing)}" if missing else ""))
     return 0
 
 

@@ -48,6 +48,13 @@ def test_reports_are_written(kvtester):
     assert typed["kind"] == "mismatch" and typed["failure"]["kind"] == "mismatch"
     assert (typed["failure"]["engine"], typed["failure"]["model"], typed["failure"]["step"]) == (INSTANT, "llama", 0)
     assert typed["failure"]["hint"].startswith("step 0 is decided by prefill alone") and data["problems"] == []
+    assert instant["checks"]["test_token_identity"] == {"ran": 1, "failed": 1, "xfailed": 0, "skipped": 0,
+                                                        "reason": ""}
+    assert cli.main(["matrix", str(out / "r.json"), "-o", str(out / "m.md")]) == 0  # the conformance matrix of it
+    table = (out / "m.md").read_text()
+    assert f"| {GREEDY} | PASS |" in table and f"| {INSTANT} | FAIL |" in table
+    note = next(line for line in table.splitlines() if f"{INSTANT} / token_identity (llama): " in line)
+    assert f"engine '{INSTANT}' diverges from the oracle" in note
     assert instant["kv_bytes"] == {"expected": None, "measured": (32 + 1 + 8) * 64}
     for row in (greedy, instant):
         assert len(row["latency"]["prefill_ms"]) == 3 and set(row["latency"]["decode"]) == {"median", "p90"}

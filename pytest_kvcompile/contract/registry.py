@@ -7,6 +7,7 @@ A NAME is, in this order: (1) a built-in engine, (2) an entry point in the group
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -14,7 +15,7 @@ import re
 import sys
 import traceback
 from dataclasses import dataclass, field
-from importlib.metadata import entry_points
+from importlib.metadata import PackageNotFoundError, entry_points, packages_distributions, version
 from typing import Any
 
 from pytest_kvcompile.contract.engine import (
@@ -77,6 +78,24 @@ class EngineRef:
         if _accepts_backend(self.factory):
             return self.factory(spec, compile_backend=compile_backend)
         return self.factory(spec)
+
+    def versions(self) -> list[str]:
+        """``dist==version`` of the distributions behind this engine: the one of its factory's module, those of the
+        packages it declares it requires, and transformers (what a report or a cached reference must name)."""
+        tops = [self.target.partition(":")[0].split(".")[0],
+                *(name.split(".")[0] for name, _ in self.declaration.requires), "transformers"]
+        found = []
+        for dist in dict.fromkeys(d for top in tops for d in _distributions().get(top, [])):
+            try:
+                found.append(f"{dist}=={version(dist)}")
+            except PackageNotFoundError:
+                pass
+        return found
+
+
+@functools.cache
+def _distributions() -> dict[str, list[str]]:
+    return packages_distributions()
 
 
 def _accepts_backend(factory: Any) -> bool:

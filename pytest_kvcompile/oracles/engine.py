@@ -28,7 +28,6 @@ reported absent. The reference cache is keyed by `identity` (engine, its code an
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import sys
 from collections.abc import Iterator, Sequence
@@ -110,32 +109,16 @@ class OracleNotEager(pytest.fail.Exception):
     """The eager oracle ran compiled code: a failure (never a verdict by compiled-against-compiled)."""
 
 
-@functools.cache
-def _distributions() -> dict[str, list[str]]:
-    from importlib.metadata import packages_distributions
-
-    return packages_distributions()
-
-
 def identity(ref: EngineRef, compile_backend: str) -> str:
     """What the reference cache is keyed by: NAME, target, the compile backend, the code of the factory's module and
     the versions of the distributions behind it, the packages it declares it requires and transformers (a changed
     engine or library is a new oracle)."""
-    from importlib.metadata import PackageNotFoundError, version
-
     module_name = ref.target.partition(":")[0]
     module = sys.modules.get(module_name)
     code = ""
     if module is not None and getattr(module, "__file__", None) and Path(module.__file__).is_file():
         code = hashlib.sha256(Path(module.__file__).read_bytes()).hexdigest()[:16]
-    tops = [module_name.split(".")[0], *(name.split(".")[0] for name, _ in ref.declaration.requires), "transformers"]
-    versions = []
-    for dist in dict.fromkeys(d for top in tops for d in _distributions().get(top, [])):
-        try:
-            versions.append(f"{dist}=={version(dist)}")
-        except PackageNotFoundError:
-            pass
-    return f"{ref.name}|{ref.target}|{compile_backend}|{','.join(versions)}|{code}"
+    return f"{ref.name}|{ref.target}|{compile_backend}|{','.join(ref.versions())}|{code}"
 
 
 class EngineOracle:

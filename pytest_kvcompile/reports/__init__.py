@@ -230,7 +230,9 @@ class ResultsPlugin:
                 if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable):
                     declared, reason = [reason.removeprefix("pytest_kvcompile.errors.NotApplicable: ")], ""
             ran = decided not in ("skipped", "error")
-            checks = {item.originalname: {"ran": int(ran), "skipped": int(decided == "skipped"), "reason": reason}}
+            checks = {item.originalname: {"ran": int(ran), "failed": int(decided in ("failed", "error", "xpassed")),
+                                          "xfailed": int(decided == "xfailed"), "skipped": int(decided == "skipped"),
+                                          "reason": reason}}
             self.collector.add(*found, tests={decided: 1}, failures=failures, declared_skips=declared, checks=checks,
                                oracle_errors=oracle_error,
                                token_checks=int(bool(ORACLE_FIXTURES & set(getattr(item, "fixturenames", ())))))

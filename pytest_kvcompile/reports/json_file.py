@@ -12,7 +12,8 @@ Schema (``schema_version`` 2)::
                "near_ties": [line], "failures": [{"test", "kind", "message", "failure": null | {...}}],
                "verified_tokens": n, "near_tie_tokens": n, "token_checks": n,
                "declared_skips": [reason], "oracle_errors": [message],
-               "checks": {test function: {"ran": n, "skipped": n, "reason": str}},
+               "checks": {test function: {"ran": n, "failed": n, "xfailed": n, "skipped": n, "reason": str}},
+               "versions": ["dist==version"],  (the engine's distributions as built: the conformance matrix)
                "compiles": null | {"build": n, "warmup": n, "after_warmup": n, "reasons": [line]},
                "kv_bytes": null | {"expected": n | null, "measured": n},
                "latency": null | {"prompt_len": n, "decode_tokens": n, "timer": str,
@@ -36,7 +37,8 @@ tokens and what that oracle could not check. ``status`` (reports/live.py) says w
 "crashed": [...]}``; a report of a run that died has ``complete: false`` and names what was running. Readers ignore
 it (older files lack it).
 ``compiles.build`` (dynamo compiles while the engine was built) may be absent in older files (read as 0), and so
-may the keys from ``verified_tokens`` to ``checks`` (read as empty); older files' ``tokens.unverified`` is kept as read.
+may the keys from ``verified_tokens`` to ``versions`` (read as empty; a check's ``failed`` and ``xfailed``
+as 0); older files' ``tokens.unverified`` is kept as read.
 ``latency.prefill``, ``latency.decode`` and ``latency.tokens_per_s`` are derived from the samples for
 readers' convenience and recomputed on load. A run with several ``--kv-engine`` has one row per engine
 and model; merged files list every source run.

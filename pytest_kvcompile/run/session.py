@@ -139,7 +139,7 @@ class Session:
         compiled = f", {len(build_compiles)} compile(s)" if build_compiles else ""
         where = f" in process {instance.proc.pid}" if isolated else ""
         self.progress(f"{name} / {model}: built in {seconds:.1f} s{where}{compiled}")
-        self.collector.add(name, model, builds=1, build_s=round(seconds, 3))
+        self.collector.add(name, model, builds=1, build_s=round(seconds, 3), versions=ref.versions())
         after = cuda_allocated(spec.device)
         grown = None if allocated_before is None else after - allocated_before
         settings, rules = self.settings, self.rules(model)

@@ -61,8 +61,14 @@ class KVBytes(TypedDict):
     measured: int
 
 
-class Check(TypedDict):
+class Check(TypedDict, total=False):
+    """One test function's outcomes on a row: `ran` (passed, failed, xfailed, xpassed), of which `failed` (failed,
+    xpassed) and `xfailed` (a known finding absorbed), `skipped` with the first `reason`. Schema-1 files lack
+    `failed` and `xfailed` (read as 0)."""
+
     ran: int
+    failed: int
+    xfailed: int
     skipped: int
     reason: str
 
@@ -87,6 +93,7 @@ class Row(TypedDict):
     declared_skips: list[str]
     oracle_errors: list[str]
     checks: dict[str, Check]
+    versions: list[str]
     failures: list[FailureEntry]
     compiles: Compiles | None
     kv_bytes: KVBytes | None
@@ -117,7 +124,8 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> Row:
         "build_s": 0.0,  # seconds spent building the engine for the model (every build, --kv-fresh-engine included)
         "declared_skips": [],  # why this engine x model could not run: ModelNotSupported, device/dtype, no oracle
         "oracle_errors": [],  # the oracle failed its self-check on this model: no verdict on the engine
-        "checks": {},  # test function -> {"ran": n, "skipped": n, "reason": first skip reason}
+        "checks": {},  # test function -> Check: {"ran", "failed", "xfailed", "skipped": n, "reason": first skip reason}
+        "versions": [],  # the engine's distributions as built here, e.g. "litgpt==0.5.13" (registry.versions)
         "failures": [],  # {"test": nodeid, "kind": Kind, "message": first lines, "failure": Failure.to_dict() | None}
         "compiles": None,  # {"build", "warmup", "after_warmup", "reasons": [str], "graph_breaks": [str], "eager_runs"}
         "kv_bytes": None,  # {"expected": int | None, "measured": int}
@@ -175,10 +183,12 @@ def merge_row(into: Row, row: Row) -> None:
     for name in ("near_ties", "declared_skips", "oracle_errors"):
         into[name] = list(dict.fromkeys(into.get(name, []) + row.get(name, [])))
     for name, seen in row.get("checks", {}).items():
-        mine = into.setdefault("checks", {}).setdefault(name, {"ran": 0, "skipped": 0, "reason": ""})
-        mine["ran"] += seen["ran"]
-        mine["skipped"] += seen["skipped"]
+        mine = into.setdefault("checks", {}).setdefault(name, {"ran": 0, "failed": 0, "xfailed": 0, "skipped": 0,
+                                                               "reason": ""})
+        for count in ("ran", "failed", "xfailed", "skipped"):
+            mine[count] = mine.get(count, 0) + seen.get(count, 0)
         mine["reason"] = mine["reason"] or seen["reason"]
+    into["versions"] = list(dict.fromkeys(into.get("versions", []) + row.get("versions", [])))
     into["failures"] += [f for f in row["failures"] if f not in into["failures"]]
     into["sequences"] = {**into.get("sequences", {}), **row.get("sequences", {})}
     for field, merge in _OPTIONAL.items():
