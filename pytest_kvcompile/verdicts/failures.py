@@ -160,7 +160,7 @@ def _token_hint(failure: Failure) -> str:
     return hint
 
 
-HINTS: dict[Kind, Callable[[Failure], str]] = {  # one table: kind -> what to try
+HINTS: dict[Kind, Callable[[Failure], str]] = {  # one table: kind of a token verdict -> what to try
     Kind.MISMATCH: _token_hint,
     Kind.DRIFT: lambda f: (
         "each flip is within the tie tolerance, but a correct engine flips rarely; this many means its numerics are "
@@ -171,8 +171,6 @@ HINTS: dict[Kind, Callable[[Failure], str]] = {  # one table: kind -> what to tr
     Kind.SCORE: lambda f: (
         "score(prompt, continuation) must return the logits of the same cache/decode path as generate() (row i "
         "predicts continuation[i]); raw logits, not log-probabilities or processed scores"),
-    Kind.INCONSISTENT: lambda f: ("the same prompt must give the same tokens on every call: check padding, attention "
-                                  "masks, per-row positions and state left over from earlier calls"),
 }
 
 
