@@ -1,6 +1,7 @@
 """pytest-kvcompile: check that a KV-cache + compile engine is right and stays fast.
 
-Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`, `KVLayout`), the token
+Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`, `KVLayout`,
+`Bounds`), the token
 oracle's assertion (`check_tokens`; `assert_tokens_match` is its deprecated spelling), typed verdicts (`Where`,
 `Failure`, `Kind`) and the compile recorder (`CompileRecorder`, `expect_no_recompiles`). Each name loads its module
 on first use (PEP 562): importing the package, as pytest does through the entry point, imports neither torch nor
@@ -15,8 +16,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {  # name -> module that defines it
-    **dict.fromkeys(["BATCHING", "EXACT", "KV_CACHE_BYTES", "SCORING", "Declaration", "Engine", "EngineFactory",
-                     "KVBytesEngine", "KVLayout", "ModelNotSupported", "ModelSpec", "ScoringEngine", "Strategy"],
+    **dict.fromkeys(["BATCHING", "EXACT", "KV_CACHE_BYTES", "SCORING", "Bounds", "Declaration", "Engine",
+                     "EngineFactory", "KVBytesEngine", "KVLayout", "ModelNotSupported", "ModelSpec", "ScoringEngine",
+                     "Strategy"],
                     "pytest_kvcompile.contract.engine"),
     **dict.fromkeys(["cache_tensors", "held_bytes"], "pytest_kvcompile.memory.measure"),
     "HFEagerOracle": "pytest_kvcompile.oracles.hf",

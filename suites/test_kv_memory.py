@@ -79,6 +79,15 @@ def _hint(footprint, got: int, footprint_of) -> str:
             "or declare the layout the engine has")
 
 
+def kv_stored(kv_engine):
+    """The dtype the engine's KV cache stores: Declaration.kv_dtype when a float one, else the model's; None for a
+    quantized one (int8/int4/int2: the model's dtype bounds what it holds)."""
+    declared = kv_engine.ref.declaration.kv_dtype
+    if declared is None:
+        return kv_engine.spec.dtype
+    return getattr(torch, declared) if declared.startswith(("float", "bfloat")) else None
+
+
 def _check_footprint(kv_engine, prompts, what: str) -> None:
     layout = kv_engine.ref.declaration.kv_layout
     if layout is None:
@@ -89,10 +98,14 @@ def _check_footprint(kv_engine, prompts, what: str) -> None:
         pytest.skip("the footprint is checked after at least one decode step; run with --kv-max-new-tokens >= 2")
     if isinstance(kv_engine.spec.config, OwnConfig):
         pytest.skip(OWN_MODEL.format(kv_engine.spec.name))
+    if kv_stored(kv_engine) is None:
+        pytest.skip(f"engine '{kv_engine.name}' stores K and V as {kv_engine.ref.declaration.kv_dtype} "
+                    "(Declaration.kv_dtype): a quantized cache's scales and zero points have no declared layout, so "
+                    "its exact footprint cannot be computed (test_memory_held still bounds what it holds)")
     kv_engine.generate(prompts)
     got = _reported(kv_engine)
     spec = kv_engine.spec
-    footprint_of = partial(expected_kv_bytes, config=spec.config, dtype=spec.dtype, rows=len(prompts),
+    footprint_of = partial(expected_kv_bytes, config=spec.config, dtype=kv_stored(kv_engine), rows=len(prompts),
                            width=max(map(len, prompts)), new_tokens=new_tokens)
     footprint = footprint_of(layout)
     if got != footprint.total:
@@ -146,7 +159,8 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
     declared, spec = kv_engine.ref.declaration, kv_engine.spec
     if declared.kv_layout and isinstance(spec.config, OwnConfig):
         pytest.skip(OWN_MODEL.format(spec.name))
-    footprint = declared.kv_layout and expected_kv_bytes(declared.kv_layout, spec.config, spec.dtype, len(call),
+    footprint = declared.kv_layout and expected_kv_bytes(declared.kv_layout, spec.config,
+                                                         kv_stored(kv_engine) or spec.dtype, len(call),
                                                          max(map(len, call)), kv_engine.max_new_tokens)
     expected = footprint and footprint.total
     reported = _reported(kv_engine) if declared.kv_cache_bytes else None

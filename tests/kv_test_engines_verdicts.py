@@ -6,7 +6,7 @@ from transformers import DynamicCache
 
 from kv_test_engines import CompiledGreedy, Greedy, SecondBest, StaleCache, _last_logits
 from kv_test_engines_memory import DynamicBytes
-from pytest_kvcompile import Declaration, Strategy
+from pytest_kvcompile import Bounds, Declaration, Strategy
 
 
 # --- correct engines --------------------------------------------------------------------------------------------
@@ -327,3 +327,104 @@ class LeaksAfterBatchOfThree(Greedy):
         if rows == 3 and len(prompts) == 1 and len(prompts[0]) < width:
             return [self._run([0] * (width - len(prompts[0])) + list(prompts[0]), max_new_tokens, forced=None)[0]]
         return super().generate(prompts, max_new_tokens)
+
+
+# --- declared limits (issue 28): ids a runtime never emits, shapes it refuses --------------------------------------
+MASKED = 110  # an id the zoo llama's greedy oracle chooses (prompt 'short7', step 8; 'long48', step 6)
+
+
+class MasksAnId(Greedy):
+    """Correct under its declaration: its runtime masks id 110 (as CTranslate2's min_length masks EOS) and says so."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, never_emits=(MASKED,),
+                                 description="test engine: greedy with id 110 masked, declared")
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
+        for step in range(steps):
+            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].clone()
+            logits[MASKED] = -torch.inf
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+class MasksAnIdUndeclared(MasksAnId):
+    """Bug twin: the same runtime mask, not declared: where the oracle's best is 110 it is a mismatch."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: greedy with id 110 masked, undeclared")
+
+
+class DeclaresAnIdItEmits(Greedy):
+    """Bug twin: declares it never emits 110, yet its plain greedy loop returns it."""
+
+    kv_declaration = Declaration(batching=True, never_emits=(MASKED,),
+                                 description="test engine: declares never_emits=(110,), emits it")
+
+
+class RefusesLongPrompts(Greedy):
+    """Correct under its declaration: a runtime that refuses prompts over 32 tokens, by design, and declares it."""
+
+    kv_declaration = Declaration(batching=True, bounds=Bounds(max_prompt=32),
+                                 description="test engine: refuses prompts over 32 tokens, declared")
+
+    def generate(self, prompts, max_new_tokens):
+        if max(map(len, prompts)) > 32:
+            raise ValueError("Prefill length exceeds 32")
+        return super().generate(prompts, max_new_tokens)
+
+
+class RefusesLongPromptsUndeclared(RefusesLongPrompts):
+    """Twin: the same refusal, undeclared: the long prompts' checks fail with the engine's error."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: refuses prompts over 32 tokens")
+
+
+class _MinMaxKV(DynamicCache):
+    """A KV cache quantizing each key and value vector (one token, one head) asymmetrically to `bits` (quanto/HQQ
+    style; the suite's own simulation is symmetric groups, oracles/precision.py: kv_round)."""
+
+    bits = 8
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(self._round(key_states), self._round(value_states), layer_idx, *args, **kwargs)
+
+    def _round(self, x):
+        levels = 2 ** self.bits - 1
+        low, high = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        scale = (high - low).clamp(min=1e-8) / levels
+        return ((x - low) / scale).round().clamp(0, levels) * scale + low
+
+
+class KVInt8(Greedy):
+    """Correct under its declaration: K and V stored as int8 (per vector, min-max), declared kv_dtype='int8'."""
+
+    kv_declaration = Declaration(batching=True, kv_dtype="int8", description="test engine: KV in int8, declared")
+    bits = 8
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache = type("KV", (_MinMaxKV,), {"bits": self.bits})(config=self.model.config)
+        return super()._run(prompt, steps, forced, cache)
+
+
+class KVInt8Undeclared(KVInt8):
+    """Twin: the same int8 cache, undeclared: held to the model's own dtype."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: KV in int8, undeclared")
+
+
+class KVInt4DeclaredInt8(KVInt8):
+    """Bug twin: stores int4 while declaring int8: held to int8's measured noise, it must fail."""
+
+    kv_declaration = Declaration(batching=True, kv_dtype="int8", description="test engine: KV in int4, declares int8")
+    bits = 4
+
+
+class KVInt2(KVInt8):
+    """Declares what it does, K and V in int2: so coarse on the zoo that no token check can tell a bug from it."""
+
+    kv_declaration = Declaration(batching=True, kv_dtype="int2", description="test engine: KV in int2, declared")
+    bits = 2

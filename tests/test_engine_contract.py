@@ -63,3 +63,45 @@ def test_undeclared_device_skips(kvtester):
     result.assert_outcomes(skipped=1)
     result.stdout.fnmatch_lines(["*engine 'kv_test_engines:CudaOnly' does not declare device 'cpu' "
                                  "(declares devices=?'cuda'?)*"])
+
+
+# --- declared limits (issue 28) -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, message", [
+    ({"never_emits": ("eoss",)}, "never_emits=('eoss',): a tuple of at most 8 token ids"),
+    ({"never_emits": (-1,)}, "never_emits=(-1,)"),
+    ({"never_emits": tuple(range(9))}, "at most 8"),
+    ({"never_emits": [2]}, "never_emits=[2]"),
+    ({"bounds": {"max_prompt": 8}}, "write bounds=Bounds(max_prompt=N, ...)"),
+    ({"kv_dtype": "q4"}, "kv_dtype='q4': one of float16, bfloat16, int8, int4, int2"),
+])
+def test_a_bad_declaration_names_the_fix(changes, message):
+    from pytest_kvcompile import Declaration
+
+    with pytest.raises(ValueError) as caught:
+        Declaration(**changes)
+    assert message in str(caught.value)
+
+
+def test_bounds_name_the_one_a_call_passes():
+    from pytest_kvcompile import Bounds
+
+    with pytest.raises(ValueError, match="max_prompt must be an int >= 1"):
+        Bounds(max_prompt=0)
+    bounds = Bounds(max_prompt=32, max_positions=40, max_batch=2, prompt_within_window=True)
+    assert bounds.outside([32, 7], 8, window=None) is None
+    assert bounds.outside([1, 2, 3], 1, None) == "3 prompts in one call > max_batch=2"
+    assert bounds.outside([33], 1, None) == "a prompt of 33 tokens > max_prompt=32"
+    assert bounds.outside([30], 16, None) == "30 prompt + 16 new tokens > max_positions=40"
+    assert bounds.outside([9], 1, window=8) == ("a prompt of 9 tokens > the model's sliding window 8 "
+                                                "(prompt_within_window=True)")
+    assert str(bounds) == "Bounds(max_prompt=32, max_positions=40, max_batch=2, prompt_within_window=True)"
+
+
+def test_never_emits_roles_are_the_models_ids():
+    from types import SimpleNamespace
+
+    from pytest_kvcompile.contract.engine import never_emitted
+
+    config = SimpleNamespace(eos_token_id=[1, 106], bos_token_id=2, pad_token_id=None)
+    assert never_emitted(("eos", "pad", 7), config) == {1: "eos", 106: "eos", 7: "7"}
+    assert never_emitted(("bos",), config) == {2: "bos"}

@@ -76,7 +76,7 @@ def test_correct_engines_pass_in_16_bit(kvtester, engine, dtype):
                         "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k", TOKEN_CHECKS)
     assert result.ret == 0, result.stdout.str()[-4000:]
     assert "failed" not in result.parseoutcomes()
-    result.stdout.fnmatch_lines(["*16-bit verdict rules, measured per model*",
+    result.stdout.fnmatch_lines(["*verdict rules measured per model (*): 16-bit, KV stored lower*",
                                  f"llama ({dtype}): tie tolerance * (1.5 x noise scale *"])
 
 
@@ -177,6 +177,36 @@ def test_a_16_bit_eviction_run_prints_its_measured_eviction_rule(kvtester):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines_eviction:TOVA", "--kv-dtype=bfloat16",
                         "-k", "token_identity and not batched")
     assert result.ret == 0, result.stdout.str()[-4000:]
-    result.stdout.fnmatch_lines(["*16-bit verdict rules, measured per model*",
+    result.stdout.fnmatch_lines(["*verdict rules measured per model (*): 16-bit, KV stored lower*",
                                  "llama (bfloat16) tova(budget=16): eviction near-tie tolerance * relative (1.5 x p99 *"
                                  " at * calibration cuts; it kept another set at *)"])
+
+
+# --- a KV cache stored lower (Declaration.kv_dtype) ----------------------------------------------------------------
+def test_kv_round_is_the_format_it_names():
+    import torch
+
+    from pytest_kvcompile.oracles.precision import KV_GROUP, kv_round
+
+    x = torch.randn(2, 3, 5, 64, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(kv_round(x, "float16"), x.half().float())
+    for bits in (8, 4, 2):
+        y = kv_round(x, f"int{bits}")
+        levels = 2 ** (bits - 1) - 1
+        groups = x.reshape(2, 3, 5, 64 // KV_GROUP, KV_GROUP)
+        step = groups.abs().amax(-1, keepdim=True) / levels  # one symmetric absmax step per group
+        error = (y.reshape(groups.shape) - groups).abs()
+        assert bool((error <= step / 2 + 1e-6).all()) and len(set((y.reshape(groups.shape) / step).round()
+                                                                   .flatten().tolist())) <= 2 * levels + 1
+
+
+def test_a_kv_format_widens_the_rules_only_to_its_measured_noise():
+    from pytest_kvcompile.oracles.precision import NOISE_FACTOR, Noise, Rules
+
+    kv = Noise("m", "float32", scale=0.3, max_error=0.5, median_error=0.1, flips=10, positions=512, logit_error=0.6,
+               per_computation={}, kv_dtype="int8")
+    base = Rules(1e-3, 2, 1e-2)
+    rules = base.with_kv(kv, steps=16)
+    assert rules.tie_tolerance == NOISE_FACTOR * 0.3 and rules.score_tolerance == NOISE_FACTOR * 0.6
+    assert rules.max_near_ties == max(2, kv.max_near_ties(16)) and rules.noise is kv
+    assert Rules(5.0, 9, 3.0).with_kv(kv, 16) == Rules(5.0, 9, 3.0, kv)  # never narrower than the model's own

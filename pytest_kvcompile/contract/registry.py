@@ -60,6 +60,9 @@ BUILTIN_ENGINES: dict[str, str] = {
     "executorch": "pytest_kvcompile.engines.executorch:ExecuTorch",
     "llama-cpp": "pytest_kvcompile.engines.llamacpp:LlamaCpp",
     "llama-cpp-q8-kv": "pytest_kvcompile.engines.llamacpp:LlamaCppQ8KV",
+    "ctranslate2": "pytest_kvcompile.engines.ct2:CTranslate2",
+    "hf-quantized-quanto": "pytest_kvcompile.engines.quantized:QuantizedQuanto",
+    "hf-quantized-hqq": "pytest_kvcompile.engines.quantized:QuantizedHQQ",
 }
 
 

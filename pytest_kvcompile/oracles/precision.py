@@ -24,6 +24,16 @@ ties as a correct engine flipping at the flip rate's upper bound shows with prob
 (binomial); so may a whole run (`run_rate_exceeded`). The numbers per zoo model: docs/precision.md.
 
 float32 keeps its constants (config/tolerances.py): its noise is ~1e-5, far inside them (measured in the same doc).
+
+**A KV cache stored lower** (``Declaration.kv_dtype``: float16, bfloat16, or int8/int4/int2 quantized). The noise
+of storing K and V that way is measured the same way (`calibrate` with `KVComputation`: transformers eager in the
+run's dtype with every K and V rounded as it enters the cache, `kv_round`) and gives that engine its numbers
+(`Rules.with_kv`): the tolerance, near-tie budget and score tolerance are the larger of the model's and the stored
+KV's; a format whose flip rate's bound reaches `VACUOUS_FLIP_RATE` leaves nothing to check (its token checks are a
+named skip). Integer formats are simulated as symmetric absmax groups of `KV_GROUP` values along head_dim (llama.cpp's
+q8_0 and q4_0 blocks), every position quantized: the coarsest common scheme (an asymmetric min-max group's step is at
+most half a symmetric one's), and an engine keeping recent positions in full precision (transformers' QuantizedCache)
+is less noisy than this measure, never more.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ QUANTILE = 0.99  # of the per-position errors: the scale
 CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60, 12, 33, 70, 5, 110, 48, 21, 9), 32, 230)  # prompt lengths, steps, seed
 CHUNK = 5  # prefill chunk of the chunked computation
 COMPUTATIONS = ("eager, cache", "sdpa, no cache", "sdpa, left-padded batch", "eager, chunked prefill")
+VACUOUS_FLIP_RATE = 0.5  # a KV format flipping the greedy choice this often (upper bound) leaves no token to check
+KV_GROUP = 32  # values per quantization group along head_dim in the integer KV simulation (llama.cpp's q8_0 block)
 
 
 def reduced(dtype: torch.dtype | str) -> bool:
@@ -79,6 +91,8 @@ def load_lm(spec: ModelSpec, **kwargs: Any):
 
 class Computations:
     """The equivalent 16-bit computations (`COMPUTATIONS`) of `spec` (its own dtype and device)."""
+
+    names = COMPUTATIONS
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
@@ -127,6 +141,49 @@ class Computations:
         return logits[0, 7 + len(prompt) - 1:]
 
 
+def kv_round(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
+    """`x` as a KV cache storing `kv_dtype` holds it (Declaration.kv_dtype; the module docstring), back in x.dtype."""
+    if kv_dtype in ("float16", "bfloat16"):
+        return x.to(getattr(torch, kv_dtype)).to(x.dtype)
+    levels = 2 ** (int(kv_dtype.removeprefix("int")) - 1) - 1
+    size = x.shape[-1]
+    group = next(g for g in range(min(KV_GROUP, size), 0, -1) if size % g == 0)
+    groups = x.double().reshape(*x.shape[:-1], size // group, group)
+    scale = groups.abs().amax(-1, keepdim=True).clamp(min=1e-12) / levels
+    return ((groups / scale).round().clamp(-levels, levels) * scale).reshape(x.shape).to(x.dtype)
+
+
+class KVComputation:
+    """The one computation of a KV cache storing `kv_dtype`: transformers eager in spec.dtype, every K and V rounded
+    (`kv_round`) as it enters the cache; `along` as `Computations.along`, [1, steps, vocab]."""
+
+    def __init__(self, spec: ModelSpec, kv_dtype: str):
+        from transformers import DynamicCache
+
+        self.spec, self.kv_dtype, self.names = spec, kv_dtype, (f"eager, KV stored as {kv_dtype}",)
+        self.model = load_lm(spec, attn_implementation="eager")
+
+        class Rounded(DynamicCache):
+            def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+                return super().update(kv_round(key_states, kv_dtype), kv_round(value_states, kv_dtype), layer_idx,
+                                      *args, **kwargs)
+
+        self._cache = Rounded
+
+    @torch.inference_mode()
+    def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return torch.empty(1, 0, self.spec.vocab_size, dtype=torch.float64)
+        cache, ids = self._cache(config=self.model.config), [int(t) for t in prompt]
+        rows = []
+        for token in [None, *tokens[:-1]]:
+            step = ids if token is None else [token]
+            rows.append(self.model(input_ids=torch.tensor([step], device=self.spec.device), past_key_values=cache,
+                                   use_cache=True).logits[0, -1])
+        return torch.stack(rows)[None].double().cpu()
+
+
 def _chunks(prompt: list[int]) -> list[list[int]]:
     return [prompt[i:i + CHUNK] for i in range(0, len(prompt), CHUNK)]
 
@@ -155,6 +212,7 @@ class Noise:
     positions: int  # positions per computation
     logit_error: float  # the largest absolute logit error of any computation (any token): score() rows
     per_computation: dict[str, dict[str, float]]  # name -> max, p99, flips
+    kv_dtype: str | None = None  # the noise of a KV cache stored in this dtype (KVComputation), not of the model
 
     @property
     def tolerance(self) -> float:
@@ -186,9 +244,15 @@ class Noise:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Noise:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def describe(self) -> str:
+        if self.kv_dtype:
+            return (f"noise of '{self.model}' with K and V stored as {self.kv_dtype} ({self.dtype} run): scale "
+                    f"{self.scale:.3g} (p99 of the error on top-{TOP} logit differences vs the oracle over "
+                    f"{self.positions} positions; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = "
+                    f"{NOISE_FACTOR:g} x scale, flip rate {self.flip_rate:.1%}, score tolerance "
+                    f"{self.score_tolerance:.3g}")
         oracle = self.per_computation.get(COMPUTATIONS[0], {})
         return (f"{self.dtype} noise of '{self.model}': scale {self.scale:.3g} (p99 of the error on top-{TOP} logit "
                 f"differences of {len(COMPUTATIONS)} equivalent computations vs float64 over {self.positions} "
@@ -198,12 +262,14 @@ class Noise:
                 "(verdicts use the truth)")
 
 
-def calibrate(spec: ModelSpec, truth: Any, computations: Computations | None = None) -> Noise:
-    """Measure `spec`'s noise (module docstring). `truth`: the high-precision oracle (``reference(prompt, n)``)."""
+def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComputation | None = None) -> Noise:
+    """Measure `spec`'s noise (module docstring) over `computations` (default: the equivalent 16-bit ones; a
+    `KVComputation`: a KV cache stored lower). `truth`: the oracle judging the run (``reference(prompt, n)``)."""
     lengths, steps, seed = CALIBRATION
     computations = computations or Computations(spec)
+    names = computations.names
     generator = torch.Generator().manual_seed(seed)
-    top_errors, logit_error, flips = [], 0.0, torch.zeros(len(COMPUTATIONS), dtype=torch.long)
+    top_errors, logit_error, flips = [], 0.0, torch.zeros(len(names), dtype=torch.long)
     for length in lengths:
         prompt = torch.randint(0, spec.vocab_size, (length,), generator=generator).tolist()
         ref = truth.reference(prompt, steps)
@@ -215,9 +281,10 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | None = N
         flips += (computed.argmax(-1) != best).sum(-1)
     errors = torch.cat(top_errors, dim=1)  # [K, positions]
     per = {name: {"max": float(errors[i].max()), "p99": float(errors[i].quantile(QUANTILE)), "flips": int(flips[i])}
-           for i, name in enumerate(COMPUTATIONS)}
+           for i, name in enumerate(names)}
     return Noise(spec.name, dtype_name(spec.dtype), float(errors.flatten().quantile(QUANTILE)), float(errors.max()),
-                 float(errors.flatten().median()), int(flips.max()), errors.size(1), logit_error, per)
+                 float(errors.flatten().median()), int(flips.max()), errors.size(1), logit_error, per,
+                 getattr(computations, "kv_dtype", None))
 
 
 class LocalNoise:
@@ -259,6 +326,13 @@ class Rules:
         return cls(noise.tolerance if settings.tie_tolerance is None else settings.tie_tolerance,
                    noise.max_near_ties(settings.max_new_tokens) if settings.max_near_ties is None
                    else settings.max_near_ties, noise.score_tolerance, noise)
+
+
+    def with_kv(self, kv: Noise, steps: int) -> Rules:
+        """An engine storing its KV cache lower (Declaration.kv_dtype): the larger of these numbers and those of the
+        stored KV's measured noise `kv` (module docstring); `kv` is the noise its reports show."""
+        ties = None if self.max_near_ties is None else max(self.max_near_ties, kv.max_near_ties(steps))
+        return Rules(max(self.tie_tolerance, kv.tolerance), ties, max(self.score_tolerance, kv.score_tolerance), kv)
 
 
 # --------------------------------------------------------------------------- budgets

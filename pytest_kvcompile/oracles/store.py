@@ -226,6 +226,14 @@ class StoredOracle:
             lambda: precision.calibrate(self.computations.spec, self.oracle, self.computations).to_dict())
         return precision.Noise.from_dict(found)
 
+    def kv_noise(self, spec: ModelSpec, kv_dtype: str) -> precision.Noise:
+        """The noise of a KV cache stored as `kv_dtype` on this model in `spec`'s dtype (the run's), against this
+        oracle (precision.calibrate over a KVComputation; Declaration.kv_dtype), memoized."""
+        found = self._cached(("kv_noise", _PRECISION, dtype_name(spec.dtype), kv_dtype),
+                             lambda: precision.calibrate(spec, self.oracle,
+                                                         precision.KVComputation(spec, kv_dtype)).to_dict())
+        return precision.Noise.from_dict(found)
+
     def self_check(self, ref: Reference) -> None:
         """Raise OracleUnreliable if the independent path rejects one of the oracle's tokens."""
         if self.unreliable:

@@ -8,6 +8,10 @@ Where the engine's tokens equal the oracle's greedy tokens, these logits are the
 so an identical sequence costs nothing more; after a near tie the oracle follows the engine's branch,
 so nothing after it goes unverified.
 
+Ids the engine declares it never emits (``Declaration.never_emits``: its runtime masks them) are out of the oracle's
+choice too: at each step its best is taken among the other ids (the steps where an excluded id was the oracle's best
+are counted, `Verdict.excluded_steps`, and reported); an engine returning one of them fails at once.
+
 Near ties are budgeted: more than ``max_near_ties`` in one sequence is *numerics drift*, a failure
 listing every flip (a correct engine flips rarely; one that flips at every close call is not
 computing what the model computes).
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +53,7 @@ class Verdict:
     steps: int
     divergences: list[Divergence] = field(default_factory=list)
     max_near_ties: int | None = None
+    excluded_steps: list[int] = field(default_factory=list)  # steps where the oracle's best was an excluded id
 
     @property
     def mismatch(self) -> Divergence | None:
@@ -76,10 +81,13 @@ class TokenMismatch(AssertionError):
 
 
 def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float,
-                  max_near_ties: int | None = None) -> Verdict:
-    """Classify every step of `got` against the oracle given the engine's own prefix (the module rule)."""
+                  max_near_ties: int | None = None, excluded: Collection[int] = ()) -> Verdict:
+    """Classify every step of `got` against the oracle given the engine's own prefix (the module rule); the oracle
+    chooses among ids not in `excluded` (the engine's declared never_emits), and an excluded id in `got` is a
+    mismatch."""
     verdict = Verdict(steps=len(reference.tokens), max_near_ties=max_near_ties)
-    first = next((i for i, (e, g) in enumerate(zip(reference.tokens, got)) if e != g), None)
+    excluded = sorted(set(int(i) for i in excluded))
+    first = next((i for i, (e, g) in enumerate(zip(reference.tokens, got)) if e != g or g in excluded), None)
     if first is None:
         return verdict
     if not reference.scored:  # an oracle without logits: nothing tells a near tie from a bug
@@ -88,7 +96,14 @@ def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float
     rows = reference.given(got, tie_tolerance)
     for step in range(first, verdict.steps):
         row, token = rows[step], int(got[step])
+        if excluded:
+            if int(row.argmax()) in excluded:
+                verdict.excluded_steps.append(step)
+            row = _without(row, excluded)
         best = int(row.argmax())
+        if token in excluded:  # declared impossible, yet returned: the declaration (or the runtime) is wrong
+            verdict.divergences.append(Divergence(step, best, token, math.inf, False))
+            break
         gap = float(row[best] - row[token])
         if token != best and gap >= 0:
             allowed = allowed_gap(reference, got, step, best, token, gap, tie_tolerance)
@@ -96,6 +111,13 @@ def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float
             if verdict.mismatch:
                 break
     return verdict
+
+
+def _without(row: torch.Tensor, excluded: Sequence[int]) -> torch.Tensor:
+    """`row` with the `excluded` ids out of the choice (-inf)."""
+    row = row.clone()
+    row[list(excluded)] = -math.inf
+    return row
 
 
 def allowed_gap(reference: Reference, got: Sequence[int], step: int, best: int, token: int, gap: float,
@@ -121,6 +143,7 @@ def check_tokens(
     where: Where | str = "",
     window: int | None = None,
     context: str = "",
+    excluded: Collection[int] = (),
 ) -> Verdict:
     """Fail with a full explanation unless every step of `got` is the oracle's choice or a near tie,
     and near ties stay within `max_near_ties` (None: unlimited).
@@ -128,7 +151,7 @@ def check_tokens(
     Returns the verdict when it passes. `where` says which call (verdicts/failures.py: `Where`, e.g. the row of a batch
     and the prompts served before; the hint reads its fields; a plain string is shown, not read); `window` is the
     model's sliding window, used for hints; `context` is appended to a failure (e.g. the calls the engine object
-    served before).
+    served before); `excluded`: ids the engine declares it never emits (out of the oracle's choice, module rule).
     """
     __tracebackhide__ = True
     got = [int(t) for t in got]
@@ -136,19 +159,20 @@ def check_tokens(
     facts = dict(engine=engine, model=model, prompt=prompt, prompt_length=len(reference.prompt), where=where,
                  window=window, tolerance=tie_tolerance, scored=reference.scored, max_near_ties=max_near_ties,
                  oracle=tuple(int(t) for t in reference.tokens), tokens=tuple(got),
-                 prompt_tail=tuple(int(t) for t in reference.prompt[-8:]))
+                 prompt_tail=tuple(int(t) for t in reference.prompt[-8:]), excluded=tuple(sorted(excluded)))
     described = where.describe()
     at = f"on model '{model}', {prompt} (length {len(reference.prompt)}){', ' + described if described else ''}"
     if len(got) != len(reference.tokens):
         failure = Failure(Kind.LENGTH, **facts)
         lines = [f"engine '{engine}' returned {len(got)} tokens {at}, expected {len(reference.tokens)}"]
     else:
-        verdict = token_verdict(reference, got, tie_tolerance, max_near_ties)
+        verdict = token_verdict(reference, got, tie_tolerance, max_near_ties, excluded)
         ties = tuple((t.step, t.expected, t.got, round(t.gap, 6)) for t in verdict.near_ties)
         if verdict.mismatch is not None:
             bad = verdict.mismatch
             failure = Failure(Kind.MISMATCH, **facts, step=bad.step, expected=bad.expected, got=bad.got,
-                              gap=round(bad.gap, 6) if reference.scored else None, allowed=bad.allowed,
+                              gap=round(bad.gap, 6) if reference.scored and math.isfinite(bad.gap) else None,
+                              allowed=bad.allowed,
                               top3=_top3(reference, got, bad.step, tie_tolerance), near_ties=ties)
             lines = _mismatch(reference, got, verdict, failure, at)
         elif verdict.drift:
@@ -181,6 +205,13 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
     n = len(ref.tokens)
     context = (f"  context: prompt ...{list(ref.prompt[-4:])} | generated {got[max(0, bad.step - 6):bad.step]}"
                f" -> expected {bad.expected}, got {bad.got}")
+    if bad.got in failure.excluded:
+        return [
+            f"engine '{engine}' returned token {bad.got} {at}: step {bad.step} of {n}, an id it declares it never "
+            f"emits (Declaration.never_emits: ids {list(failure.excluded)} on this model)",
+            "  the oracle's choice excluded it on that declaration, so this step cannot be judged: the declaration "
+            "is wrong, or the runtime does not mask what it says it masks",
+            context, f"  oracle: {list(ref.tokens)}", f"  engine: {got}", f"  reference: {ref.source}"]
     if not ref.scored:
         return [
             f"engine '{engine}' diverges from the oracle {at}: step {bad.step} of {n}",
@@ -199,6 +230,9 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
     ]
     lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}"
               for t in verdict.near_ties]
+    if failure.excluded:
+        lines.append(f"  ids {list(failure.excluded)} are out of the oracle's choice (the engine declares it never "
+                     f"emits them); the oracle's best was one of them at step(s) {verdict.excluded_steps or 'none'}")
     lines.append(f"  reference: {ref.source}")
     return lines
 
@@ -225,11 +259,12 @@ def _drift(ref: Reference, got, verdict: Verdict, tol, engine, at) -> list[str]:
 
 
 def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, *, tie_tolerance: float,
-                score_tolerance: float, engine: str = "engine", model: str = "model", prompt: str = "prompt") -> float:
+                score_tolerance: float, engine: str = "engine", model: str = "model", prompt: str = "prompt",
+                excluded: Collection[int] = ()) -> float:
     """A declared ``score(prompt, got)`` is checked twice: its rows against the oracle's logits given the same
     tokens (max abs difference <= `score_tolerance`), and its argmax against `got`, the tokens ``generate()``
-    produced (the same path must pick the same tokens, up to near ties in its own logits). Returns the max
-    difference."""
+    produced (the same path must pick the same tokens, up to near ties in its own logits). Ids in `excluded`, which the
+    engine declares it never emits, are out of both (it may mask them). Returns the max difference."""
     __tracebackhide__ = True
     got = [int(t) for t in got]
     if not reference.scored:  # an oracle without logits: only score() against generate() can be checked
@@ -242,6 +277,8 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
         closest = [int((scored[i].float() - alt).abs().amax(-1).argmin()) for i, alt in enumerate(rows)]
         oracle = torch.stack([alt[k] for alt, k in zip(rows, closest)])
         diff = (scored.float() - oracle).abs()
+    if excluded:  # the engine may mask the ids it declares it never emits: their columns are not compared
+        diff[:, sorted(excluded)] = 0
     worst = float(diff.max()) if diff.numel() else 0.0
     problems = []
     if worst > score_tolerance:
@@ -251,8 +288,9 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
                         f"(worst at step {step}: oracle top-3 {_top(oracle[step])}, "
                         f"score() top-3 {_top(scored[step])})")
     for step, token in enumerate(got):
-        best = int(scored[step].argmax())
-        gap = float(scored[step][best] - scored[step][token])
+        row = _without(scored[step].float(), sorted(excluded)) if excluded else scored[step]
+        best = int(row.argmax())
+        gap = float(row[best] - row[token])
         if best != token and gap > tie_tolerance:
             problems.append(f"  at step {step} generate() produced {token} but score() prefers {best} by {gap:.4g} "
                             f"> tie tolerance {tie_tolerance:g}: "

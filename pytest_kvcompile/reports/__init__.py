@@ -279,10 +279,11 @@ class ResultsPlugin:
             tr.write_sep("-", "kvcompile: results per engine and model")
             for line in text_table(self.results["rows"]):
                 tr.write_line(line)
-        noise = {(r["model"], r["dtype"]): r["noise"] for r in self.results["rows"] if r.get("noise")}
+        noise = {(r["model"], r["dtype"], r["noise"].get("kv_dtype") or ""): r["noise"] for r in self.results["rows"]
+                 if r.get("noise")}
         if noise:
-            tr.write_sep("-", f"kvcompile: 16-bit verdict rules, measured per model ({len(noise)})")
-            for (model, dtype), found in sorted(noise.items()):
+            tr.write_sep("-", f"kvcompile: verdict rules measured per model ({len(noise)}): 16-bit, KV stored lower")
+            for (model, dtype, _), found in sorted(noise.items()):
                 tr.write_line(noise_line(model, dtype, found))
             evictions = {(r["model"], r["dtype"], r["eviction_noise"]["policy"]): r["eviction_noise"]
                          for r in self.results["rows"] if r.get("eviction_noise")}
@@ -328,7 +329,14 @@ class ResultsPlugin:
 
 
 def noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
-    """One model's 16-bit rule as measured (oracles/precision.py: Noise.to_dict())."""
+    """One model's 16-bit rule, or an engine's KV stored lower, as measured (oracles/precision.py: Noise.to_dict())."""
+    if noise.get("kv_dtype"):
+        return (f"{model} ({dtype}) with K and V stored as {noise['kv_dtype']} (Declaration.kv_dtype): tie tolerance "
+                f"{noise['tolerance']:.3g} ({noise['factor']:g} x noise scale {noise['scale']:.3g}), near-tie rate "
+                f"{noise['flip_rate']:.1%} (bound {noise['flip_rate_bound']:.1%}), score() tolerance "
+                f"{noise['score_tolerance']:.3g}: what storing the cache that way does to this model's logits, "
+                "measured (oracles/precision.py: KVComputation); the engine is held to the larger of these and the "
+                "model's own numbers")
     oracle = next(iter(noise["per_computation"].values()), {})
     return (f"{model} ({dtype}): tie tolerance {noise['tolerance']:.3g} "
             f"({noise['factor']:g} x noise scale {noise['scale']:.3g}, or x "

@@ -101,6 +101,11 @@ def verdicts(rows: list[dict[str, Any]], problems: Sequence[dict[str, Any]] = ()
         unjudged = sorted({r["model"] for r in mine if r.get("oracle_errors")})
         if unjudged:  # skips, named: the oracle failed its self-check there (oracles/store.py)
             rule += f", not judged on {', '.join(unjudged)} (oracle unreliable)"
+        excluded = sorted({i for r in mine for i in r.get("excluded_ids", [])})
+        if excluded:  # Declaration.never_emits: named, with the steps it decided
+            steps = sum(r.get("excluded_tokens", 0) for r in mine)
+            rule += (f"; ids {excluded} out of the oracle's choice (declared never emitted), "
+                     f"decided {steps} step(s)")
         oracles = [r["oracle"] for r in mine if r.get("oracle") and r["oracle"]["engine"]]
         if oracles:  # an engine as the oracle (oracles/engine.py): which, and what it could not judge
             limits = list(dict.fromkeys(x for o in oracles for x in o["limitations"]))

@@ -122,6 +122,7 @@ class EngineUnderTest:
     on_call: Callable[[str, str, str, int], None] = field(default=lambda *beat: None, repr=False)
     call_timeout: float = 0.0  # --kv-call-timeout, for in-process engines (isolated ones enforce it in the parent)
     broken: str | None = None  # why this engine object must not serve another test (a call timed out, its process died)
+    excluded: tuple[int, ...] = ()  # ids it declares it never emits on this model (Declaration.never_emits)
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' on model '{self.spec.name}'>"
@@ -140,6 +141,7 @@ class EngineUnderTest:
     def generate(self, prompts: Sequence[Prompt], max_new_tokens: int | None = None) -> list[list[int]]:
         """engine.generate over these prompts (one call), validated and recorded in `history`."""
         n = max_new_tokens or self.max_new_tokens
+        self.within_bounds([len(p) for p in prompts], n)
         recorder = CompileRecorder()
         started = time.perf_counter()
         allocated = cuda_allocated(self.spec.device)
@@ -160,6 +162,17 @@ class EngineUnderTest:
             if events:
                 self.progress(f"{self.name} / {self.spec.name}: {self.history[-1]} compiled {len(events)} "
                               f"frame(s), {time.perf_counter() - started:.1f} s")
+
+    def within_bounds(self, lengths: Sequence[int], new_tokens: int) -> None:
+        """Skip the test, named, when the call is outside the shapes the engine declares it refuses
+        (Declaration.bounds): a limit of its runtime, not checked here, never passed."""
+        __tracebackhide__ = True
+        bounds = self.ref.declaration.bounds
+        outside = bounds.outside(lengths, new_tokens, self.window) if bounds is not None else None
+        if outside:
+            pytest.skip(f"engine '{self.name}' declares {bounds} on model '{self.spec.name}': this check's call "
+                        f"generate(<{len(lengths)} prompt(s) of lengths {list(lengths)}>, {new_tokens}) is outside "
+                        f"them ({outside})")
 
     @property
     def isolated(self) -> bool:
@@ -251,7 +264,7 @@ class EngineUnderTest:
         return check_tokens(
             reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.max_near_ties, engine=self.name,
             model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
-            context=self.served(len(self.history) - 1),
+            context=self.served(len(self.history) - 1), excluded=self.excluded,
         )
 
     def check(self, *args: Any, **kwargs: Any) -> Verdict:
@@ -305,5 +318,5 @@ class EngineUnderTest:
         with self._guarded(f"score(<prompt of length {len(prompt)}>, <continuation of length {len(got)}>)"):
             scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
         return check_score(reference, got, scored, tie_tolerance=self.tie_tolerance,
-                                    score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
-                                    prompt=f"prompt '{prompt.name}'")
+                           score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
+                           prompt=f"prompt '{prompt.name}'", excluded=self.excluded)

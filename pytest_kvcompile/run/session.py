@@ -24,6 +24,7 @@ from pytest_kvcompile.contract.engine import (
     ModelSpec,
     Strategy,
     missing_capability,
+    never_emitted,
 )
 from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.errors import NotApplicable
@@ -116,6 +117,13 @@ class Session:
         missing = missing_capability(ref.declaration, spec)
         if missing:
             raise NotApplicable(f"engine '{name}' does not declare {missing}")
+        excluded = never_emitted(ref.declaration.never_emits, spec.config)
+        beyond = sorted(i for i in excluded if not 0 <= i < spec.vocab_size)
+        if beyond:
+            pytest.fail(f"engine '{name}' declares never_emits={ref.declaration.never_emits}: ids {beyond} are not in "
+                        f"model '{model}''s vocabulary of {spec.vocab_size}", pytrace=False)
+        if excluded:
+            self.collector.add(name, model, excluded_ids=sorted(excluded))
         if ref.declaration.compiled:
             reset_dynamo()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
             if self.settings.compile_backend == "inductor":
@@ -142,7 +150,7 @@ class Session:
         self.collector.add(name, model, builds=1, build_s=round(seconds, 3), versions=ref.versions())
         after = cuda_allocated(spec.device)
         grown = None if allocated_before is None else after - allocated_before
-        settings, rules = self.settings, self.rules(model)
+        settings, rules = self.settings, self.rules(model, ref.declaration.kv_dtype)
         if rules.noise is not None:
             self.collector.add(name, model, noise=rules.noise.to_dict())
             stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
@@ -152,7 +160,7 @@ class Session:
             ref, spec, instance, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
             build_compiles=build_compiles, build_captures=build_captures, call_timeout=settings.call_timeout,
             max_near_ties=rules.max_near_ties, score_tolerance=rules.score_tolerance,
-            cuda_grown=grown, progress=self.progress, on_call=self.on_call,
+            cuda_grown=grown, progress=self.progress, on_call=self.on_call, excluded=tuple(sorted(excluded)),
         )
 
     def oracle(self, name: str, model: str) -> StoredOracle:
@@ -166,6 +174,15 @@ class Session:
             found = self._stored(strategy, model, f"engine '{name}'")
         if isinstance(found, str):
             raise NotApplicable(found + " (the oracle-free checks still run)")
+        kv_dtype = self.engines[name].declaration.kv_dtype
+        if kv_dtype is not None:
+            noise = self.rules(model, kv_dtype).noise
+            if noise.flip_rate_bound >= precision.VACUOUS_FLIP_RATE:
+                raise NotApplicable(
+                    f"engine '{name}' stores K and V as {kv_dtype} (Declaration.kv_dtype): on model '{model}' that "
+                    f"alone changes the model's greedy choice at {noise.flip_rate:.0%} of positions (bound "
+                    f"{noise.flip_rate_bound:.0%}), so no token check can tell a bug from it (the oracle-free checks "
+                    "still run)")
         return found
 
     def _engine_oracle(self, choice: Any, strategy: Strategy, model: str) -> StoredOracle | str:
@@ -219,9 +236,20 @@ class Session:
                     stored.measure_score_noise(spec)
         return self._oracles[key]
 
-    def rules(self, model: str) -> precision.Rules:
+    def rules(self, model: str, kv_dtype: str | None = None) -> precision.Rules:
         """The verdict numbers on `model`: the options' values, and for 16-bit 'auto' ones the model's measured
-        noise (oracles/precision.py)."""
+        noise (oracles/precision.py); for an engine storing its KV cache as `kv_dtype` (Declaration.kv_dtype), the
+        larger of those and the stored KV's measured noise."""
+        if kv_dtype is not None:
+            key = (model, kv_dtype)
+            if key not in self._rules:
+                truth = self._stored(Strategy(), model, f"the noise of a KV cache stored as {kv_dtype}")
+                if isinstance(truth, str):
+                    raise NotApplicable(truth)
+                kv = truth.kv_noise(self.spec(model), kv_dtype)
+                self.progress(f"{model}: {kv.describe()}")
+                self._rules[key] = self.rules(model).with_kv(kv, self.settings.max_new_tokens)
+            return self._rules[key]
         if model not in self._rules:
             settings = self.settings
             noise = None

@@ -90,7 +90,8 @@ class Failure:
 
     `step` is the first divergence (None for a drift or a length failure), `expected` the oracle's best there,
     `gap` its logit lead (None without oracle logits), `allowed` the largest gap that was a near tie there.
-    `near_ties`: (step, oracle, engine, gap) of every accepted flip."""
+    `near_ties`: (step, oracle, engine, gap) of every accepted flip; `excluded`: ids out of the oracle's choice
+    (Declaration.never_emits)."""
 
     kind: Kind
     engine: str
@@ -112,6 +113,7 @@ class Failure:
     top3: tuple[tuple[int, float], ...] = ()
     near_ties: tuple[tuple[int, int, int, float], ...] = ()
     max_near_ties: int | None = None
+    excluded: tuple[int, ...] = ()  # ids out of the oracle's choice: the engine declares it never emits them
 
     @property
     def hint(self) -> str:
@@ -120,7 +122,7 @@ class Failure:
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.update(kind=self.kind.value, where=self.where.to_dict(), hint=self.hint)
-        for name in ("oracle", "tokens", "prompt_tail"):
+        for name in ("oracle", "tokens", "prompt_tail", "excluded"):
             data[name] = list(data[name])
         data["top3"] = [list(t) for t in self.top3]
         data["near_ties"] = [list(t) for t in self.near_ties]
@@ -131,7 +133,7 @@ class Failure:
         names = {f.name for f in dataclasses.fields(cls)}
         found = {k: v for k, v in data.items() if k in names}
         found.update(kind=Kind(data["kind"]), where=Where.from_dict(data.get("where") or {}))
-        for name in ("oracle", "tokens", "prompt_tail"):
+        for name in ("oracle", "tokens", "prompt_tail", "excluded"):
             found[name] = tuple(data.get(name, ()))
         found["top3"] = tuple(tuple(t) for t in data.get("top3", ()))
         found["near_ties"] = tuple(tuple(t) for t in data.get("near_ties", ()))
@@ -142,6 +144,9 @@ def _token_hint(failure: Failure) -> str:
     """Where to look for a token that is not the model's: prefill or decode by the step, the window by the
     positions, the call's history and batch by its fields."""
     step, position = failure.step or 0, failure.prompt_length + (failure.step or 0)
+    if failure.got is not None and failure.got in failure.excluded:
+        return (f"the engine returned {failure.got}, which its Declaration.never_emits rules out: if the runtime can "
+                "emit it, take it out of never_emits (the oracle then chooses it again); else check the runtime's mask")
     if step == 0:
         hint = "step 0 is decided by prefill alone: check the prefill forward (masking, positions, RoPE)"
     else:

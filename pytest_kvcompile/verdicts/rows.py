@@ -30,7 +30,8 @@ from pytest_kvcompile.verdicts.failures import Kind, Problem
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 TOKEN_VERDICTS = ("identical", "near_tie", "mismatch")
 # summed on merge
-COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions", "builds", "build_s")
+COUNTERS = ("verified_tokens", "near_tie_tokens", "token_checks", "evicting", "evictions", "builds", "build_s",
+            "excluded_tokens")
 WORKER_KEY = "kvcompile_results"  # config.workeroutput key
 NOTE = "kvcompile"  # user_properties key of run notes: (category, line)
 NEAR_TIES = "near ties accepted as numerics"
@@ -91,6 +92,8 @@ class Row(TypedDict):
     builds: int
     build_s: float
     declared_skips: list[str]
+    excluded_ids: list[int]
+    excluded_tokens: int
     oracle_errors: list[str]
     checks: dict[str, Check]
     versions: list[str]
@@ -123,6 +126,8 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> Row:
         "builds": 0,  # engine objects built for the model
         "build_s": 0.0,  # seconds spent building the engine for the model (every build, --kv-fresh-engine included)
         "declared_skips": [],  # why this engine x model could not run: ModelNotSupported, device/dtype, no oracle
+        "excluded_ids": [],  # ids out of the oracle's choice: the engine declares it never emits them (never_emits)
+        "excluded_tokens": 0,  # verified steps where the oracle's best was one of them (chosen among the others)
         "oracle_errors": [],  # the oracle failed its self-check on this model: no verdict on the engine
         "checks": {},  # test function -> Check: {"ran", "failed", "xfailed", "skipped": n, "reason": first skip reason}
         "versions": [],  # the engine's distributions as built here, e.g. "litgpt==0.5.13" (registry.versions)
@@ -180,7 +185,7 @@ def merge_row(into: Row, row: Row) -> None:
             into[counts][name] = into[counts].get(name, 0) + n
     for name in COUNTERS:
         into[name] = into.get(name, 0) + row.get(name, 0)
-    for name in ("near_ties", "declared_skips", "oracle_errors"):
+    for name in ("near_ties", "declared_skips", "oracle_errors", "excluded_ids"):
         into[name] = list(dict.fromkeys(into.get(name, []) + row.get(name, [])))
     for name, seen in row.get("checks", {}).items():
         mine = into.setdefault("checks", {}).setdefault(name, {"ran": 0, "failed": 0, "xfailed": 0, "skipped": 0,
@@ -343,7 +348,7 @@ class Recorder:
             self(NEAR_TIES, line, near_ties=[line])
         evictions = {} if evicted is None else {"evictions": evicted, "evicting": 1}
         self.metric(tokens={"near_tie" if verdict.near_ties else "identical": 1}, verified_tokens=verified,
-                    near_tie_tokens=len(verdict.near_ties), **evictions)
+                    near_tie_tokens=len(verdict.near_ties), excluded_tokens=len(verdict.excluded_steps), **evictions)
 
     def metric(self, *, engine: str | None = None, model: str | None = None, **metrics: Any) -> None:
         """Merge metrics into the row of (engine, model): by default the test's own."""
@@ -371,8 +376,8 @@ def run_problems(rows: list[Row], max_near_tie_rate: float | None) -> list[Probl
     """What fails the run beyond single tests (verdicts/failures.py: Problem, its engine a field): an engine x model
     whose token checks ran but verified no token (vacuous), unless it was skipped for a declared reason or the oracle
     was unreliable; an engine whose near ties per verified token exceed `max_near_tie_rate` over the run (None, 16-bit
-    'auto': an engine x model whose near ties a correct engine reaches with probability < 1e-4 at the model's measured
-    flip rate, oracles/precision.py)."""
+    'auto', or an engine declaring a lower kv_dtype: an engine x model whose near ties a correct engine reaches with
+    probability < 1e-4 at the measured flip rate, oracles/precision.py)."""
     problems = []
     for row in rows:
         at = dict(engine=row["engine"], model=row["model"], device=row["device"], dtype=row["dtype"])
@@ -391,7 +396,8 @@ def run_problems(rows: list[Row], max_near_tie_rate: float | None) -> list[Probl
     for row in rows:
         noise = row.get("noise")
         at = dict(engine=row["engine"], model=row["model"], device=row["device"], dtype=row["dtype"])
-        if max_near_tie_rate is None:  # 16-bit, measured: distinct sequences, so a repeated one counts once
+        if max_near_tie_rate is None or (noise and noise.get("kv_dtype")):  # measured (16-bit, a KV stored lower):
+            # distinct sequences, so a repeated one counts once
             rate = noise["flip_rate_bound"] if noise else None
             distinct = row.get("sequences", {}).values()
             verified, ties = sum(v for v, _ in distinct), sum(t for _, t in distinct)
