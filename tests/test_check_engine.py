@@ -1,6 +1,5 @@
 """``kvcompile check-engine``: the venv recipe per engine, argument errors, and one real run."""
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -29,10 +28,10 @@ def test_every_third_party_builtin_engine_has_a_recipe_and_declares_its_packages
 
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_a_missing_engine_package_is_a_usage_error_naming_the_install(kvtester, name):
-    from pytest_kvcompile.contract.registry import _import_target, declaration_of
+    from pytest_kvcompile.contract.registry import _import_target, declaration_of, importable
 
     (module, pip), = declaration_of(_import_target(name, BUILTIN_ENGINES[name])).requires
-    if importlib.util.find_spec(module) is not None:
+    if importable(module):
         pytest.skip(f"{module} is installed here: no missing-package error to see")
     result = kvtester.runpytest_subprocess(f"--kv-engine={name}", "--kv-zoo=llama")
     assert result.ret == pytest.ExitCode.USAGE_ERROR

@@ -61,8 +61,12 @@ BUILTIN_ENGINES: dict[str, str] = {
     "llama-cpp": "pytest_kvcompile.engines.llamacpp:LlamaCpp",
     "llama-cpp-q8-kv": "pytest_kvcompile.engines.llamacpp:LlamaCppQ8KV",
     "ctranslate2": "pytest_kvcompile.engines.ct2:CTranslate2",
+    "hf-continuous-batching": "pytest_kvcompile.engines.continuous:ContinuousBatching",
+    "openvino": "pytest_kvcompile.engines.ov:OpenVINO",
+    "mistralrs": "pytest_kvcompile.engines.mistralrs:MistralRs",
     "hf-quantized-quanto": "pytest_kvcompile.engines.quantized:QuantizedQuanto",
     "hf-quantized-hqq": "pytest_kvcompile.engines.quantized:QuantizedHQQ",
+    "hf-quantized-hqq-int8": "pytest_kvcompile.engines.quantized:QuantizedHQQInt8",
 }
 
 
@@ -210,9 +214,17 @@ def _check_known_findings(name: str, declaration: Declaration) -> None:
             )
 
 
+def importable(module: str) -> bool:
+    """Whether `module` (dotted: its parents too) can be imported here, without importing it."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a dotted name whose parent package is missing (optimum.quanto without optimum)
+        return False
+
+
 def _check_requires(name: str, declaration: Declaration) -> None:
     """Usage error naming the install command when a package the engine declares is not importable."""
-    missing = [(module, pip) for module, pip in declaration.requires if importlib.util.find_spec(module) is None]
+    missing = [(module, pip) for module, pip in declaration.requires if not importable(module)]
     if missing:
         specs = " ".join(f"'{pip}'" for _, pip in missing)
         modules = ", ".join(f"'{module}'" for module, _ in missing)

@@ -1,6 +1,7 @@
 """transformers' ``QuantizedCache`` (KIVI-style: K and V quantized per channel in groups, the most recent positions
-kept in the model's dtype) as engines: ``hf-quantized-quanto`` (optimum-quanto, int4) and ``hf-quantized-hqq``
-(HQQ, int4). The quantization backend is imported only when an engine is built (by transformers).
+kept in the model's dtype) as engines: ``hf-quantized-quanto`` (optimum-quanto, int4), ``hf-quantized-hqq`` (HQQ,
+int4) and ``hf-quantized-hqq-int8`` (HQQ, int8). The quantization backend is imported only when an engine is built
+(by transformers).
 
 Rules:
 
@@ -9,28 +10,35 @@ Rules:
   64) except the residual window: RESIDUAL = 16 positions instead of 128, so the suite's prompts (1 to 266 tokens)
   cross it and the quantized store is read, not only the full-precision window. (Prefill is quantized at once either
   way: the residual window only holds decode steps.)
-- Declared ``kv_dtype="int4"``: the token checks allow the measured noise of storing K and V in int4 on each model
-  (oracles/precision.py: KVComputation), no more; the run's verdict lines and reports print that noise.
+- Declared ``kv_dtype`` ("int4", "int8"): the token checks allow the measured noise of storing K and V that way on
+  each model (oracles/precision.py: KVComputation), no more; the run prints that noise. Where it flips a quarter of
+  the greedy choices or more (int4 on the zoo's tiny models), the token checks are a named skip: nothing could tell
+  a bug from it.
+- Models with sliding-window layers are ModelNotSupported (transformers' QuantizedCache refuses them at the first
+  forward). Its groups must divide kv_heads x head_dim: the recipe builds the zoo with head_dim 32.
 - No ``kv_cache_bytes``: the quantized store is the backend's packed tensors and scales, which no ``KVLayout``
   states; the held-memory check bounds what it holds by the model dtype's footprint.
 """
 
 from __future__ import annotations
 
-from pytest_kvcompile.contract.engine import Declaration
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
 from pytest_kvcompile.engines.hf import HFEager
 from pytest_kvcompile.engines.recipe import Recipe
+from pytest_kvcompile.models.zoo import sliding_layers
 
 RESIDUAL = 16  # positions QuantizedCache keeps in the model's dtype before quantizing them (transformers: 128)
 NBITS = 4
 RECIPE = Recipe(packages=("optimum-quanto==0.2.7", "hqq==0.2.8.post1"),
-                note="transformers' QuantizedCache backends: optimum-quanto (quanto) and hqq.")
+                pytest_args=("--kv-zoo-head-dim=32",),
+                note="transformers' QuantizedCache backends: optimum-quanto (quanto) and hqq. Its groups of 64 values "
+                     "must divide a layer's kv_heads x head_dim, so the zoo is built with head_dim 32.")
 
 
 class QuantizedQuanto(HFEager):
     """transformers ``generate()`` with ``QuantizedCache(backend="quanto", nbits=4)``."""
 
-    backend = "quanto"
+    backend, nbits = "quanto", NBITS
     kv_declaration = Declaration(
         batching=True,
         scoring=True,
@@ -41,10 +49,18 @@ class QuantizedQuanto(HFEager):
                     f"residual_length={RESIDUAL})",
     )
 
+    def __init__(self, spec: ModelSpec):
+        sliding = sliding_layers(spec.config)
+        if sliding:  # transformers raises at the first generate(): the model is not one QuantizedCache serves
+            raise ModelNotSupported(f"transformers' QuantizedCache serves models with full-attention layers only "
+                                    f"(this one has sliding-window layers {sliding}: 'QuantizedCache is only "
+                                    "supported for models with only full attention layers')")
+        super().__init__(spec)
+
     def _cache_kwargs(self) -> dict:
         from transformers import QuantizedCache
 
-        return {"past_key_values": QuantizedCache(self.backend, self.model.config, nbits=NBITS,
+        return {"past_key_values": QuantizedCache(self.backend, self.model.config, nbits=self.nbits,
                                                   residual_length=RESIDUAL)}
 
 
@@ -60,4 +76,18 @@ class QuantizedHQQ(QuantizedQuanto):
         requires=(("hqq", RECIPE.packages[1]),),
         description=f"transformers generate(), QuantizedCache(backend='hqq', nbits={NBITS}, "
                     f"residual_length={RESIDUAL})",
+    )
+
+
+class QuantizedHQQInt8(QuantizedQuanto):
+    """transformers ``generate()`` with ``QuantizedCache(backend="hqq", nbits=8)``."""
+
+    backend, nbits = "hqq", 8
+    kv_declaration = Declaration(
+        batching=True,
+        scoring=True,
+        kv_dtype="int8",
+        devices=("cpu", "cuda"),
+        requires=(("hqq", RECIPE.packages[1]),),
+        description=f"transformers generate(), QuantizedCache(backend='hqq', nbits=8, residual_length={RESIDUAL})",
     )

@@ -54,7 +54,9 @@ QUANTILE = 0.99  # of the per-position errors: the scale
 CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60, 12, 33, 70, 5, 110, 48, 21, 9), 32, 230)  # prompt lengths, steps, seed
 CHUNK = 5  # prefill chunk of the chunked computation
 COMPUTATIONS = ("eager, cache", "sdpa, no cache", "sdpa, left-padded batch", "eager, chunked prefill")
-VACUOUS_FLIP_RATE = 0.5  # a KV format flipping the greedy choice this often (upper bound) leaves no token to check
+# a KV format flipping this share of greedy choices (upper bound): its near ties, budgeted at that rate, let through
+# nearly any token, so no token check can tell a bug from it
+VACUOUS_FLIP_RATE = 0.25
 KV_GROUP = 32  # values per quantization group along head_dim in the integer KV simulation (llama.cpp's q8_0 block)
 
 
