@@ -294,13 +294,13 @@ def test_declared_shape_bounds_skip_the_calls_outside_them_by_name(kvtester):
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_kv_cache_stored_lower_is_held_to_its_measured_noise_and_no_more(kvtester, dtype):
-    zoo = "--kv-zoo=llama,gpt2-abspos"
-    good = run_suites(kvtester, E + "KVInt8", zoo, f"--kv-dtype={dtype}", "-k", TOKEN_CHECKS)
+    checks = "token_identity or batch_consistency"
+    good = run_suites(kvtester, E + "KVInt8", f"--kv-dtype={dtype}", "-k", checks)
     assert good.ret == 0, good.stdout.str()[-3000:]
     good.stdout.fnmatch_lines([f"*llama ({dtype}) with K and V stored as int8 (Declaration.kv_dtype): tie tolerance "
                                "*, near-tie rate *, score() tolerance *: what storing the cache that way does*"])
-    coarser = run_suites(kvtester, E + "KVInt4DeclaredInt8", zoo, f"--kv-dtype={dtype}", "-k", TOKEN_CHECKS)
-    assert coarser.ret == pytest.ExitCode.TESTS_FAILED and coarser.parseoutcomes()["failed"] >= 4
+    coarser = run_suites(kvtester, E + "KVInt4DeclaredInt8", f"--kv-dtype={dtype}", "-k", checks)
+    assert coarser.ret == pytest.ExitCode.TESTS_FAILED and coarser.parseoutcomes()["failed"] >= 2
 
 
 def test_the_same_int8_cache_undeclared_fails_in_float32(kvtester):

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pytest_kvcompile.contract.engine import (
+    Bounds,
     Declaration,
     KVLayout,
     ModelNotSupported,
@@ -41,18 +42,10 @@ RECIPE = Recipe(
 )
 REQUIRES = RECIPE.requirement("litgpt")
 
-_SLIDING_MODELS = ("mistral-sw", "gemma3-hybrid")
-#: Tests that generate from a prompt longer than the sliding window W (zoo prompts W+1, 2W+3, long48).
-_LONG_PROMPT_TESTS = ("test_token_identity*-{m}-W+1=*]", "test_token_identity*-{m}-2W+3=*]",
-                      "test_token_identity*-{m}-long*]", "test_kv_cache_bytes*-{m}-W+1=*]",
-                      "test_kv_cache_bytes*-{m}-2W+3=*]", "test_kv_cache_bytes*-{m}-long*]", "test_stale_state*-{m}]",
-                      "test_determinism*-{m}]", "test_no_memory_growth*-{m}]", "test_memory_held*-{m}]",
-                      "test_shared_prefixes*-{m}]", "test_latency*-{m}]", "test_benchmark*-{m}-*]",
-                      "test_no_recompiles_after_warmup*-{m}]")
-_LONG_PROMPT = ("litgpt 0.5.13: a sliding-window layer's KVCache is a W-slot ring buffer that raises ValueError "
-                "('Prefill length (n) exceeds the sliding window size') for a prefill longer than W, and generate_fn "
-                "prefills the whole prompt in one forward; the chunked prefill it advises (chunks <= W) silently "
-                "gives wrong logits past the first window (docs/engines/litgpt.md)")
+#: litgpt 0.5.13's deliberate limit, declared (Declaration.bounds): a sliding-window layer's KVCache is a W-slot ring
+#: buffer that raises ValueError ('Prefill length (n) exceeds the sliding window size') for a prefill longer than W,
+#: and generate_fn prefills the whole prompt in one forward. Calls past it are named skips (docs/engines/litgpt.md).
+BOUNDS = Bounds(prompt_within_window=True)
 _INT_MAXP1 = ("litgpt 0.5.13: forward takes input_pos_maxp1 as a Python int; dynamo makes it dynamic but "
               "specializes 0/1, so a 1-token prompt (prefill with input_pos_maxp1=1) recompiles the forward "
               "(guard 'input_pos_maxp1 != 1', docs/engines/litgpt.md)")
@@ -62,13 +55,7 @@ _MASK_CACHE = ("litgpt 0.5.13: set_kv_cache also builds a [max_seq_length, max_s
                "(build_mask_cache) held beside the KV cache: 256 KiB at the 512 positions here, quadratic in the "
                "context (16 GiB at 131072 positions; docs/engines/litgpt.md, finding 4)")
 _MASK_HELD = r"holds .* besides its weights"
-_LONG_PROMPT_FAILURE = r"exceeds the sliding window size"
 _RECOMPILED = r"dynamo compile\(s\) after warmup"
-
-
-def _long_prompt_findings(tests: tuple[str, ...]) -> tuple[tuple[str, str, str], ...]:
-    return tuple((glob.format(m=model), _LONG_PROMPT, _LONG_PROMPT_FAILURE)
-                 for model in _SLIDING_MODELS for glob in tests)
 
 
 _NO_KV_SHARING = ("litgpt 0.5.13 has no {arch} architecture: its attention layers cannot reuse another "
@@ -182,8 +169,8 @@ class LitGPT:
         kv_layout=KVLayout("static", max_cache_len=MAX_SEQ_LENGTH, rows=1),
         requires=REQUIRES,
         description="litgpt 0.5.13 generate_fn, static KVCache (512 positions, batch 1), eager",
-        known_findings=_long_prompt_findings(_LONG_PROMPT_TESTS)  # the recompile check warms up on 48 tokens too
-        + (("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD),),
+        bounds=BOUNDS,
+        known_findings=(("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD),),
     )
 
     def __init__(self, spec: ModelSpec):
@@ -244,9 +231,9 @@ class LitGPTCompiled(LitGPT):
         kv_layout=KVLayout("static", max_cache_len=MAX_SEQ_LENGTH, rows=1),
         requires=REQUIRES,
         description="litgpt 0.5.13 generate_fn over torch.compile(model), static KVCache (512 positions, batch 1)",
-        known_findings=_long_prompt_findings(_LONG_PROMPT_TESTS)
-        + (("test_no_recompiles_after_warmup*-llama]", _INT_MAXP1, _RECOMPILED),
-           ("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD)),
+        bounds=BOUNDS,
+        known_findings=(("test_no_recompiles_after_warmup*-llama]", _INT_MAXP1, _RECOMPILED),
+                        ("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD)),
     )
 
     def __init__(self, spec: ModelSpec, compile_backend: str = "inductor"):

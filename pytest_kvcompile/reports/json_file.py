@@ -12,6 +12,8 @@ Schema (``schema_version`` 2)::
                "near_ties": [line], "failures": [{"test", "kind", "message", "failure": null | {...}}],
                "verified_tokens": n, "near_tie_tokens": n, "token_checks": n,
                "declared_skips": [reason], "oracle_errors": [message],
+               "excluded_ids": [id], "excluded_tokens": n,  (Declaration.never_emits: ids out of the oracle's choice,
+                                                           steps where the oracle's best was one of them)
                "checks": {test function: {"ran": n, "failed": n, "xfailed": n, "skipped": n, "reason": str}},
                "versions": ["dist==version"],  (the engine's distributions as built: the conformance matrix)
                "compiles": null | {"build": n, "warmup": n, "after_warmup": n, "reasons": [line]},
@@ -25,8 +27,10 @@ Verdicts are typed (verdicts/failures.py): a failure's ``kind`` is a `Kind` valu
 inconsistent, recompile, memory, latency, crash, other); a token verdict's ``failure`` holds its fields (``kind``,
 ``engine``, ``model``, ``prompt``, ``prompt_length``, ``where``: {"index", "lengths", "number", "calls", "before",
 "note"}, ``step``, ``expected``, ``got``, ``gap``, ``allowed``, ``tolerance``, ``window``, ``scored``, ``oracle``,
-``tokens``, ``prompt_tail``, ``top3``, ``near_ties``, ``max_near_ties``, ``hint``). ``problems`` are the run rules
-that failed (`Problem`: vacuous, no_eviction, run_drift), each naming its engine in a field.
+``tokens``, ``prompt_tail``, ``top3``, ``near_ties``, ``max_near_ties``, ``excluded``, ``hint``). A row's ``noise``
+with a ``kv_dtype`` is the measured noise of a KV cache stored that way (Declaration.kv_dtype), not the model's.
+``problems`` are the run rules that failed (`Problem`: vacuous, no_eviction, run_drift), each naming its engine in a
+field.
 Schema 1 files (before typed verdicts) are read and upgraded: a failure's kind comes from its token diff (else
 "other"), the diff becomes its ``failure`` (its ``where`` string the note of its ``where``), ``problems`` is empty.
 Baselines written by earlier versions keep working.
