@@ -20,6 +20,12 @@ class NotApplicable(pytest.skip.Exception):
         super().__init__(reason, pytrace=False)
 
 
+class Unjudgeable(NotApplicable):
+    """A skip where the engine's own declaration leaves nothing a check could tell from a bug (a KV format whose
+    noise flips a quarter of the greedy choices): named like NotApplicable, the oracle-free checks still run, but it
+    does not excuse the engine x model from the vacuous rule (an engine on which no token was checked fails)."""
+
+
 class OracleUnreliable(pytest.skip.Exception):
     """The oracle disagrees with an independent path: its references cannot judge an engine. A skip wherever it is
     raised (the check is not judged), named in the reports and counted in the engine's verdict line; never an error

@@ -71,6 +71,8 @@ def test_undeclared_device_skips(kvtester):
     ({"never_emits": (-1,)}, "never_emits=(-1,)"),
     ({"never_emits": tuple(range(9))}, "at most 8"),
     ({"never_emits": [2]}, "never_emits=[2]"),
+    ({"never_emits": None}, "never_emits=None"),
+    ({"never_emits": 2}, "never_emits=2"),
     ({"bounds": {"max_prompt": 8}}, "write bounds=Bounds(max_prompt=N, ...)"),
     ({"kv_dtype": "q4"}, "kv_dtype='q4': one of float16, bfloat16, int8, int4, int2"),
 ])
@@ -105,3 +107,5 @@ def test_never_emits_roles_are_the_models_ids():
     config = SimpleNamespace(eos_token_id=[1, 106], bos_token_id=2, pad_token_id=None)
     assert never_emitted(("eos", "pad", 7), config) == {1: "eos", 106: "eos", 7: "7"}
     assert never_emitted(("bos",), config) == {2: "bos"}
+    nested = SimpleNamespace(eos_token_id=None, text_config=SimpleNamespace(eos_token_id=3))  # a multimodal config
+    assert never_emitted(("eos",), nested) == {3: "eos"}

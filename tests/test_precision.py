@@ -210,3 +210,14 @@ def test_a_kv_format_widens_the_rules_only_to_its_measured_noise():
     assert rules.tie_tolerance == NOISE_FACTOR * 0.3 and rules.score_tolerance == NOISE_FACTOR * 0.6
     assert rules.max_near_ties == max(2, kv.max_near_ties(16)) and rules.noise is kv
     assert Rules(5.0, 9, 3.0).with_kv(kv, 16) == Rules(5.0, 9, 3.0, kv)  # never narrower than the model's own
+
+
+def test_a_kv_format_never_lowers_the_runs_near_tie_rate_below_the_models():
+    from pytest_kvcompile.oracles.precision import Noise, Rules
+
+    model = Noise("m", "bfloat16", 0.2, 0.3, 0.1, flips=20, positions=512, logit_error=0.4, per_computation={})
+    kv = Noise("m", "bfloat16", 0.1, 0.2, 0.05, flips=2, positions=512, logit_error=0.2, per_computation={},
+               kv_dtype="bfloat16")  # a format no lower than the run's: it rounds nothing
+    rules = Rules(0.3, 4, 0.6, model).with_kv(kv, steps=16)
+    assert rules.noise.kv_dtype == "bfloat16" and rules.noise.flip_rate_bound == model.flip_rate_bound
+    assert rules.tie_tolerance == 0.3 and rules.max_near_ties == 4

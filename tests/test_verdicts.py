@@ -310,9 +310,11 @@ def test_the_same_int8_cache_undeclared_fails_in_float32(kvtester):
                                  "*by a logit gap of * > tie tolerance 0.001, so this is a real mismatch*"])
 
 
-def test_a_kv_format_that_flips_most_choices_skips_the_token_checks_by_name(kvtester):
+def test_a_kv_format_that_flips_most_choices_skips_the_token_checks_by_name_and_fails_as_vacuous(kvtester):
     result = run_suites(kvtester, E + "KVInt2", "-k", "token_identity and not batched", "-rs")
     result.assert_outcomes(skipped=4)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED  # declaring int2 is no way out of every token check
+    result.stdout.fnmatch_lines(["*4 token check(s) ran but no token was verified*"])
     result.stdout.fnmatch_lines(["*stores K and V as int2 (Declaration.kv_dtype): on model 'llama' that alone changes "
                                  "the model's greedy choice at *% of positions (bound *%), so no token check can tell "
                                  "a bug from it*"])

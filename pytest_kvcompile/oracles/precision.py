@@ -31,9 +31,10 @@ run's dtype with every K and V rounded as it enters the cache, `kv_round`) and g
 (`Rules.with_kv`): the tolerance, near-tie budget and score tolerance are the larger of the model's and the stored
 KV's; a format whose flip rate's bound reaches `VACUOUS_FLIP_RATE` leaves nothing to check (its token checks are a
 named skip). Integer formats are simulated as symmetric absmax groups of `KV_GROUP` values along head_dim (llama.cpp's
-q8_0 and q4_0 blocks), every position quantized: the coarsest common scheme (an asymmetric min-max group's step is at
-most half a symmetric one's), and an engine keeping recent positions in full precision (transformers' QuantizedCache)
-is less noisy than this measure, never more.
+q8_0 and q4_0 blocks), every position quantized. It is one scheme, not a bound on every scheme: an asymmetric min-max
+group's step is at most a symmetric one's, and recent positions kept in full precision (transformers'
+QuantizedCache) lower the noise, but larger groups (quanto's 64) can raise it; the margin is NOISE_FACTOR, and an
+engine whose scheme is noisier than this fails, as its own twin shows.
 """
 
 from __future__ import annotations
@@ -334,6 +335,8 @@ class Rules:
         """An engine storing its KV cache lower (Declaration.kv_dtype): the larger of these numbers and those of the
         stored KV's measured noise `kv` (module docstring); `kv` is the noise its reports show."""
         ties = None if self.max_near_ties is None else max(self.max_near_ties, kv.max_near_ties(steps))
+        if self.noise is not None and self.noise.flip_rate_bound > kv.flip_rate_bound:  # the run's rate: never below
+            kv = dataclasses.replace(kv, flips=self.noise.flips, positions=self.noise.positions)  # the model's own
         return Rules(max(self.tie_tolerance, kv.tolerance), ties, max(self.score_tolerance, kv.score_tolerance), kv)
 
 

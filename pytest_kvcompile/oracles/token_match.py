@@ -10,7 +10,8 @@ so nothing after it goes unverified.
 
 Ids the engine declares it never emits (``Declaration.never_emits``: its runtime masks them) are out of the oracle's
 choice too: at each step its best is taken among the other ids (the steps where an excluded id was the oracle's best
-are counted, `Verdict.excluded_steps`, and reported); an engine returning one of them fails at once.
+are counted, `Verdict.excluded_steps`, and reported); an engine returning one of them fails at once. An oracle without
+logits (an engine oracle without score()) cannot exclude anything: equality stays the rule.
 
 Near ties are budgeted: more than ``max_near_ties`` in one sequence is *numerics drift*, a failure
 listing every flip (a correct engine flips rarely; one that flips at every close call is not
@@ -271,14 +272,20 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
         oracle = scored.float()
     else:
         oracle = reference.given(got, tie_tolerance)
-    diff = (scored.float() - oracle).abs()
+    columns = sorted(excluded)
+
+    def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        found = (a.float() - b).abs()
+        if columns:  # the engine may mask the ids it declares it never emits: their columns are not compared
+            found[..., columns] = 0
+        return found
+
+    diff = distance(scored, oracle)
     if reference.alternatives is not None and diff.numel():  # after an eviction near tie: the closest alternative
         rows = reference.alternatives(got, tie_tolerance)
-        closest = [int((scored[i].float() - alt).abs().amax(-1).argmin()) for i, alt in enumerate(rows)]
+        closest = [int(distance(scored[i], alt).amax(-1).argmin()) for i, alt in enumerate(rows)]
         oracle = torch.stack([alt[k] for alt, k in zip(rows, closest)])
-        diff = (scored.float() - oracle).abs()
-    if excluded:  # the engine may mask the ids it declares it never emits: their columns are not compared
-        diff[:, sorted(excluded)] = 0
+        diff = distance(scored, oracle)
     worst = float(diff.max()) if diff.numel() else 0.0
     problems = []
     if worst > score_tolerance:

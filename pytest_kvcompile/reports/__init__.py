@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from pytest_kvcompile.config.options import Option, value
-from pytest_kvcompile.errors import NotApplicable, OracleUnreliable
+from pytest_kvcompile.errors import NotApplicable, OracleUnreliable, Unjudgeable
 from pytest_kvcompile.reports import baseline as baseline_mod
 from pytest_kvcompile.reports import html, json_file, markdown
 from pytest_kvcompile.reports.live import (
@@ -227,7 +227,8 @@ class ResultsPlugin:
                              "failure": typed.to_dict() if isinstance(typed, Failure) else None}]
             if decided == "skipped" and isinstance(report.longrepr, tuple):
                 reason = report.longrepr[2].removeprefix("Skipped: ")
-                if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable):
+                if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable) \
+                        and not call.excinfo.errisinstance(Unjudgeable):
                     declared, reason = [reason.removeprefix("pytest_kvcompile.errors.NotApplicable: ")], ""
             ran = decided not in ("skipped", "error")
             checks = {item.originalname: {"ran": int(ran), "failed": int(decided in ("failed", "error", "xpassed")),

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import pytest
 
 from pytest_kvcompile.config.options import NO_ENGINE, Settings
-from pytest_kvcompile.errors import NotApplicable, OracleUnreliable
+from pytest_kvcompile.errors import NotApplicable, OracleUnreliable, Unjudgeable
 from pytest_kvcompile.latency.marker import Probe
 from pytest_kvcompile.models.prompts import Prompt, batch
 from pytest_kvcompile.verdicts.failures import Where
@@ -91,7 +91,8 @@ def kv_oracle_or_none(request: pytest.FixtureRequest, kv_record: Recorder) -> St
     except OracleUnreliable:  # recorded as not judged by the token checks; these checks go on without it
         return None
     except NotApplicable as exc:
-        kv_record.metric(declared_skips=[str(exc.msg)])
+        if not isinstance(exc, Unjudgeable):  # a declaration that leaves nothing to judge excuses nothing
+            kv_record.metric(declared_skips=[str(exc.msg)])
         return None
 
 

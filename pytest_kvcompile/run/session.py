@@ -27,7 +27,7 @@ from pytest_kvcompile.contract.engine import (
     never_emitted,
 )
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.errors import NotApplicable
+from pytest_kvcompile.errors import NotApplicable, Unjudgeable
 from pytest_kvcompile.latency.marker import Settings as LatencySettings
 from pytest_kvcompile.models import checkpoints as models
 from pytest_kvcompile.models.checkpoints import ModelEntry
@@ -54,7 +54,7 @@ class Session:
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _built: dict[tuple[str, str], EngineUnderTest | NotApplicable | str] = field(default_factory=dict)
     _oracles: dict[tuple[str, str], Any] = field(default_factory=dict)
-    _rules: dict[str, Any] = field(default_factory=dict)
+    _rules: dict[str | tuple[str, str], Any] = field(default_factory=dict)  # model, or (model, kv_dtype)
     #: engine NAME -> its oracle as resolved at start-up (oracles/engine.py: Choice); absent: hf
     oracles: dict[str, Any] = field(default_factory=dict)
 
@@ -150,7 +150,7 @@ class Session:
         self.collector.add(name, model, builds=1, build_s=round(seconds, 3), versions=ref.versions())
         after = cuda_allocated(spec.device)
         grown = None if allocated_before is None else after - allocated_before
-        settings, rules = self.settings, self.rules(model, ref.declaration.kv_dtype)
+        settings, rules = self.settings, self._engine_rules(model, ref.declaration.kv_dtype)
         if rules.noise is not None:
             self.collector.add(name, model, noise=rules.noise.to_dict())
             stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
@@ -178,11 +178,11 @@ class Session:
         if kv_dtype is not None:
             noise = self.rules(model, kv_dtype).noise
             if noise.flip_rate_bound >= precision.VACUOUS_FLIP_RATE:
-                raise NotApplicable(
+                raise Unjudgeable(
                     f"engine '{name}' stores K and V as {kv_dtype} (Declaration.kv_dtype): on model '{model}' that "
                     f"alone changes the model's greedy choice at {noise.flip_rate:.0%} of positions (bound "
                     f"{noise.flip_rate_bound:.0%}), so no token check can tell a bug from it (the oracle-free checks "
-                    "still run)")
+                    "still run; with no token verified the engine fails as vacuous on this model)")
         return found
 
     def _engine_oracle(self, choice: Any, strategy: Strategy, model: str) -> StoredOracle | str:
@@ -235,6 +235,16 @@ class Session:
                 if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
                     stored.measure_score_noise(spec)
         return self._oracles[key]
+
+    def _engine_rules(self, model: str, kv_dtype: str | None) -> precision.Rules:
+        """The engine's verdict numbers: with a kv_dtype whose noise cannot be measured on this model (no transformers
+        oracle), the model's own, which are stricter (its token checks then skip, named: `oracle`)."""
+        try:
+            return self.rules(model, kv_dtype)
+        except NotApplicable:
+            if kv_dtype is None:
+                raise
+            return self.rules(model)
 
     def rules(self, model: str, kv_dtype: str | None = None) -> precision.Rules:
         """The verdict numbers on `model`: the options' values, and for 16-bit 'auto' ones the model's measured
