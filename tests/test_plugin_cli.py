@@ -47,8 +47,9 @@ def test_unknown_engine_is_a_usage_error_listing_engines(kvtester):
     result = kvtester.runpytest_subprocess("--kv-engine=nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
-        "ERROR: unknown engine 'nope'. Available engines: executorch, hf-assisted, hf-dynamic-compile, hf-eager, "
-        "hf-export, *kvpress-knorm, *litgpt, *llama-cpp, *onnxruntime, ref-compiled-dynamic*vllm, vllm-compile. "
+        "ERROR: unknown engine 'nope'. Available engines: ctranslate2, executorch, hf-assisted, "
+        "hf-continuous-batching, hf-dynamic-compile, hf-eager, hf-export, *kvpress-knorm, *litgpt, *llama-cpp, "
+        "*mistralrs, *onnxruntime, openvino, ref-compiled-dynamic*vllm, vllm-compile. "
         "Give a built-in name*"
         "import path 'package.module:attr'*--kv-list-engines*",
     ])
