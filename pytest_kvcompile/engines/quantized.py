@@ -35,19 +35,24 @@ RECIPE = Recipe(packages=("optimum-quanto==0.2.7", "hqq==0.2.8.post1"),
                      "must divide a layer's kv_heads x head_dim, so the zoo is built with head_dim 32.")
 
 
+def _declaration(backend: str, nbits: int, module: str, package: str) -> Declaration:
+    """One QuantizedCache engine's declaration: its backend's package and the KV precision it stores."""
+    return Declaration(
+        batching=True,
+        scoring=True,
+        kv_dtype=f"int{nbits}",
+        devices=("cpu", "cuda"),
+        requires=((module, package),),
+        description=f"transformers generate(), QuantizedCache(backend={backend!r}, nbits={nbits}, "
+                    f"residual_length={RESIDUAL})",
+    )
+
+
 class QuantizedQuanto(HFEager):
     """transformers ``generate()`` with ``QuantizedCache(backend="quanto", nbits=4)``."""
 
     backend, nbits = "quanto", NBITS
-    kv_declaration = Declaration(
-        batching=True,
-        scoring=True,
-        kv_dtype="int4",
-        devices=("cpu", "cuda"),
-        requires=(("optimum.quanto", RECIPE.packages[0]),),
-        description=f"transformers generate(), QuantizedCache(backend='quanto', nbits={NBITS}, "
-                    f"residual_length={RESIDUAL})",
-    )
+    kv_declaration = _declaration(backend, nbits, "optimum.quanto", RECIPE.packages[0])
 
     def __init__(self, spec: ModelSpec):
         sliding = sliding_layers(spec.config)
@@ -67,27 +72,12 @@ class QuantizedQuanto(HFEager):
 class QuantizedHQQ(QuantizedQuanto):
     """transformers ``generate()`` with ``QuantizedCache(backend="hqq", nbits=4)``."""
 
-    backend = "hqq"
-    kv_declaration = Declaration(
-        batching=True,
-        scoring=True,
-        kv_dtype="int4",
-        devices=("cpu", "cuda"),
-        requires=(("hqq", RECIPE.packages[1]),),
-        description=f"transformers generate(), QuantizedCache(backend='hqq', nbits={NBITS}, "
-                    f"residual_length={RESIDUAL})",
-    )
+    backend, nbits = "hqq", NBITS
+    kv_declaration = _declaration(backend, nbits, "hqq", RECIPE.packages[1])
 
 
 class QuantizedHQQInt8(QuantizedQuanto):
     """transformers ``generate()`` with ``QuantizedCache(backend="hqq", nbits=8)``."""
 
     backend, nbits = "hqq", 8
-    kv_declaration = Declaration(
-        batching=True,
-        scoring=True,
-        kv_dtype="int8",
-        devices=("cpu", "cuda"),
-        requires=(("hqq", RECIPE.packages[1]),),
-        description=f"transformers generate(), QuantizedCache(backend='hqq', nbits=8, residual_length={RESIDUAL})",
-    )
+    kv_declaration = _declaration(backend, nbits, "hqq", RECIPE.packages[1])
