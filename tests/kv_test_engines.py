@@ -5,9 +5,10 @@ The correct engine is a plain greedy loop over the transformers model with a fre
 """
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import DynamicCache
 
 from pytest_kvcompile import Declaration
+from pytest_kvcompile.models.checkpoints import pretrained
 
 
 class Greedy:
@@ -17,7 +18,7 @@ class Greedy:
 
     def __init__(self, spec):
         self.spec = spec
-        self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).eval()
+        self.model = pretrained(spec.path, spec.dtype).eval()
 
     def generate(self, prompts, max_new_tokens):
         return [self._run(p, max_new_tokens, forced=None)[0] for p in prompts]

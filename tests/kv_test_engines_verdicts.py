@@ -382,6 +382,17 @@ class RefusesLongPromptsUndeclared(RefusesLongPrompts):
     kv_declaration = Declaration(batching=True, description="test engine: refuses prompts over 32 tokens")
 
 
+class DeclaresBoundsAnswersWrong(Greedy):
+    """Bug twin (LitGPT 0.5.12's shape): declares Bounds(max_prompt=32), yet answers longer prompts from their last 32
+    tokens instead of refusing them: the answers are judged, and fail."""
+
+    kv_declaration = Declaration(batching=True, bounds=Bounds(max_prompt=32),
+                                 description="test engine: declares max_prompt=32, answers longer prompts truncated")
+
+    def generate(self, prompts, max_new_tokens):
+        return super().generate([p[-32:] for p in prompts], max_new_tokens)
+
+
 class _MinMaxKV(DynamicCache):
     """A KV cache quantizing each key and value vector (one token, one head) asymmetrically to `bits` (quanto/HQQ
     style; the suite's own simulation is symmetric groups, oracles/precision.py: kv_round)."""

@@ -290,6 +290,15 @@ def test_declared_shape_bounds_skip_the_calls_outside_them_by_name(kvtester):
     undeclared = run_suites(kvtester, E + "RefusesLongPromptsUndeclared", "-k", "token_identity and not batched")
     assert undeclared.parseoutcomes().get("failed") == outcomes["skipped"]
     undeclared.stdout.fnmatch_lines(["*ValueError: Prefill length exceeds 32*"])
+    result.stdout.fnmatch_lines(["*outside them (a prompt of 48 tokens > max_prompt=32), and the engine refused it "
+                                 "(ValueError: Prefill length exceeds 32)*"])
+
+
+def test_a_declared_bound_the_engine_answers_anyway_is_judged(kvtester):
+    """A bound narrows what must work, never what may be wrong: an engine answering outside it is checked."""
+    result = run_suites(kvtester, E + "DeclaresBoundsAnswersWrong", "-k", "token_identity and not batched")
+    assert result.parseoutcomes().get("failed"), result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama', prompt 'long48' (length 48)*"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

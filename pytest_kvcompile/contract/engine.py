@@ -176,8 +176,10 @@ MAX_NEVER_EMITS = 8  # ids one engine may declare it never emits: a runtime supp
 
 @dataclass(frozen=True)
 class Bounds:
-    """Shapes an engine refuses by design (a runtime's documented limit, not a bug): a call outside them is a named
-    skip of that check, never a pass. None: no bound.
+    """Shapes an engine refuses by design (a runtime's documented limit, not a bug). None: no bound. A call outside
+    them is still made: if the engine raises, that check is a named skip, never a pass; if it answers, the answer is
+    judged like any other (a bound narrows what must work, never what may be wrong: LitGPT 0.5.12 answered prompts
+    longer than its window with tokens that broke causality, 0.5.13 raises; docs/released-bugs.md).
 
     - `max_prompt`: the longest prompt it prefills.
     - `max_positions`: prompt + new tokens it can hold.

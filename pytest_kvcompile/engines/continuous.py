@@ -51,10 +51,10 @@ class ContinuousBatching:
     )
 
     def __init__(self, spec: ModelSpec):
-        from transformers import AutoModelForCausalLM
+        from pytest_kvcompile.models.checkpoints import pretrained
 
         self.spec = spec
-        self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype,
+        self.model = pretrained(spec.path, spec.dtype,
                                                           attn_implementation="eager").to(spec.device).eval()
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call info and warnings
 

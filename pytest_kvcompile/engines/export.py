@@ -99,9 +99,11 @@ def outside_error(engine: str, shapes: ExportedShapes, what: str, problem: str) 
 
 def _load_model(spec: ModelSpec):
     """The checkpoint as transformers loads it, with the generation config the export wrapper reads."""
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+    from pytest_kvcompile.models.checkpoints import pretrained
+
+    model = pretrained(spec.path, spec.dtype).to(spec.device).eval()
     model.generation_config = GenerationConfig(use_cache=True, cache_implementation="static")
     return model
 

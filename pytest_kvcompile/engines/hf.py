@@ -17,16 +17,11 @@ Every call builds a fresh cache; greedy decoding runs with a clean GenerationCon
 from __future__ import annotations
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    CompileConfig,
-    GenerationConfig,
-    LogitsProcessor,
-    StaticCache,
-)
+from transformers import GenerationConfig, LogitsProcessor
 
-from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelSpec
+from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
 from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
+from pytest_kvcompile.models.checkpoints import pretrained
 from pytest_kvcompile.recompiles.hooks import compile_on_every_device, forced_eager
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
@@ -49,7 +44,7 @@ class HFEager:
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        self.model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+        self.model = pretrained(spec.path, spec.dtype).to(spec.device).eval()
         # generate() fills every unset field from model.generation_config (e.g. a checkpoint's
         # eos_token_id or repetition_penalty): a clean one keeps those out.
         self.model.generation_config = GenerationConfig()
@@ -162,8 +157,10 @@ class HFStaticCompile(_CompiledMixin, HFEager):
                  max_batch_size: int | None = MAX_BATCH_SIZE):
         super().__init__(spec)
         self.max_cache_len, self.max_batch_size = max_cache_len, max_batch_size
+        from transformers import CompileConfig  # 4.47 on: imported here so that hf-eager runs on older releases
+
         self.compile_config = compile_on_every_device(CompileConfig(backend=compile_backend))
-        self.cache: StaticCache | None = None  # made at the first call, then reset and reused
+        self.cache = None  # a StaticCache, made at the first call, then reset and reused
 
     def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
         config = super()._generation_config(max_new_tokens)
@@ -173,6 +170,8 @@ class HFStaticCompile(_CompiledMixin, HFEager):
     def _cache_kwargs(self) -> dict:
         """The engine's one StaticCache, reset. Not `cache_implementation="static"`: transformers 5.2 ignores
         generation_config.max_cache_len there (sizes the cache prompt + new tokens)."""
+        from transformers import StaticCache
+
         if self.cache is None:
             self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
         else:
@@ -307,7 +306,7 @@ class HFAssisted(HFEager):
     def __init__(self, spec: ModelSpec, num_assistant_tokens: int = NUM_ASSISTANT_TOKENS,
                  draft_noise: float = DRAFT_NOISE):
         super().__init__(spec)
-        self.draft = AutoModelForCausalLM.from_pretrained(spec.path, dtype=spec.dtype).to(spec.device).eval()
+        self.draft = pretrained(spec.path, spec.dtype).to(spec.device).eval()
         generator = torch.Generator().manual_seed(DRAFT_SEED)
         with torch.no_grad():
             for name, param in sorted(self.draft.named_parameters()):
@@ -326,6 +325,38 @@ class HFAssisted(HFEager):
 
     def _cache_kwargs(self) -> dict:
         return {"assistant_model": self.draft}
+
+
+class HFSlidingWindowCache(HFEager):
+    """`generate()` with the cache class transformers built for windows: ``cache_implementation="sliding_window"``
+    when every layer slides (Mistral), ``"hybrid"`` when sliding and global layers alternate (Gemma2/3).
+
+    Before 4.56 these are their own classes (``SlidingWindowCache``: a ring of W slots; ``HybridCache``); from 4.56
+    transformers maps both names to its static cache with sliding layers. The path of transformers #37574 (the oldest
+    key dropped a step early) and of the prompt-longer-than-the-window size mismatch fixed in 4.53
+    (docs/released-bugs.md). A model without sliding layers is not served (the cache would be a plain one).
+    """
+
+    kv_declaration = Declaration(
+        batching=True,
+        scoring=True,
+        kv_released=True,
+        description='transformers generate(cache_implementation="sliding_window" | "hybrid"), eager',
+    )
+
+    def __init__(self, spec: ModelSpec):
+        from pytest_kvcompile.models.zoo import sliding_layers
+
+        sliding = sliding_layers(spec.config)
+        if not sliding:
+            raise ModelNotSupported(f"model '{spec.name}' has no sliding-window layer: its sliding-window cache "
+                                    "would be a plain cache")
+        super().__init__(spec)
+        every = len(sliding) == spec.config.num_hidden_layers
+        self.cache_implementation = "sliding_window" if every else "hybrid"
+
+    def _cache_kwargs(self) -> dict:
+        return {"cache_implementation": self.cache_implementation}
 
 
 class _ForceTokens(LogitsProcessor):

@@ -57,13 +57,13 @@ class KVPress:
 
     def __init__(self, spec: ModelSpec):
         import kvpress
-        from transformers import AutoModelForCausalLM
+
+        from pytest_kvcompile.models.checkpoints import pretrained
 
         _check_supported(spec)
         self.spec = spec
         self.press_object = self._make_press(kvpress)
-        self.model = AutoModelForCausalLM.from_pretrained(
-            spec.path, dtype=spec.dtype, attn_implementation="eager").to(spec.device).eval()
+        self.model = pretrained(spec.path, spec.dtype, attn_implementation="eager").to(spec.device).eval()
         if not isinstance(self.model, _supported_classes()):
             raise ModelNotSupported(f"kvpress 0.5.5 does not support {type(self.model).__name__} "
                                     f"(its SUPPORTED_MODELS: {', '.join(c.__name__ for c in _supported_classes())})")
@@ -95,12 +95,12 @@ class KVPress:
 
     @torch.inference_mode()
     def _run(self, prompt, steps: int, forced=None, rows=None) -> list[int]:
-        from transformers import DynamicCache
+        from pytest_kvcompile.models.checkpoints import dynamic_cache
 
         if steps <= 0:
             return []
         device = self.spec.device
-        self.cache = DynamicCache(config=self.model.config)
+        self.cache = dynamic_cache(self.model.config)
         tokens = []
         with contextlib.ExitStack() as pressed:
             pressed.enter_context(self.press_object(self.model))

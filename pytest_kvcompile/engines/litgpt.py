@@ -3,6 +3,9 @@
 - ``litgpt``: LitGPT's own greedy loop (`litgpt.generate.base.generate_fn`, temperature 0 = raw-logit
   argmax, no stop tokens) over its static `KVCache`, eager.
 - ``litgpt-compile``: the same loop over ``torch.compile(model)``.
+- ``litgpt-top-k-1``: ``litgpt`` with ``top_k=1``: the argmax on every release (``sample()`` keeps one
+  logit), also on 0.3.1 - 0.5.12, where temperature 0 with ``top_p=1.0`` samples (LitGPT #2238). It isolates
+  the sliding-window bugs of older releases (#2145, PR #2215) from that one.
 
 The HF checkpoint is converted in memory by LitGPT's own converter functions
 (`litgpt.scripts.convert_hf_checkpoint.copy_weights_hf_llama` / `copy_weights_gemma_3`) into a
@@ -173,6 +176,9 @@ class LitGPT:
         known_findings=(("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD),),
     )
 
+    #: generate_fn's sampling arguments: temperature 0 with the default top_p, as users call it
+    SAMPLING: dict[str, Any] = dict(temperature=0.0, top_k=None, top_p=1.0)
+
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.gpt = _load(spec)
@@ -194,7 +200,7 @@ class LitGPT:
                 continue
             tokens = generate_fn(
                 self.model, torch.tensor(prompt, device=self.spec.device), len(prompt) + max_new_tokens,
-                temperature=0.0, top_k=None, top_p=1.0, stop_tokens=(), include_prompt=False, include_eos=True,
+                **self.SAMPLING, stop_tokens=(), include_prompt=False, include_eos=True,
             )
             out.append([int(t) for t in tokens])
         return out
@@ -217,6 +223,23 @@ class LitGPT:
     def kv_cache_bytes(self) -> int:
         """Bytes of every layer's K and V buffers (allocated once: MAX_SEQ_LENGTH, or W on sliding layers)."""
         return held_bytes(t for block in self.gpt.transformer.h for t in (block.attn.kv_cache.k, block.attn.kv_cache.v))
+
+
+class LitGPTTopK1(LitGPT):
+    """`litgpt` with ``top_k=1``: `sample()` crops the logits to the largest one, so the token is the argmax on
+    every release, including those that sample at temperature 0 (LitGPT #2238, <= 0.5.12)."""
+
+    SAMPLING = dict(temperature=0.0, top_k=1, top_p=1.0)
+    kv_declaration = Declaration(
+        scoring=True,
+        kv_cache_bytes=True,
+        kv_layout=KVLayout("static", max_cache_len=MAX_SEQ_LENGTH, rows=1),
+        requires=REQUIRES,
+        description="litgpt generate_fn with top_k=1 (argmax on every release, LitGPT #2238 aside), static "
+        "KVCache (512 positions, batch 1), eager",
+        bounds=BOUNDS,
+        known_findings=(("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD),),
+    )
 
 
 class LitGPTCompiled(LitGPT):

@@ -44,7 +44,10 @@ def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor | None]:
-    """The key and value tensors of every layer of a transformers ``Cache`` (``None`` where unallocated)."""
+    """The key and value tensors of every layer of a transformers ``Cache`` (``None`` where unallocated): its
+    ``layers`` (4.56 on), else its ``key_cache``/``value_cache`` lists (4.x)."""
+    if not hasattr(cache, "layers") and hasattr(cache, "key_cache"):
+        return [t for pair in zip(cache.key_cache, cache.value_cache) for t in pair]
     return [getattr(layer, name, None) for layer in getattr(cache, "layers", ()) for name in ("keys", "values")]
 
 

@@ -20,6 +20,38 @@ from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
 
 
+def transformers_version() -> tuple[int, int]:
+    import transformers
+
+    major, minor = transformers.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def pretrained(path: Path | str, dtype: torch.dtype, **kwargs: Any):
+    """``AutoModelForCausalLM.from_pretrained(path, ...)`` in `dtype`: transformers names that keyword ``dtype`` from
+    4.56 and ``torch_dtype`` before (4.x releases run the released-bug rows). Every built-in loader goes through it."""
+    from transformers import AutoModelForCausalLM
+
+    keyword = "dtype" if transformers_version() >= (4, 56) else "torch_dtype"
+    return AutoModelForCausalLM.from_pretrained(path, **{keyword: dtype}, **kwargs)
+
+
+def per_layer_cache() -> bool:
+    """Whether transformers' ``DynamicCache`` is built per layer from the model's config (4.56 on): before, one cache
+    class served every model and some (Gemma3 on 4.5x) fail with it, so the oracles recompute the whole sequence at
+    every step instead (``use_cache=False``), which no cache bug can touch."""
+    return transformers_version() >= (4, 56)
+
+
+def dynamic_cache(config, cls: type | None = None):
+    """A fresh ``DynamicCache`` (or subclass `cls`) for a model of `config`: per layer (`per_layer_cache`), else one
+    full cache, the mask applying the window. Oracles and engines build theirs here."""
+    if cls is None:
+        from transformers import DynamicCache as cls
+
+    return cls(config=config) if per_layer_cache() else cls()
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     name: str

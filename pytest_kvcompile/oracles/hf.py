@@ -2,7 +2,8 @@
 
 For the ``exact`` strategy the reference is transformers eager greedy decoding with a
 full ``DynamicCache`` on the same checkpoint, device and dtype: one forward over the
-prompt, then one forward per new token, each token the argmax of the raw logits (no
+prompt, then one forward per new token (before transformers 4.56, which has no per-layer cache, one forward over the
+whole sequence per token, no cache: ``models.checkpoints.per_layer_cache``), each token the argmax of the raw logits (no
 logits processors: a checkpoint's ``generation_config``, e.g. a repetition penalty,
 does not apply; no stop tokens). The per-step logits are kept so a divergence can be
 classified as a near tie or a mismatch (see ``token_match``), and the same loop fed the
@@ -31,7 +32,11 @@ class HFEagerOracle:
 
     def __init__(self, spec: ModelSpec, strategy: Strategy = Strategy()):
         self.spec = spec
+        from pytest_kvcompile.models.checkpoints import per_layer_cache
+
         self.model = load_lm(spec)
+        if not per_layer_cache():
+            self.source = "transformers eager greedy, no cache (the whole sequence each step: transformers < 4.56)"
         self._memo: dict[tuple[tuple[int, ...], int], Reference] = {}
 
     def __repr__(self) -> str:
@@ -51,16 +56,18 @@ class HFEagerOracle:
 
     @torch.inference_mode()
     def _run(self, prompt: tuple[int, ...], steps: int, forced: tuple[int, ...] | None):
-        from transformers import DynamicCache
+        from pytest_kvcompile.models.checkpoints import dynamic_cache, per_layer_cache
 
-        cache = DynamicCache(config=self.model.config)
-        inputs = torch.tensor([prompt], device=self.spec.device)
-        tokens, rows = [], []
+        cache = dynamic_cache(self.model.config) if per_layer_cache() else None
+        sequence, tokens, rows = list(prompt), [], []
+        inputs = sequence
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            ids = torch.tensor([inputs if cache is not None else sequence], device=self.spec.device)
+            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=cache is not None).logits[0, -1]
             rows.append(logits.float().cpu())
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
-            inputs = torch.tensor([[tokens[-1]]], device=self.spec.device)
+            sequence.append(tokens[-1])
+            inputs = [tokens[-1]]
         return tuple(tokens), torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
 
 

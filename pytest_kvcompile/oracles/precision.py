@@ -82,10 +82,10 @@ def high_precision(spec: ModelSpec) -> HighPrecisionSpec:
 def load_lm(spec: ModelSpec, **kwargs: Any):
     """transformers' model of the checkpoint in spec.dtype on spec.device, eval mode; a `HighPrecisionSpec`'s weights
     pass through its weights_dtype first. Every oracle loads its model here."""
-    from transformers import AutoModelForCausalLM
+    from pytest_kvcompile.models.checkpoints import pretrained
 
     through = getattr(spec, "weights_dtype", None) or spec.dtype
-    model = AutoModelForCausalLM.from_pretrained(spec.path, dtype=through, **kwargs)
+    model = pretrained(spec.path, through, **kwargs)
     return model.to(device=spec.device, dtype=spec.dtype).eval()
 
 
@@ -117,9 +117,11 @@ class Computations:
         return torch.tensor([ids], device=self.spec.device)
 
     def _cached(self, model, prefill: list[list[int]], tokens: list[int]) -> torch.Tensor:
-        from transformers import DynamicCache
+        from pytest_kvcompile.models.checkpoints import dynamic_cache, per_layer_cache
 
-        cache, rows = DynamicCache(config=model.config), []
+        if not per_layer_cache():  # see per_layer_cache: the same computation without a cache
+            return self._whole(model, [t for chunk in prefill for t in chunk], tokens)
+        cache, rows = dynamic_cache(model.config), []
         for chunk in prefill:
             logits = model(input_ids=self._ids(chunk), past_key_values=cache, use_cache=True).logits[0, -1]
         rows.append(logits)
@@ -175,10 +177,12 @@ class KVComputation:
 
     @torch.inference_mode()
     def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+        from pytest_kvcompile.models.checkpoints import dynamic_cache
+
         tokens = [int(t) for t in tokens]
         if not tokens:
             return torch.empty(1, 0, self.spec.vocab_size, dtype=torch.float64)
-        cache, ids = self._cache(config=self.model.config), [int(t) for t in prompt]
+        cache, ids = dynamic_cache(self.model.config, self._cache), [int(t) for t in prompt]
         rows = []
         for token in [None, *tokens[:-1]]:
             step = ids if token is None else [token]

@@ -140,7 +140,11 @@ def check_private_apis() -> None:
         resolve(path)
     for path in CUDA_PRIVATE_APIS if torch.version.cuda else ():
         resolve(path)
-    for path in TRANSFORMERS_PRIVATE_APIS if "transformers" in sys.modules else ():  # importing it costs seconds
+    # Importing transformers costs seconds: only once imported, and only where it has a compile path (CompileConfig,
+    # 4.47 on; older releases run the released-bug rows, eager).
+    transformers = sys.modules.get("transformers")
+    compiles = transformers is not None and hasattr(transformers, "CompileConfig")
+    for path in TRANSFORMERS_PRIVATE_APIS if compiles else ():
         resolve(path)
     if resolve("torch._logging._internal.trace_log") is not logging.getLogger(TRACE_LOGGER):
         raise _broken(f"torch's structured trace no longer logs to {TRACE_LOGGER!r}")
