@@ -20,6 +20,7 @@ from reference_impls.model import Llama, UnsupportedModel, rope_tables
 ARCHITECTURES: dict[str, type[nn.Module]] = {
     "llama": Llama,
     "mistral": Llama,
+    "qwen2": Llama,
     "gemma3_text": Gemma3,
     "gemma4_text": Gemma4,
     "gpt2": GPT2,

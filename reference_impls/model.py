@@ -196,9 +196,10 @@ class Attention(nn.Module):
         self.n_kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         bias = getattr(config, "attention_bias", False)
-        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=bias)
+        qkv_bias = bias or config.model_type == "qwen2"  # Qwen2: q, k and v biased, o not
+        self.q_proj = nn.Linear(config.hidden_size, self.n_heads * self.head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(config.hidden_size, self.n_kv_heads * self.head_dim, bias=qkv_bias)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, config.hidden_size, bias=bias)
 
     def project(self, x):
@@ -297,7 +298,8 @@ class Backbone(nn.Module):
 
 
 class Llama(Decoder):
-    """Llama, and Mistral (the same weights; `config.sliding_window` makes every layer sliding)."""
+    """Llama, Mistral (the same weights; `config.sliding_window` makes every layer sliding) and Qwen2 (Mistral with
+    q/k/v biases; `use_sliding_window` and `max_window_layers` choose the sliding layers)."""
 
     block, norm = Block, RMSNorm
 

@@ -3,10 +3,9 @@
 Slow and off by default (``-m "not released_bugs"`` in pyproject's addopts): each row builds a virtual
 environment with ``kvcompile check-engine`` (``--system-site-packages``: this environment's torch, the
 version under test installed over it) and runs the suites it names. Run them with
-``pytest -m released_bugs tests/test_released_bugs.py`` (5.5 minutes on 2 CPU cores for the first four rows, 1.7
-for LitGPT's, 3.7 for #48280's on a loaded machine, 1.2 for #47708 and #37574, 2.8 for the other three of
-2026-11-25 with one venv to build, measured; venvs are kept in ``.kvcompile-venvs/released-*`` and reused). The
-table and the measured output: docs/released-bugs.md.
+``pytest -m released_bugs tests/test_released_bugs.py`` (about 17 minutes on 2 CPU cores with the venvs built:
+docs/released-bugs.md has the measured times per row; venvs are kept in ``.kvcompile-venvs/released-*`` and
+reused). The table and the measured output: docs/released-bugs.md.
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ class Bug:
     select: str  # -k expression: the check that catches it
     says: str  # a line of the affected version's failure (fnmatch)
     zoo: str = "llama"  # --kv-zoo: the models the bug needs
+    args: tuple[str, ...] = ()  # more pytest arguments (e.g. an oracle that does not share the bug)
 
 
 #: litgpt <= 0.5.12 pins huggingface-hub<0.35, which transformers 5 (the oracle) cannot use: install litgpt without its
@@ -88,6 +88,20 @@ BUGS = {
         "token_identity", "*prompt 'W+1=9' (length 9), alone: step 0 of 16*",
         zoo="mistral-sw,gemma3-hybrid"),
     #: 4.x rows: the plugin runs there with the oracle recomputing each step without a cache (per_layer_cache).
+    #: 4.42.4 fixes #31781 but has #37574 (next row but one), which fails len1, W-1 and the batch: left out.
+    "transformers-31781-gemma2-hybrid-cache-index-error": Bug(
+        "hf-sliding-window-cache", "https://github.com/huggingface/transformers/issues/31781",
+        ("transformers==4.42.3",), ("transformers==4.42.4",), "token_identity and not (len1 or W-1 or batched)",
+        "*engine 'hf-sliding-window-cache' raised IndexError in generate(<1 prompt(s) of lengths [[]8[]]>, "
+        "max_new_tokens=16): index 8 is out of bounds for dimension 0 with size 8*",
+        zoo="gemma2-hybrid"),
+    #: transformers' oracle shares this bug (its Qwen2 ignores the window too): the reference engine is the oracle.
+    "transformers-35924-qwen2-window-ignored": Bug(
+        "hf-eager", "https://github.com/huggingface/transformers/issues/35924",
+        ("transformers==4.48.3",), ("transformers==4.49.0",), "token_identity",
+        "*engine 'hf-eager' diverges from the oracle on model 'qwen2-sw', prompt 'W-1=7' (length 7), alone: step 2 "
+        "of 16*",
+        zoo="qwen2-sw", args=("--kv-oracle=ref-sliding-window", "--kv-compile-backend=eager")),
     "transformers-37574-hybrid-cache-drops-a-key-early": Bug(
         "hf-eager", "https://github.com/huggingface/transformers/issues/37574",
         ("transformers==4.51.3",), ("transformers==4.52.4",), "token_identity",
@@ -108,7 +122,7 @@ def check_engine(bug: Bug, install: tuple[str, ...], tmp_path: Path) -> subproce
     venv = ROOT / ".kvcompile-venvs" / ("released-" + "-".join(re.sub(r"[^A-Za-z0-9.]+", "", s) for s in install))
     command = [sys.executable, "-m", "pytest_kvcompile.cli", "check-engine", bug.engine, "--venv", str(venv),
                "--system-site-packages", "--out", str(tmp_path), *(f"--install={s}" for s in install),
-               "--", f"--kv-zoo={bug.zoo}", "-k", bug.select, "-p", "no:benchmark"]
+               "--", f"--kv-zoo={bug.zoo}", "-k", bug.select, "-p", "no:benchmark", *bug.args]
     tmp_path.mkdir(parents=True, exist_ok=True)
     return subprocess.run(command, capture_output=True, text=True, cwd=tmp_path, timeout=1800)
 

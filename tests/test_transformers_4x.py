@@ -35,3 +35,19 @@ def test_the_cacheless_oracle_of_old_releases_equals_the_cached_one(name, zoo_ca
     recomputed = HFEagerOracle(spec).reference(prompt, 16)
     assert recomputed.tokens == cached.tokens
     torch.testing.assert_close(recomputed.logits, cached.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_reference_that_catches_qwen2_35924_matches_transformers(zoo_cache):
+    """Qwen2 in `reference_impls` (Mistral with q/k/v biases): the oracle of the #35924 row, where transformers'
+    own shares the bug. On this transformers (window applied) both give the same logits past the window."""
+    from pytest_kvcompile.models.checkpoints import pretrained
+    from reference_impls.loader import load_model
+
+    path = zoo.checkpoint("qwen2-sw", zoo_cache)
+    spec = ModelSpec("qwen2-sw", path, AutoConfig.from_pretrained(path))
+    assert zoo.sliding_layers(spec.config) == [0, 1]
+    tokens = torch.tensor([[(i * 37 + 11) % 256 for i in range(19)]])
+    with torch.no_grad():
+        ours, _ = load_model(spec)(tokens, torch.ones_like(tokens, dtype=torch.bool))
+        theirs = pretrained(path, torch.float32, attn_implementation="eager")(tokens).logits[:, -1]
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)

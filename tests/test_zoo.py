@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from pytest_kvcompile.models import prompts, zoo
 
 NAMES = list(zoo.ZOO)
-WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared"]
+WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "qwen2-sw", "gemma2-hybrid"]
 #: zoo name -> (sliding layers, attention window, shared-KV layers)
 LAYOUT = {
     "llama": ([], None, []),
@@ -28,6 +28,8 @@ LAYOUT = {
     "gemma3-hybrid": ([0, 2], zoo.WINDOW, []),
     "gemma4-kvshared": ([0, 2], zoo.WINDOW, [2, 3]),
     "gpt2-abspos": ([], None, []),
+    "qwen2-sw": ([0, 1], zoo.WINDOW, []),
+    "gemma2-hybrid": ([0, 2], zoo.WINDOW, []),
 }
 
 
@@ -49,7 +51,9 @@ def load(tmp_path_factory):
 
 
 def test_zoo_names_in_order():
-    assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos"]
+    assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos", "qwen2-sw",
+                     "gemma2-hybrid"]
+    assert [n for n, m in zoo.ZOO.items() if not m.in_all] == ["qwen2-sw", "gemma2-hybrid"]  # named only
     assert all(m.name == n and m.description and "\n" not in m.description for n, m in zoo.ZOO.items())
 
 

@@ -83,7 +83,7 @@ def max_positions(config: Any) -> int | None:
 
 def collect(settings: Settings) -> dict[str, ModelEntry]:
     """Zoo entries (as selected) then local checkpoints; a bad selection is a usage error."""
-    names = list(zoo.ZOO) if settings.zoo is None else list(settings.zoo)
+    names = [n for n, m in zoo.ZOO.items() if m.in_all] if settings.zoo is None else list(settings.zoo)
     unknown = [n for n in names if n not in zoo.ZOO]
     if unknown:
         raise pytest.UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; "

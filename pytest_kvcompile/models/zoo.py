@@ -78,6 +78,7 @@ class ZooModel:
     _build: Callable[[dict[str, Any]], Any] = field(repr=False, compare=False)
     weight_gain: float = WEIGHT_GAIN
     head_gain: float = HEAD_GAIN
+    in_all: bool = True  # False: run only when named (--kv-zoo=NAME), for the released-bug rows
 
     def build_config(self, head_dim: int = HEAD_DIM) -> transformers.PretrainedConfig:  # noqa: F821
         return self._build({**_TINY, "head_dim": head_dim})
@@ -102,14 +103,25 @@ def _mistral(tiny):
     return mistral(**tiny, num_hidden_layers=2, sliding_window=WINDOW)
 
 
-def _gemma3(tiny):
-    return _config_class("Gemma3TextConfig", "Gemma3 (needs >= 4.50)")(
-        **tiny,
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        sliding_window=WINDOW,
-        query_pre_attn_scalar=16,
-    )
+def _qwen2(tiny):
+    """Qwen2 with every layer sliding (`use_sliding_window`, `max_window_layers=0`: layers from 0 on slide)."""
+    qwen2 = _config_class("Qwen2Config", "Qwen2 (needs >= 4.37)")
+    return qwen2(**tiny, num_hidden_layers=2, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=0)
+
+
+def _hybrid(class_name: str, missing: str):
+    """A builder of Gemma2/Gemma3 text configs: 4 layers alternating sliding and global (Gemma2's own rule before
+    `layer_types` existed: the even layers slide)."""
+    def build(tiny):
+        return _config_class(class_name, missing)(
+            **tiny,
+            num_hidden_layers=4,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=WINDOW,
+            query_pre_attn_scalar=16,
+        )
+
+    return build
 
 
 def _gemma4_or_gemma3n(tiny):
@@ -148,7 +160,8 @@ ZOO: dict[str, ZooModel] = {
         ZooModel("llama", "Llama, 2 layers, full attention, GQA 4/2", _llama),
         ZooModel("mistral-sw", f"Mistral, 2 layers, every layer sliding (window {WINDOW})", _mistral),
         ZooModel(
-            "gemma3-hybrid", f"Gemma3 text, 4 layers alternating sliding (window {WINDOW}) and global", _gemma3
+            "gemma3-hybrid", f"Gemma3 text, 4 layers alternating sliding (window {WINDOW}) and global",
+            _hybrid("Gemma3TextConfig", "Gemma3 (needs >= 4.50)"),
         ),
         ZooModel(
             "gemma4-kvshared",
@@ -157,6 +170,11 @@ ZOO: dict[str, ZooModel] = {
         ),
         ZooModel("gpt2-abspos", "GPT-2, 2 layers, learned absolute position embeddings, 4 heads (no GQA)", _gpt2,
                  weight_gain=2.0, head_gain=4.5),
+        # Named only (not in 'all'): the architectures of released 4.x bugs (docs/released-bugs.md).
+        ZooModel("qwen2-sw", f"Qwen2, 2 layers, every layer sliding (window {WINDOW}), q/k/v biases; named only",
+                 _qwen2, in_all=False),
+        ZooModel("gemma2-hybrid", f"Gemma2 text, 4 layers alternating sliding (window {WINDOW}) and global; named only",
+                 _hybrid("Gemma2Config", "Gemma2 (needs >= 4.42)"), in_all=False),
     )
 }
 
@@ -229,14 +247,17 @@ def checkpoint(name: str, cache_root: Path, head_dim: int = HEAD_DIM) -> Path:
 def sliding_layers(config) -> list[int]:
     """Indices of sliding-window layers.
 
-    With `layer_types`: the layers typed "sliding_attention". Without it (Mistral): every
-    layer when `sliding_window` is set, else none.
+    With `layer_types`: the layers typed "sliding_attention". Without it (Mistral; Qwen2 before 4.54): every
+    layer when `sliding_window` is set (Qwen2: and `use_sliding_window`, from layer `max_window_layers` on), else none.
     """
     n = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return [i for i, kind in enumerate(layer_types) if kind == "sliding_attention"]
-    return list(range(n)) if getattr(config, "sliding_window", None) is not None else []
+    if getattr(config, "sliding_window", None) is None or getattr(config, "use_sliding_window", True) is False:
+        return []
+    first = getattr(config, "max_window_layers", 0) if hasattr(config, "use_sliding_window") else 0
+    return list(range(first, n))
 
 
 def attention_window(config) -> int | None:

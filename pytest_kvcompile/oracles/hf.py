@@ -31,9 +31,9 @@ class HFEagerOracle:
     source = "transformers eager greedy, full DynamicCache"
 
     def __init__(self, spec: ModelSpec, strategy: Strategy = Strategy()):
-        self.spec = spec
         from pytest_kvcompile.models.checkpoints import per_layer_cache
 
+        self.spec = spec
         self.model = load_lm(spec)
         if not per_layer_cache():
             self.source = "transformers eager greedy, no cache (the whole sequence each step: transformers < 4.56)"

@@ -140,11 +140,11 @@ def check_private_apis() -> None:
         resolve(path)
     for path in CUDA_PRIVATE_APIS if torch.version.cuda else ():
         resolve(path)
-    # Importing transformers costs seconds: only once imported, and only where it has a compile path (CompileConfig,
-    # 4.47 on; older releases run the released-bug rows, eager).
+    # Importing transformers costs seconds: only once imported, and only on the releases the compiled HF engines
+    # support (5 on; 4.x releases run the released-bug rows, eager, and 4.48 has CompileConfig without the flag).
     transformers = sys.modules.get("transformers")
-    compiles = transformers is not None and hasattr(transformers, "CompileConfig")
-    for path in TRANSFORMERS_PRIVATE_APIS if compiles else ():
+    major = int(str(getattr(transformers, "__version__", "0")).split(".")[0] or 0)
+    for path in TRANSFORMERS_PRIVATE_APIS if transformers is not None and major >= 5 else ():
         resolve(path)
     if resolve("torch._logging._internal.trace_log") is not logging.getLogger(TRACE_LOGGER):
         raise _broken(f"torch's structured trace no longer logs to {TRACE_LOGGER!r}")
