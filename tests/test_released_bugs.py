@@ -3,7 +3,7 @@
 Slow and off by default (``-m "not released_bugs"`` in pyproject's addopts): each row builds a virtual
 environment with ``kvcompile check-engine`` (``--system-site-packages``: this environment's torch, the
 version under test installed over it) and runs the suites it names. Run them with
-``pytest -m released_bugs tests/test_released_bugs.py`` (about 17 minutes on 2 CPU cores with the venvs built:
+``pytest -m released_bugs tests/test_released_bugs.py`` (11 minutes on 2 CPU cores with the venvs built, measured:
 docs/released-bugs.md has the measured times per row; venvs are kept in ``.kvcompile-venvs/released-*`` and
 reused). The table and the measured output: docs/released-bugs.md.
 """
