@@ -54,11 +54,12 @@ def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, 
     Configs with RoPE per layer type (Gemma3: `rope_parameters = {"sliding_attention": {...},
     "full_attention": {...}}`) give `layer_type`'s; flat ones (Llama, Mistral) give theirs to every type.
     """
-    rope = dict(getattr(config, "rope_parameters", None) or {})
+    # transformers 5.x: `rope_parameters`; 4.x: `rope_scaling` (None for default RoPE; "type" in old configs).
+    rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     per_type = layer_type in rope
     if per_type:
         rope = dict(rope[layer_type])
-    kind = rope.get("rope_type", "default")
+    kind = rope.get("rope_type", rope.get("type", "default"))
     # Gemma4 keeps per-layer-type geometry in per_layer_config (its config.head_dim raises when layers differ).
     c = config.per_layer_config[layer_type] if per_type and hasattr(config, "per_layer_config") else config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -69,7 +70,9 @@ def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, 
 
     if kind in ("dynamic", "longrope") or kind not in ROPE_INIT_FUNCTIONS:  # the first two depend on the length
         raise UnsupportedModel(f"rope_type '{kind}' is not supported (static RoPE variants only)")
-    return ROPE_INIT_FUNCTIONS[kind](config, layer_type=layer_type if per_type else None)
+    if per_type:
+        return ROPE_INIT_FUNCTIONS[kind](config, layer_type=layer_type)
+    return ROPE_INIT_FUNCTIONS[kind](config, None)  # (config, device): 4.x's device is positional, 5.x's optional
 
 
 def rope_tables(config, device=None) -> dict[str, tuple[torch.Tensor, float]]:

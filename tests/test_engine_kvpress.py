@@ -24,7 +24,8 @@ from pytest_kvcompile.oracles.hf import ORACLES
 
 HAS_KVPRESS = importlib.util.find_spec("kvpress") is not None
 ENGINES = {"kvpress-streaming": engines.StreamingLLM, "kvpress-snapkv": engines.SnapKV,
-           "kvpress-tova": engines.TOVA, "kvpress-knorm": engines.KNorm}
+           "kvpress-tova": engines.TOVA, "kvpress-knorm": engines.KNorm,
+           "kvpress-streaming-rerotated": engines.StreamingLLMRerotated}
 
 
 def test_the_module_imports_without_kvpress():
@@ -47,11 +48,30 @@ def test_configure_changes_the_press_and_the_strategy_together():
     assert engine.press == "SnapKVPress" and declaration_of(engines.SnapKV).strategy.params[2] == ("window_size", 2)
 
 
+def test_the_rerotated_engine_wraps_its_press_and_decodes_at_shifted_positions():
+    """positions="shifted" is KeyRerotationPress around the press (which never sees `positions`); the oracle's policy
+    takes the same strategy, and a strategy at positions="original" names the plain one."""
+    from types import SimpleNamespace
+
+    decl = declaration_of(engines.StreamingLLMRerotated)
+    assert decl.strategy == Strategy.of("streaming_llm_prefill", compression_ratio=0.5, n_sink=2, positions="shifted")
+    assert policy_for(decl.strategy) == StreamingLLMPrefill(0.5, 2, "shifted")
+    assert "KeyRerotationPress(StreamingLLMPress(compression_ratio=0.5, n_sink=2))" in decl.description
+    assert policy_for(Strategy.of("streaming_llm_prefill", compression_ratio=0.5, n_sink=2, positions="original")
+                      ).strategy == declaration_of(engines.StreamingLLM).strategy
+    fake = SimpleNamespace(StreamingLLMPress=lambda **kw: ("streaming", kw),
+                           KeyRerotationPress=lambda press: ("rerotated", press))
+    engine = object.__new__(engines.StreamingLLMRerotated)
+    assert engine._make_press(fake) == ("rerotated", ("streaming", {"compression_ratio": 0.5, "n_sink": 2}))
+    plain = ("streaming", {"compression_ratio": 0.5, "n_sink": 2})
+    assert object.__new__(engines.StreamingLLM)._make_press(fake) == plain
+
+
 def test_known_findings_follow_the_parameters():
     """kvpress fails on the 1-token prompt where it asserts n > n_sink or n > window_size, and in TOVAPress (the checks
     serving one: token identity on it, stale state and the recompile check's warmup)."""
     globs = ("*test_token_identity*len1*", "*test_stale_state*", "*test_no_recompiles_after_warmup*")
-    for engine in (engines.StreamingLLM, engines.SnapKV, engines.TOVA):
+    for engine in (engines.StreamingLLM, engines.StreamingLLMRerotated, engines.SnapKV, engines.TOVA):
         assert tuple(g for g, _, _ in declaration_of(engine).known_findings) == globs
     assert declaration_of(engines.KNorm).known_findings == ()
     assert declaration_of(engines.StreamingLLM.configure(n_sink=0)).known_findings == ()

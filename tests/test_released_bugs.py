@@ -87,6 +87,15 @@ BUGS = {
         ("litgpt==0.5.12", *_LITGPT_NO_DEPS, "psutil==7.1.3"), ("litgpt==0.5.13", *_LITGPT_NO_DEPS, "psutil==7.2.2"),
         "token_identity", "*prompt 'W+1=9' (length 9), alone: step 0 of 16*",
         zoo="mistral-sw,gemma3-hybrid"),
+    #: kvpress 0.2.x runs on transformers 4.x (0.2.6 on 5.2: KeyError 'past_key_value'); 4.53 is the oldest with the
+    #: masking_utils the eviction oracle needs. datasets 2.x (kvpress imports it) needs a pyarrow of its time.
+    "kvpress-85-key-rerotation-yarn": Bug(
+        "kvpress-streaming-rerotated", "https://github.com/NVIDIA/kvpress/pull/85",
+        ("kvpress==0.2.6", "transformers==4.53.3", "datasets==2.21.0", "pyarrow==19.0.1"),
+        ("kvpress==0.2.7", "transformers==4.53.3", "datasets==2.21.0", "pyarrow==19.0.1"), "token_identity",
+        "*engine 'kvpress-streaming-rerotated' diverges from the oracle on model 'llama-yarn', prompt 'short7' "
+        "(length 7), alone: step 6 of 16*",
+        zoo="llama-yarn"),
     #: 4.x rows: the plugin runs there with the oracle recomputing each step without a cache (per_layer_cache).
     #: 4.42.4 fixes #31781 but has #37574 (next row but one), which fails len1, W-1 and the batch: left out.
     "transformers-31781-gemma2-hybrid-cache-index-error": Bug(

@@ -30,6 +30,7 @@ LAYOUT = {
     "gpt2-abspos": ([], None, []),
     "qwen2-sw": ([0, 1], zoo.WINDOW, []),
     "gemma2-hybrid": ([0, 2], zoo.WINDOW, []),
+    "llama-yarn": ([], None, []),
 }
 
 
@@ -52,8 +53,8 @@ def load(tmp_path_factory):
 
 def test_zoo_names_in_order():
     assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos", "qwen2-sw",
-                     "gemma2-hybrid"]
-    assert [n for n, m in zoo.ZOO.items() if not m.in_all] == ["qwen2-sw", "gemma2-hybrid"]  # named only
+                     "gemma2-hybrid", "llama-yarn"]
+    assert [n for n, m in zoo.ZOO.items() if not m.in_all] == ["qwen2-sw", "gemma2-hybrid", "llama-yarn"]  # named only
     assert all(m.name == n and m.description and "\n" not in m.description for n, m in zoo.ZOO.items())
 
 
@@ -259,3 +260,20 @@ def test_model_unavailable_names_the_version(tmp_path, monkeypatch):
     with pytest.raises(zoo.ModelUnavailable, match=f"transformers {transformers.__version__} has no Gemma4"):
         zoo.checkpoint("gemma4-kvshared", tmp_path)
     assert not tmp_path.exists() or not any(tmp_path.iterdir())
+
+
+def test_llama_yarn_has_yarn_rope_in_transformers_and_in_the_reference():
+    """The YaRN model (kvpress PR #85's case) on transformers 4.x (`rope_scaling`) and 5.x (`rope_parameters`): the
+    model's rotary embedding and reference_impls' `rope_inv_freq` agree, attention factor 0.1 ln 4 + 1."""
+    import math
+
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from reference_impls.model import rope_inv_freq
+
+    config = zoo.ZOO["llama-yarn"].build_config()
+    rotary = LlamaRotaryEmbedding(config=config)
+    inv_freq, factor = rope_inv_freq(config)
+    assert rotary.rope_type == "yarn" and factor == pytest.approx(rotary.attention_scaling)
+    assert factor == pytest.approx(0.1 * math.log(4) + 1) and torch.equal(inv_freq, rotary.inv_freq)
+    assert rope_inv_freq(zoo.ZOO["llama"].build_config())[1] == 1.0

@@ -53,6 +53,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "litgpt-compile": "pytest_kvcompile.engines.litgpt:LitGPTCompiled",
     "litgpt-top-k-1": "pytest_kvcompile.engines.litgpt:LitGPTTopK1",
     "kvpress-streaming": "pytest_kvcompile.engines.kvpress:StreamingLLM",
+    "kvpress-streaming-rerotated": "pytest_kvcompile.engines.kvpress:StreamingLLMRerotated",
     "kvpress-snapkv": "pytest_kvcompile.engines.kvpress:SnapKV",
     "kvpress-tova": "pytest_kvcompile.engines.kvpress:TOVA",
     "kvpress-knorm": "pytest_kvcompile.engines.kvpress:KNorm",

@@ -10,6 +10,12 @@ the KV cache ONCE, during prefill, then greedy decoding over a growing DynamicCa
   covers decode-time compression: the oracle-free checks judge it (determinism, stale state, batch and
   prefix consistency). kvpress 0.4.0-0.5.1 kept its step counters across calls, so a second identical call
   compressed at other steps (fixed in 0.5.2; docs/released-bugs.md).
+- ``kvpress-streaming-rerotated``: ``KeyRerotationPress(StreamingLLMPress(compression_ratio=0.5, n_sink=2))``:
+  the kept keys are re-rotated to positions 0..n_kept-1 and decoding goes on at n_kept (as kvpress's pipeline
+  does for a KeyRerotationPress), held to ``streaming_llm_prefill(..., positions="shifted")``. Runs on kvpress
+  0.2.x (transformers 4.53: the eviction oracle needs its masking_utils) as on 0.5.5. kvpress <= 0.2.6
+  un-rotated with the model's (cos, -sin), which under YaRN carry the attention factor: keys off by its square
+  (PR #85, fixed in 0.2.7); zoo model ``llama-yarn`` (named only) shows it.
 
 Each is held to the eviction oracle of its ``*_prefill`` strategy (pytest_kvcompile/oracles/eviction.py),
 whose parameters are the press's keyword arguments, so ``kv_declaration.strategy`` is the one
@@ -65,12 +71,16 @@ class KVPress:
         self.press_object = self._make_press(kvpress)
         self.model = pretrained(spec.path, spec.dtype, attn_implementation="eager").to(spec.device).eval()
         if not isinstance(self.model, _supported_classes()):
-            raise ModelNotSupported(f"kvpress 0.5.5 does not support {type(self.model).__name__} "
+            version = getattr(kvpress, "__version__", "")
+            raise ModelNotSupported(f"kvpress {version} does not support {type(self.model).__name__} "
                                     f"(its SUPPORTED_MODELS: {', '.join(c.__name__ for c in _supported_classes())})")
         self.cache = None  # the last prompt's cache, for kept_lengths()
 
     def _make_press(self, kvpress):
-        return getattr(kvpress, self.press)(**dict(declaration_of(type(self)).strategy.params))
+        """The press from the strategy's parameters; ``positions="shifted"`` wraps it in ``KeyRerotationPress``."""
+        params = dict(declaration_of(type(self)).strategy.params)
+        press = getattr(kvpress, self.press)(**{k: v for k, v in params.items() if k != "positions"})
+        return kvpress.KeyRerotationPress(press=press) if params.get("positions") == "shifted" else press
 
     @classmethod
     def configure(cls, **params) -> type[KVPress]:
@@ -91,6 +101,8 @@ class KVPress:
 
     def kept_lengths(self) -> list[int]:
         """Per layer: the entries the last prompt's cache holds (n_kept + new tokens - 1)."""
+        if not hasattr(self.cache, "layers"):  # transformers < 4.56 (kvpress 0.2.x): one list of keys
+            return [keys.shape[2] for keys in self.cache.key_cache]
         return [layer.keys.shape[2] for layer in self.cache.layers]
 
     @torch.inference_mode()
@@ -108,6 +120,9 @@ class KVPress:
                                 logits_to_keep=1).logits[0, -1]
             if not self.press_in_decode:
                 pressed.close()  # the press's hooks come off: decoding runs over the compressed cache as it is
+            # KeyRerotationPress re-rotated the kept keys to 0..n_kept-1: kvpress's pipeline then decodes from the
+            # cache length (`context_length = cache.get_seq_length()`), other presses from the prompt length.
+            start = self.cache.get_seq_length() if self._rerotated() else len(prompt)
             for step in range(steps):
                 if rows is not None:
                     rows.append(logits.float().cpu())
@@ -115,8 +130,11 @@ class KVPress:
                 if step + 1 < steps:
                     logits = self.model(input_ids=torch.tensor([[tokens[-1]]], device=device),
                                         past_key_values=self.cache,
-                                        position_ids=torch.tensor([[len(prompt) + step]], device=device)).logits[0, -1]
+                                        position_ids=torch.tensor([[start + step]], device=device)).logits[0, -1]
         return tokens
+
+    def _rerotated(self) -> bool:
+        return type(self.press_object).__name__ == "KeyRerotationPress"
 
 
 def _supported_classes() -> tuple[type, ...]:
@@ -139,10 +157,12 @@ def _check_supported(spec: ModelSpec) -> None:
 
 
 def _declaration(strategy: Strategy, press: str) -> Declaration:
-    args = ", ".join(f"{k}={v}" for k, v in strategy.params)
+    params = dict(strategy.params)
+    args = ", ".join(f"{k}={v}" for k, v in params.items() if k != "positions")
+    pressed = f"KeyRerotationPress({press}({args}))" if params.get("positions") == "shifted" else f"{press}({args})"
     return Declaration(
         strategy=strategy, scoring=True, requires=REQUIRES,
-        description=f"kvpress {press}({args}) at prefill, transformers eager, DynamicCache",
+        description=f"kvpress {pressed} at prefill, transformers eager, DynamicCache",
         known_findings=_findings(strategy))
 
 
@@ -176,6 +196,9 @@ SnapKV = _engine("SnapKV", "SnapKVPress",
                  Strategy.of("snapkv_prefill", compression_ratio=0.5, window_size=2, kernel_size=3))
 TOVA = _engine("TOVA", "TOVAPress", Strategy.of("tova_prefill", compression_ratio=0.5))
 KNorm = _engine("KNorm", "KnormPress", Strategy.of("knorm_prefill", compression_ratio=0.5))
+StreamingLLMRerotated = _engine(
+    "StreamingLLMRerotated", "StreamingLLMPress",
+    Strategy.of("streaming_llm_prefill", compression_ratio=0.5, n_sink=2, positions="shifted"))
 
 class DecodingKnorm(KVPress):
     """kvpress ``DecodingPress(KnormPress(), compression_interval=4, target_size=8)``: prefill and every decode
@@ -194,4 +217,4 @@ class DecodingKnorm(KVPress):
         return kvpress.DecodingPress(base_press=kvpress.KnormPress(), **self.params)
 
 
-__all__ = ["REQUIRES", "TOVA", "DecodingKnorm", "KNorm", "KVPress", "SnapKV", "StreamingLLM"]
+__all__ = ["REQUIRES", "TOVA", "DecodingKnorm", "KNorm", "KVPress", "SnapKV", "StreamingLLM", "StreamingLLMRerotated"]

@@ -98,6 +98,16 @@ def _llama(tiny):
     return _config_class("LlamaConfig", "Llama (needs >= 4.28)")(**tiny, num_hidden_layers=2)
 
 
+#: YaRN (Peng et al. 2023, arXiv:2309.00071) stretching 128 original positions 4-fold to the zoo's 512; its attention
+#: factor 0.1 ln(4) + 1 = 1.139 scales cos and sin (kvpress <= 0.2.6's KeyRerotationPress mishandled it, PR #85).
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}
+
+
+def _llama_yarn(tiny):
+    """Llama with YaRN RoPE: transformers 4.x reads `rope_scaling`; 5.x turns that keyword into `rope_parameters`."""
+    return _config_class("LlamaConfig", "Llama (needs >= 4.28)")(**tiny, num_hidden_layers=2, rope_scaling=dict(YARN))
+
+
 def _mistral(tiny):
     mistral = _config_class("MistralConfig", "Mistral (needs >= 4.34)")
     return mistral(**tiny, num_hidden_layers=2, sliding_window=WINDOW)
@@ -175,6 +185,8 @@ ZOO: dict[str, ZooModel] = {
                  _qwen2, in_all=False),
         ZooModel("gemma2-hybrid", f"Gemma2 text, 4 layers alternating sliding (window {WINDOW}) and global; named only",
                  _hybrid("Gemma2Config", "Gemma2 (needs >= 4.42)"), in_all=False),
+        ZooModel("llama-yarn", "Llama, 2 layers, YaRN RoPE (factor 4 over 128 original positions); named only",
+                 _llama_yarn, in_all=False),
     )
 }
 

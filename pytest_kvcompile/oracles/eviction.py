@@ -18,7 +18,8 @@ The step (every policy, oracle and engine alike). Each forward -- the whole prom
 then lower position (deterministic ties); empty slots (position -1) last.
 
 Positions. Entries keep their original positions (keys are cached after RoPE and never re-rotated),
-except under ``streaming_llm(..., positions="shifted")``, StreamingLLM's pos-shift: arXiv:2309.17453
+except under ``streaming_llm(..., positions="shifted")`` (and ``streaming_llm_prefill(..., positions="shifted")``,
+kvpress's KeyRerotationPress), StreamingLLM's pos-shift: arXiv:2309.17453
 section 3.2, "StreamingLLM focuses on positions within the cache rather than those in the original text"
 (cache [0, 1, 2, 3, 6, 7, 8] decoding token 9 uses positions 0..7); mit-han-lab/streaming-llm
 ``enable_streaming_llm`` -> ``pos_shift/modify_llama.py`` ``llama_pos_shift_attention_forward`` caches keys
@@ -66,7 +67,8 @@ The prefill step is the one above (full causal attention over the prompt, then e
 budget derived from the prompt length n: ``n_kept = max(1, int(n * (1 - compression_ratio)))``
 (Python float arithmetic, integer truncation: kvpress's ``compute_n_kept``; ``compression_ratio``
 in [0, 1); 0 keeps everything). Decode queries see the kept prompt entries and every generated
-token. Keys keep their positions (no re-rotation; decode continues at position n). kvpress
+token. Keys keep their positions (no re-rotation; decode continues at position n; but see
+``streaming_llm_prefill``'s ``positions``). kvpress
 stores the kept entries in ``topk`` order; attention does not depend on the order, so we
 compare sets. Where kvpress ranks several entries equal at the cut, ``topk`` picks among them in
 an unspecified order; we take the lower positions (`order`).
@@ -75,6 +77,13 @@ an unspecified order; we take the lower positions (`order`).
   Protected: positions ``< n_sink``; the others by recency. So n_kept >= n_sink keeps the first
   n_sink and the last n_kept - n_sink positions; n_kept < n_sink keeps positions < n_kept
   (kvpress: n_kept of its n_sink tied sinks). kvpress asserts n > n_sink.
+  ``positions``: ``"original"`` (default) or ``"shifted"``: kvpress's ``KeyRerotationPress`` around the
+  press, whose kept keys are re-rotated to their rank 0..n_kept-1 among the kept ones and whose pipeline
+  (``KVPressTextGenerationPipeline``: ``context_length = cache.get_seq_length()`` for a KeyRerotationPress)
+  then decodes at positions n_kept, n_kept + 1, ...: exactly pos-shift's rank rule (module docstring,
+  "Positions") applied to the candidates left after the one compression. Re-rotation is a pure rotation by
+  rank - p (``_shift``): a RoPE variant's attention factor (YaRN's mscale) stays as the model's RoPE put it
+  (kvpress <= 0.2.6 un-rotated with the scaled (cos, -sin) and was off by factor^2: kvpress PR #85).
 - ``snapkv_prefill(compression_ratio, window_size, kernel_size)``: ``SnapKVPress`` (Li et al. 2024,
   arXiv:2404.14469). Per KV head. Protected: the observation window, the last ``window_size``
   positions. Score of a position p < n - window_size: the softmax weights (over all n keys,
@@ -242,6 +251,7 @@ class PrefillPolicy(Policy):
 class StreamingLLMPrefill(PrefillPolicy):
     kind: ClassVar[str] = "streaming_llm_prefill"
     n_sink: int
+    positions: str = "original"  # or "shifted": kvpress KeyRerotationPress (module docstring)
 
     def protected(self, pos, newest):
         return (pos >= 0) & (pos < self.n_sink)
@@ -529,6 +539,12 @@ class EvictionOracle:
                          else rotary.inv_freq for i, kind in enumerate(types)}  # per layer type (Gemma) or one
         once = " (once, after prefill)" if self.policy.prefill_only else ""
         self.source = f"transformers eager {arch}, all keys kept, evicted ones masked by {self.policy.strategy}{once}"
+        factor = float(getattr(rotary, "attention_scaling", 1.0)) if self.rope is not None else 1.0
+        if factor != 1.0:  # YaRN & co.: re-rotating through the scaled cos/sin, not a pure rotation, is off by factor^2
+            kind = getattr(rotary, "rope_type", "scaled")
+            self.source += (f"; keys re-rotated to their rank by a pure rotation, keeping {kind} RoPE's attention "
+                            f"factor {factor:.4f} once (a re-rotation through the scaled cos/sin gives "
+                            f"{factor ** 2:.4f}x keys)")
         self.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE["float32"]
         self._memo: dict[tuple[tuple[int, ...], int], tuple[Reference, _Masks]] = {}
         self._forced: dict[tuple, Forced] = {}
