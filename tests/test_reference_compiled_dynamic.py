@@ -14,7 +14,7 @@ import itertools  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, Qwen2Config  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaConfig, PhiConfig  # noqa: E402
 
 from conftest import assert_matches_oracle  # noqa: E402
 from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
@@ -83,10 +83,10 @@ def test_factory_signature_and_declaration():
 
 
 def test_unsupported_model_type_is_a_clear_error(tmp_path):
-    config = Qwen2Config(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
+    config = PhiConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
     with pytest.raises(UnsupportedModel,
-                       match="does not support model_type .qwen2.*supported: llama, mistral, gemma3_text"):
-        CompiledDynamicCache(ModelSpec("qwen2", tmp_path, config))
+                       match="does not support model_type .phi.*supported: llama, mistral, qwen2, gemma3_text"):
+        CompiledDynamicCache(ModelSpec("phi", tmp_path, config))
     assert issubclass(UnsupportedModel, ModelNotSupported)  # the plugin skips the model, naming the reason
 
 
