@@ -60,14 +60,13 @@ class HFEagerOracle:
 
         cache = dynamic_cache(self.model.config) if per_layer_cache() else None
         sequence, tokens, rows = list(prompt), [], []
-        inputs = sequence
         for step in range(steps):
-            ids = torch.tensor([inputs if cache is not None else sequence], device=self.spec.device)
+            fed = sequence if cache is None or step == 0 else sequence[-1:]  # no cache: the whole sequence again
+            ids = torch.tensor([fed], device=self.spec.device)
             logits = self.model(input_ids=ids, past_key_values=cache, use_cache=cache is not None).logits[0, -1]
             rows.append(logits.float().cpu())
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
             sequence.append(tokens[-1])
-            inputs = [tokens[-1]]
         return tuple(tokens), torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
 
 
