@@ -1,11 +1,11 @@
 """pytest-kvcompile: check that a KV-cache + compile engine is right and stays fast.
 
-Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`, `KVLayout`,
-`Bounds`), the token
+Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`, `KVLayout`, `Bounds`), the token
 oracle's assertion (`check_tokens`; `assert_tokens_match` is its deprecated spelling), typed verdicts (`Where`,
-`Failure`, `Kind`) and the compile recorder (`CompileRecorder`, `expect_no_recompiles`). Each name loads its module
-on first use (PEP 562): importing the package, as pytest does through the entry point, imports neither torch nor
-transformers.
+`Failure`, `Kind`), the compile recorder (`CompileRecorder`, `expect_no_recompiles`), and for adapters that call a
+transformers model, its cache keyword in the installed release (`with_cache`, `returned_cache`). Each name loads
+its module on first use (PEP 562): importing the package, as pytest does through the entry point, imports neither
+torch nor transformers.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ _PUBLIC = {  # name -> module that defines it
                      "Strategy"],
                     "pytest_kvcompile.contract.engine"),
     **dict.fromkeys(["cache_tensors", "held_bytes"], "pytest_kvcompile.memory.measure"),
+    **dict.fromkeys(["returned_cache", "with_cache"], "pytest_kvcompile.models.checkpoints"),
     "HFEagerOracle": "pytest_kvcompile.oracles.hf",
     "Reference": "pytest_kvcompile.oracles.reference",
     "DEFAULT_TIE_TOLERANCE": "pytest_kvcompile.config.tolerances",

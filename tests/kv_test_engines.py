@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from pytest_kvcompile import Declaration
-from pytest_kvcompile.models.checkpoints import pretrained
+from pytest_kvcompile.models.checkpoints import pretrained, with_cache
 
 
 class Greedy:
@@ -31,7 +31,7 @@ class Greedy:
         cache = cache if cache is not None else DynamicCache(config=self.model.config)
         inputs, tokens, rows = torch.tensor([prompt]), [], []
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits[0, -1]
             rows.append(logits)
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
             inputs = torch.tensor([[tokens[-1]]])
@@ -75,7 +75,7 @@ class PaddingBug(Greedy):
         inputs = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
         cache, out = DynamicCache(config=self.model.config), [[] for _ in prompts]
         for _ in range(max_new_tokens):
-            nxt = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[:, -1].argmax(-1)
+            nxt = self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits[:, -1].argmax(-1)
             for row, tok in zip(out, nxt.tolist()):
                 row.append(tok)
             inputs = nxt[:, None]
@@ -142,7 +142,7 @@ class CompiledGreedy(Greedy):
     def _run(self, prompt, steps, forced, cache=None):
         cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
         for step in range(steps):
-            logits = self.last(self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits)[0]
+            logits = self.last(self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits)[0]
             rows.append(logits)
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
             inputs = torch.tensor([[tokens[-1]]])

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from kv_test_engines import CompiledGreedy
 from kv_test_engines_precision import LeftPaddedBatched
 from pytest_kvcompile import Declaration
+from pytest_kvcompile.models.checkpoints import with_cache
 
 
 class PaddingKeptPerBatchSize(LeftPaddedBatched):
@@ -32,7 +33,7 @@ class PaddingKeptPerBatchSize(LeftPaddedBatched):
         for _ in range(steps):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -inputs.size(1):]
             nxt = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions,
-                             past_key_values=cache).logits[:, -1].argmax(-1)
+                             **with_cache(cache)).logits[:, -1].argmax(-1)
             for row, token in zip(out, nxt.tolist()):
                 row.append(token)
             inputs, mask = nxt[:, None], torch.cat((mask, torch.ones(len(prompts), 1, dtype=mask.dtype)), dim=1)
@@ -78,7 +79,7 @@ class RecompilesPastWarmupSteps(CompiledGreedy):
         room = torch.zeros(-(-steps // 32) * 32, 1)
         cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits
+            logits = self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits
             logits = (self.decode(logits, room) if step else logits[:, -1])[0]
             rows.append(logits)
             tokens.append(int(logits.argmax()) if forced is None else forced[step])

@@ -9,6 +9,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kv_test_engines import Greedy
 from pytest_kvcompile import Declaration
+from pytest_kvcompile.models.checkpoints import with_cache
 
 
 # --- correct engines ----------------------------------------------------------------------------------------------
@@ -21,11 +22,11 @@ class ChunkedPrefill(Greedy):
     def _run(self, prompt, steps, forced, cache=None):
         cache, tokens, rows = DynamicCache(config=self.model.config), [], []
         for start in range(0, len(prompt), 5):
-            logits = self.model(input_ids=torch.tensor([prompt[start:start + 5]]), past_key_values=cache).logits[0, -1]
+            logits = self.model(input_ids=torch.tensor([prompt[start:start + 5]]), **with_cache(cache)).logits[0, -1]
         for step in range(steps):
             rows.append(logits)
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
-            logits = self.model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache).logits[0, -1]
+            logits = self.model(input_ids=torch.tensor([[tokens[-1]]]), **with_cache(cache)).logits[0, -1]
         return tokens, torch.stack(rows)
 
 
@@ -50,7 +51,7 @@ class LeftPaddedBatched(Greedy):
         for step in range(steps):
             positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -inputs.size(1):]
             logits = self.model(input_ids=inputs, attention_mask=mask, position_ids=positions,
-                                past_key_values=cache).logits[:, -1]
+                                **with_cache(cache)).logits[:, -1]
             rows.append(logits)
             nxt = logits.argmax(-1) if forced is None else torch.full((len(prompts),), forced[step])
             for row, token in zip(out, nxt.tolist()):
@@ -70,7 +71,7 @@ class Float8Cache(Greedy):
     def _run(self, prompt, steps, forced, cache=None):
         cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache).logits[0, -1]
+            logits = self.model(input_ids=inputs, **with_cache(cache)).logits[0, -1]
             for layer in cache.layers:
                 if getattr(layer, "keys", None) is not None and layer.keys.numel():
                     layer.keys = layer.keys.to(torch.float8_e4m3fn).to(layer.keys.dtype)

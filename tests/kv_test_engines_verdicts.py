@@ -7,6 +7,7 @@ from transformers import DynamicCache
 from kv_test_engines import CompiledGreedy, Greedy, SecondBest, StaleCache, _last_logits
 from kv_test_engines_memory import DynamicBytes
 from pytest_kvcompile import Bounds, Declaration, Strategy
+from pytest_kvcompile.models.checkpoints import with_cache
 
 
 # --- correct engines --------------------------------------------------------------------------------------------
@@ -34,7 +35,7 @@ class TinyNoise(Greedy):
         cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
         gen = torch.Generator().manual_seed(len(prompt))
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits[0, -1]
             logits = logits + 1e-6 * torch.randn(logits.shape, generator=gen, dtype=logits.dtype)
             rows.append(logits)
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
@@ -61,7 +62,7 @@ class FlipsAtEveryCloseCall(Greedy):
     def _run(self, prompt, steps, forced, cache=None):
         cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits[0, -1]
             rows.append(logits)
             top = logits.topk(2)
             close = float(top.values[0] - top.values[1]) < 5
@@ -172,7 +173,7 @@ class KeepsLast256(Greedy):
     def _run(self, prompt, steps, forced, cache=None):
         cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits[0, -1]
             for layer in cache.layers:
                 layer.keys, layer.values = layer.keys[:, :, -255:], layer.values[:, :, -255:]
             rows.append(logits)
@@ -227,7 +228,7 @@ class ContinuesPositions(Greedy):
         pos = self.offset
         for _ in range(steps):
             positions = torch.arange(pos, pos + inputs.size(1))[None]
-            logits = self.model(input_ids=inputs, past_key_values=cache, position_ids=positions).logits[0, -1]
+            logits = self.model(input_ids=inputs, **with_cache(cache), position_ids=positions).logits[0, -1]
             pos += inputs.size(1)
             tokens.append(int(logits.argmax()))
             inputs = torch.tensor([[tokens[-1]]])
@@ -248,7 +249,7 @@ class PadPositions(Greedy):
         cache, out = DynamicCache(config=self.model.config), [[] for _ in prompts]
         for step in range(max_new_tokens):
             positions = torch.arange(width + step - inputs.size(1), width + step)[None].expand(len(prompts), -1)
-            logits = self.model(input_ids=inputs, attention_mask=mask, past_key_values=cache,
+            logits = self.model(input_ids=inputs, attention_mask=mask, **with_cache(cache),
                                 position_ids=positions).logits[:, -1]
             nxt = logits.argmax(-1)
             for row, tok in zip(out, nxt.tolist()):
@@ -343,7 +344,7 @@ class MasksAnId(Greedy):
     def _run(self, prompt, steps, forced, cache=None):
         cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
         for step in range(steps):
-            logits = self.model(input_ids=inputs, past_key_values=cache, use_cache=True).logits[0, -1].clone()
+            logits = self.model(input_ids=inputs, **with_cache(cache), use_cache=True).logits[0, -1].clone()
             logits[MASKED] = -torch.inf
             rows.append(logits)
             tokens.append(int(logits.argmax()) if forced is None else forced[step])

@@ -26,6 +26,7 @@ import kv_test_engines_eviction as engines  # noqa: E402
 from conftest import run_suites  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy, declaration_of  # noqa: E402
 from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.models.checkpoints import with_cache
 from pytest_kvcompile.oracles.eviction import EvictionOracle  # noqa: E402
 from pytest_kvcompile.oracles.hf import HFEagerOracle, oracle_for  # noqa: E402
 from pytest_kvcompile.oracles.token_match import check_tokens  # noqa: E402
@@ -97,7 +98,7 @@ def eager_greedy(spec: ModelSpec, p: list[int]) -> tuple[tuple[int, ...], torch.
     cache, ids, tokens, rows = DynamicCache(config=model.config), torch.tensor([p]), [], []
     with torch.inference_mode():
         for _ in range(NEW):
-            rows.append(model(input_ids=ids, past_key_values=cache).logits[0, -1])
+            rows.append(model(input_ids=ids, **with_cache(cache)).logits[0, -1])
             tokens.append(int(rows[-1].argmax()))
             ids = torch.tensor([tokens[-1:]])
     return tuple(tokens), torch.stack(rows)
@@ -270,9 +271,9 @@ def test_kept_sets_after_prefill_match_kvpress(llama, name):
         ids = torch.tensor([p])
         full, pressed = DynamicCache(config=model.config), DynamicCache(config=model.config)
         with torch.no_grad():
-            model(ids, past_key_values=full)
+            model(ids, **with_cache(full))
             with getattr(kvpress, engine.press)(**params)(model):
-                model(ids, past_key_values=pressed)
+                model(ids, **with_cache(pressed))
         ours = oracle.kept(p, 1)  # the state right after prefill
         per_step = {"StreamingLLM": Strategy.of("streaming_llm", sinks=params.get("n_sink"),
                                                 recent=n_kept - params.get("n_sink", 0)),

@@ -11,6 +11,7 @@ from conftest import run_suites
 from pytest_kvcompile.contract.engine import KVLayout
 from pytest_kvcompile.memory.measure import cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
 from pytest_kvcompile.models import zoo
+from pytest_kvcompile.models.checkpoints import with_cache
 
 NEW_TOKENS = 5
 MAX_CACHE_LEN = 40
@@ -109,9 +110,9 @@ def _decode(model, cache, lengths: list[int]):
     mask = torch.tensor([[0] * (width - n) + [1] * n for n in lengths])
     ids = torch.randint(0, 256, mask.shape)
     for _ in range(NEW_TOKENS - 1):
-        ids = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        ids = model(input_ids=ids, attention_mask=mask, **with_cache(cache), use_cache=True).logits[:, -1:].argmax(-1)
         mask = torch.cat((mask, torch.ones_like(ids)), dim=1)
-    model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    model(input_ids=ids, attention_mask=mask, **with_cache(cache), use_cache=True)
 
 
 @pytest.mark.parametrize("lengths", [[3], [7, 1, 20, 9]], ids=str)  # T below the window; a padded batch above it

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, LlamaCo
 from conftest import assert_matches_oracle  # noqa: E402
 from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
 from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.models.checkpoints import with_cache
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.compiled_dynamic import CompiledDynamicCache  # noqa: E402
 from reference_impls.model import UnsupportedModel  # noqa: E402
@@ -52,7 +53,7 @@ def oracle(llama):
         if key not in memo:
             cache, ids, tokens, rows = DynamicCache(config=model.config), torch.tensor([prompt]), [], []
             for _ in range(n):
-                logits = model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = model(input_ids=ids, **with_cache(cache), use_cache=True).logits[0, -1]
                 rows.append(logits)
                 tokens.append(int(logits.argmax()))
                 ids = torch.tensor([[tokens[-1]]])

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, Gemma3T
 from conftest import assert_matches_oracle, run_suites  # noqa: E402
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, declaration_of  # noqa: E402
 from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.models.checkpoints import with_cache
 from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.compiled_dynamic import CompiledDynamicCache  # noqa: E402
 from reference_impls.model import UnsupportedModel  # noqa: E402
@@ -58,7 +59,7 @@ class EagerLoop:
         if key not in self.memo:
             cache, ids, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
             for _ in range(n):
-                logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0, -1]
+                logits = self.model(input_ids=ids, **with_cache(cache), use_cache=True).logits[0, -1]
                 rows.append(logits)
                 tokens.append(int(logits.argmax()))
                 ids = torch.tensor([[tokens[-1]]])

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from pytest_kvcompile.models import prompts, zoo
+from pytest_kvcompile.models.checkpoints import returned_cache, with_cache
 
 NAMES = list(zoo.ZOO)
 WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "qwen2-sw", "gemma2-hybrid"]
@@ -183,7 +184,7 @@ def test_attention_window_matches_eager_attention_weights(load, name):
     ids = torch.randint(0, 256, (1, length + 1), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         prefill = model(ids[:, :length], output_attentions=True, use_cache=True)
-        step = model(ids[:, length:], past_key_values=prefill.past_key_values, output_attentions=True)
+        step = model(ids[:, length:], **with_cache(returned_cache(prefill)), output_attentions=True)
     q, k = torch.arange(length)[:, None], torch.arange(length)[None, :]
     for i in range(config.num_hidden_layers):
         w = window if i in zoo.sliding_layers(config) else length + 1
@@ -225,7 +226,7 @@ def greedy(model, prompt, steps: int, shift: int = 0) -> tuple[list[int], torch.
     cache, ids, tokens, rows = DynamicCache(config=model.config), torch.tensor([prompt]), [], []
     for _ in range(steps):
         pos = torch.arange(ids.size(1))[None] + cache.get_seq_length() + shift
-        rows.append(model(input_ids=ids, position_ids=pos, past_key_values=cache, use_cache=True).logits[0, -1])
+        rows.append(model(input_ids=ids, position_ids=pos, **with_cache(cache), use_cache=True).logits[0, -1])
         tokens.append(int(rows[-1].argmax()))
         ids = torch.tensor([[tokens[-1]]])
     return tokens, torch.stack(rows)

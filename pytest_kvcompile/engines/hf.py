@@ -21,7 +21,7 @@ from transformers import GenerationConfig, LogitsProcessor
 
 from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
 from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
-from pytest_kvcompile.models.checkpoints import pretrained
+from pytest_kvcompile.models.checkpoints import pretrained, returned_cache, with_cache
 from pytest_kvcompile.recompiles.hooks import compile_on_every_device, forced_eager
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
@@ -92,7 +92,7 @@ class HFEager:
             logits_processor=[processor] if processor else None,
             **self._cache_kwargs(),
         )
-        self._kv_bytes = held_bytes(cache_tensors(out.past_key_values))
+        self._kv_bytes = held_bytes(cache_tensors(returned_cache(out)))
         return out.sequences[:, longest:].tolist()
 
 
@@ -176,7 +176,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
             self.cache = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
         else:
             self.cache.reset()
-        return {"past_key_values": self.cache}
+        return with_cache(self.cache)
 
     def _generate(self, prompts, max_new_tokens, processor=None):
         needed = max((len(p) for p in prompts), default=0) + max_new_tokens

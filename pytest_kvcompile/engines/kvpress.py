@@ -46,6 +46,7 @@ from pytest_kvcompile.contract.engine import (
     declaration_of,
 )
 from pytest_kvcompile.engines.recipe import Recipe
+from pytest_kvcompile.models.checkpoints import with_cache
 
 RECIPE = Recipe(packages=("kvpress==0.5.5",),
                  note="kvpress 0.5.5 pins transformers<5.3 (resolves to 5.2.0; on 5.23 its presses fail with "
@@ -116,7 +117,7 @@ class KVPress:
         tokens = []
         with contextlib.ExitStack() as pressed:
             pressed.enter_context(self.press_object(self.model))
-            logits = self.model(input_ids=torch.tensor([list(prompt)], device=device), past_key_values=self.cache,
+            logits = self.model(input_ids=torch.tensor([list(prompt)], device=device), **with_cache(self.cache),
                                 logits_to_keep=1).logits[0, -1]
             if not self.press_in_decode:
                 pressed.close()  # the press's hooks come off: decoding runs over the compressed cache as it is
@@ -129,7 +130,7 @@ class KVPress:
                 tokens.append(forced[step] if forced else int(logits.argmax()))
                 if step + 1 < steps:
                     logits = self.model(input_ids=torch.tensor([[tokens[-1]]], device=device),
-                                        past_key_values=self.cache,
+                                        **with_cache(self.cache),
                                         position_ids=torch.tensor([[start + step]], device=device)).logits[0, -1]
         return tokens
 

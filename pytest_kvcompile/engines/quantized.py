@@ -5,7 +5,7 @@ int4) and ``hf-quantized-hqq-int8`` (HQQ, int8). The quantization backend is imp
 
 Rules:
 
-- ``generate()`` with ``past_key_values=QuantizedCache(backend, config, nbits=4, residual_length=RESIDUAL)``, a new
+- ``generate()`` with the cache ``QuantizedCache(backend, config, nbits=4, residual_length=RESIDUAL)``, a new
   cache per call, otherwise what ``hf-eager`` does (engines/hf.py). transformers' defaults are kept (axis 0, groups of
   64) except the residual window: RESIDUAL = 16 positions instead of 128, so the suite's prompts (1 to 266 tokens)
   cross it and the quantized store is read, not only the full-precision window. (Prefill is quantized at once either
@@ -25,6 +25,7 @@ from __future__ import annotations
 from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec
 from pytest_kvcompile.engines.hf import HFEager
 from pytest_kvcompile.engines.recipe import Recipe
+from pytest_kvcompile.models.checkpoints import with_cache
 from pytest_kvcompile.models.zoo import sliding_layers
 
 RESIDUAL = 16  # positions QuantizedCache keeps in the model's dtype before quantizing them (transformers: 128)
@@ -65,8 +66,7 @@ class QuantizedQuanto(HFEager):
     def _cache_kwargs(self) -> dict:
         from transformers import QuantizedCache
 
-        return {"past_key_values": QuantizedCache(self.backend, self.model.config, nbits=self.nbits,
-                                                  residual_length=RESIDUAL)}
+        return with_cache(QuantizedCache(self.backend, self.model.config, nbits=self.nbits, residual_length=RESIDUAL))
 
 
 class QuantizedHQQ(QuantizedQuanto):

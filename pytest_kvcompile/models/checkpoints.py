@@ -6,6 +6,7 @@ window; zoo weights are built on first use and cached on disk (see ``zoo``).
 
 from __future__ import annotations
 
+import functools
 import json
 import types
 from dataclasses import dataclass
@@ -20,11 +21,31 @@ from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
 
 
+@functools.cache
 def transformers_version() -> tuple[int, int]:
     import transformers
 
     major, minor = transformers.__version__.split(".")[:2]
     return int(major), int(minor)
+
+
+def cache_keyword() -> str:
+    """The keyword that hands a ``Cache`` to a transformers ``forward()``/``generate()``, and the output field that
+    returns it: ``cache`` from 5.24 (there ``past_key_values`` is deprecated: removed in 5.40 for ``forward()``, 6.0
+    for ``generate()``), ``past_key_values`` before. Every call the plugin makes into transformers goes through
+    `with_cache`/`returned_cache`, so the spelling is chosen here only."""
+    return "cache" if transformers_version() >= (5, 24) else "past_key_values"
+
+
+def with_cache(cache: Any) -> dict[str, Any]:
+    """The keyword argument passing `cache` (a ``Cache``, or None) to a transformers model: ``model(ids,
+    **with_cache(cache))``."""
+    return {cache_keyword(): cache}
+
+
+def returned_cache(output: Any) -> Any:
+    """The ``Cache`` a transformers model output or ``generate()`` result carries (under `cache_keyword`)."""
+    return getattr(output, cache_keyword())
 
 
 def pretrained(path: Path | str, dtype: torch.dtype, **kwargs: Any):

@@ -127,6 +127,7 @@ import torch
 import torch.nn.functional as F
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
+from pytest_kvcompile.models.checkpoints import with_cache
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
 from pytest_kvcompile.oracles.precision import NOISE_FACTOR, load_lm
 from pytest_kvcompile.oracles.reference import Reference
@@ -575,7 +576,7 @@ class EvictionOracle:
         """Feed `inputs` (token ids) to the branch: the last position's logits, fp32 on CPU."""
         branch.masks.ties = []
         ids = torch.tensor([list(inputs)], device=self.spec.device)
-        logits = self.model(input_ids=ids, past_key_values=branch.cache, use_cache=True, eviction=branch.masks)
+        logits = self.model(input_ids=ids, **with_cache(branch.cache), use_cache=True, eviction=branch.masks)
         return logits.logits[0, -1].float().cpu()
 
     @torch.inference_mode()

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy
+from pytest_kvcompile.models.checkpoints import with_cache
 from pytest_kvcompile.oracles.eviction import POLICIES, EvictionOracle, policy_for
 from pytest_kvcompile.oracles.precision import load_lm
 from pytest_kvcompile.oracles.reference import Reference
@@ -63,7 +64,7 @@ class HFEagerOracle:
         for step in range(steps):
             fed = sequence if cache is None or step == 0 else sequence[-1:]  # no cache: the whole sequence again
             ids = torch.tensor([fed], device=self.spec.device)
-            logits = self.model(input_ids=ids, past_key_values=cache, use_cache=cache is not None).logits[0, -1]
+            logits = self.model(input_ids=ids, **with_cache(cache), use_cache=cache is not None).logits[0, -1]
             rows.append(logits.float().cpu())
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
             sequence.append(tokens[-1])

@@ -47,6 +47,7 @@ import torch
 
 from pytest_kvcompile.config.tolerances import FALSE_ALARM, binomial_tail
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
+from pytest_kvcompile.models.checkpoints import with_cache
 
 REDUCED = ("bfloat16", "float16")  # dtypes judged by this module's rule
 NOISE_FACTOR = 1.5
@@ -123,10 +124,10 @@ class Computations:
             return self._whole(model, [t for chunk in prefill for t in chunk], tokens)
         cache, rows = dynamic_cache(model.config), []
         for chunk in prefill:
-            logits = model(input_ids=self._ids(chunk), past_key_values=cache, use_cache=True).logits[0, -1]
+            logits = model(input_ids=self._ids(chunk), **with_cache(cache), use_cache=True).logits[0, -1]
         rows.append(logits)
         for token in tokens[:-1]:
-            rows.append(model(input_ids=self._ids([token]), past_key_values=cache, use_cache=True).logits[0, -1])
+            rows.append(model(input_ids=self._ids([token]), **with_cache(cache), use_cache=True).logits[0, -1])
         return torch.stack(rows)
 
     def _whole(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -186,7 +187,7 @@ class KVComputation:
         rows = []
         for token in [None, *tokens[:-1]]:
             step = ids if token is None else [token]
-            rows.append(self.model(input_ids=torch.tensor([step], device=self.spec.device), past_key_values=cache,
+            rows.append(self.model(input_ids=torch.tensor([step], device=self.spec.device), **with_cache(cache),
                                    use_cache=True).logits[0, -1])
         return torch.stack(rows)[None].double().cpu()
 

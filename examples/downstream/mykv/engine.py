@@ -4,7 +4,7 @@ transformers model). One prompt per call: it declares no batching, so the suites
 from __future__ import annotations
 
 import torch
-from pytest_kvcompile import Declaration, KVLayout, ModelSpec, cache_tensors, held_bytes
+from pytest_kvcompile import Declaration, KVLayout, ModelSpec, cache_tensors, held_bytes, with_cache
 from transformers import AutoModelForCausalLM, StaticCache
 
 MAX_CACHE_LEN = 512
@@ -22,7 +22,8 @@ class StaticDecode:
         self.decode_step = torch.compile(self._step, backend=compile_backend, dynamic=False)
 
     def _step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        out = self.model(input_ids=token, past_key_values=self.cache, cache_position=position, use_cache=True)
+        # with_cache: `cache=` on transformers >= 5.24, `past_key_values=` before (the installed release's spelling)
+        out = self.model(input_ids=token, **with_cache(self.cache), cache_position=position, use_cache=True)
         return out.logits[:, -1]
 
     @torch.inference_mode()
