@@ -10,8 +10,9 @@ diagnosis, '+'-joined: ``sdpa`` (as shipped), ``explicit`` (matmul + float32 sof
 ``pad2`` (prompts padded to >= 2 columns with torch._check, so an unbacked width is never 1).
 
 Made for docs/gpu-results.md's finding 3 (the reference engines guard ``Eq(u0, 1)`` inside SDPA in 16-bit on CUDA,
-torch 2.11) and finding 2 (``KeyError: 'unbacked_bindings'`` lowering the eviction prefill); .ci/gpu-session runs
-the cases side by side. DIAG_DEVICE=cpu runs the same on the CPU (a quick check that a case is well formed).
+torch 2.11) and finding 2 (``KeyError: 'unbacked_bindings'`` lowering the eviction prefill); issue 30's GPU session
+ran 20 cases side by side (both fixed since: .ci/gpu-session now runs the suites of every reference engine
+instead). DIAG_DEVICE=cpu runs the same on the CPU (a quick check that a case is well formed).
 """
 import os
 import sys

@@ -1,6 +1,8 @@
-"""The measured table of docs/precision.md: per zoo model and 16-bit dtype, the noise the rule measured
-(pytest_kvcompile/oracles/precision.py), the tolerance and budgets it derived, and the near-tie rate of correct
-engines run through the suites' token checks (their JSON report: near-tie tokens / verified tokens).
+"""The measured tables of docs/precision.md: per zoo model and 16-bit dtype, the noise the rule measured
+(pytest_kvcompile/oracles/precision.py), the tolerance and budgets it derived, the near-tie rate of correct
+engines run through the suites' token checks (their JSON report: near-tie tokens / verified tokens), and the power
+table (issue 44): positions verified per engine, the measured flip rate, the chance a 5x engine fails there
+(verdicts/rows.py: RunRate), and the score() rate beside the computations'.
 
     python benchmarks/precision_table.py --md precision-table.md          # hf-eager + reference engines, ~15 min
     python benchmarks/precision_table.py --engines hf-eager --dtypes bfloat16 --models llama
@@ -26,7 +28,7 @@ ROOT = HERE.parent
 ENGINES = ("hf-eager", "ref-compiled-dynamic", "ref-static", "ref-sliding-window", "ref-kv-shared", "ref-streaming-llm",
            "ref-h2o", "ref-tova")
 MODELS = ("llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos")
-CHECKS = "token_identity or batch_consistency or stale_state or determinism or shared_prefixes"
+CHECKS = "token_identity or batch_consistency or stale_state or determinism or shared_prefixes or near_tie_rate"
 
 
 def run(engine: str, dtype: str, models: list[str], backend: str, out: Path) -> dict:
@@ -70,8 +72,34 @@ def markdown(runs: list[dict]) -> str:
                   "|---|---|---|---:|---:|---:|---:|---:|"]
         lines += [f"| {model} | {dtype} | `{policy}` | {n['cuts']} | {n['scale']:.3g} | {n['max_error']:.3g} | "
                   f"{n['tolerance']:.3g} | {n['flips']} |" for (model, dtype, policy), n in sorted(evictions.items())]
+    lines += ["", *power_table(runs)]
     verdicts = [f"- `{r['engine']}` {r['dtype']}: exit {r['exit']}, {r['summary']}" for r in runs]
     return "\n".join(lines + ["", *verdicts]) + "\n"
+
+
+def power_table(runs: list[dict]) -> list[str]:
+    """Per model, dtype and engine: the run-level rates (RunRate) over the positions its run verified."""
+    from pytest_kvcompile.verdicts.failures import Kind
+    from pytest_kvcompile.verdicts.rows import run_rates
+
+    lines = ["| model | dtype | calibration: positions, flips | flip rate (bound) | positions the check adds | engine "
+             "| positions verified | its near-tie rate, p | a 5x engine fails | score() beyond the noise: engine vs "
+             "computations (bound), p |",
+             "|---|---|---:|---:|---:|---|---:|---:|---:|---|"]
+    found = sorted(((row["dtype"], row["model"], row["engine"]), row) for r in runs for row in r["rows"]
+                   if row.get("noise") and not row["noise"].get("kv_dtype"))
+    for (dtype, model, engine), row in found:
+        n = row["noise"]
+        rates = {rate.kind: rate for rate in run_rates(row)}
+        ties, scored = rates.get(Kind.RUN_DRIFT), rates.get(Kind.LOGIT_DRIFT)
+        if ties is None or not ties.positions:
+            continue
+        logits = (f"{scored.rate:.1%} vs {scored.measured:.1%} ({scored.bound:.1%}), p = {scored.p_value:.2g}"
+                  if scored and scored.positions else "- (no score())")
+        lines.append(f"| {model} | {dtype} | {n['positions']}, {n['flips']} | {n['flip_rate']:.2%} "
+                     f"({n['flip_rate_bound']:.2%}) | {n.get('positions_needed', '-')} | {engine} | {ties.positions} | "
+                     f"{ties.rate:.2%}, p = {ties.p_value:.2g} | {ties.power:.0%} | {logits} |")
+    return lines
 
 
 def _budget(n: dict) -> int:

@@ -14,8 +14,8 @@ from pytest_kvcompile.contract.engine import ModelSpec
 
 class Engine:
     """Greedy generation over `_prefill(prompts) -> (last logits [b, vocab], state)` and
-    `_decode(tokens [b], state) -> (logits, state)`; `state.cache` is the per-layer K/V tensors (the last
-    generate's stay in `self.cache`, for `kv_cache_bytes`)."""
+    `_decode(tokens [b], state) -> (logits, state)`, then `_finish(state)`; `state.cache` is the per-layer K/V tensors
+    (the last generate's stay in `self.cache`, for `kv_cache_bytes`)."""
 
     spec: ModelSpec
     cache: list
@@ -31,6 +31,7 @@ class Engine:
             logits, state = self._decode(out[-1], state)
             out.append(logits.argmax(-1))
         self.cache = state.cache
+        self._finish(state)
         return torch.stack(out, dim=1).tolist()
 
     @torch.inference_mode()
@@ -43,7 +44,11 @@ class Engine:
         for token in continuation[:-1]:
             logits, state = self._decode(torch.tensor([token], device=self.spec.device), state)
             rows.append(logits[0])
+        self._finish(state)
         return torch.stack(rows)
+
+    def _finish(self, state) -> None:
+        """A call's last step is done (generate or score): an engine keeping state across calls settles it here."""
 
     def kv_cache_bytes(self) -> int:
         """Bytes of the K/V tensors the last generate left."""

@@ -164,10 +164,11 @@ class Gemma4(Decoder):
         proj = self.model.per_layer_model_projection(x) * self.config.hidden_size**-0.5
         return (self.model.per_layer_projection_norm(proj.view(*tokens.shape, n, p)) + emb) * 2**-0.5
 
-    def run(self, tokens, pos, masks, cache):
+    def run(self, tokens, pos, masks, cache, every: bool = False):
         """`Decoder.run` with per-layer inputs and KV sharing: the non-shared layers write `cache`, the shared ones
         read their source's. With `skip_shared_prefill`, the shared layers run on the last position only (the
-        prefill skip: their other positions feed nothing)."""
+        prefill skip: their other positions feed nothing); it and `every` (logits of every position) exclude each
+        other."""
         t = tokens.size(1)
         x = self.model.embed_tokens(tokens)
         x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
@@ -179,5 +180,6 @@ class Gemma4(Decoder):
                 rope = {k: (c.narrow(1, t - 1, 1), s.narrow(1, t - 1, 1)) for k, (c, s) in rope.items()}
                 masks = {k: m.narrow(2, t - 1, 1) for k, m in masks.items()}
             x = layer(x, ple[:, :, i], rope[kind], masks[kind], cache, i, self.kv_sources.get(i))
-        x = self.model.norm(x.narrow(1, x.size(1) - 1, 1))
-        return softcap(self.lm_head(x), self.config.final_logit_softcapping)[:, 0]
+        x = self.model.norm(x if every else x.narrow(1, x.size(1) - 1, 1))
+        logits = softcap(self.lm_head(x), self.config.final_logit_softcapping)
+        return logits if every else logits[:, 0]

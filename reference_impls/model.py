@@ -128,6 +128,7 @@ class KVCache:
     """
 
     keys_rotated = True
+    past = None  # `GrowingCache`'s earlier K/V (gpt2.py copies its views of the prefill's K/V into a fresh cache)
 
     def update(self, layer: int, k, v):
         raise NotImplementedError
@@ -253,8 +254,9 @@ class Decoder(nn.Module):
         """Layer type -> RoPE (cos, sin) [b, t, 1, d] at positions pos [b, t]."""
         return {kind: rope_cos_sin(pos[:, :, None], rope, dtype) for kind, rope in self.rope.items()}
 
-    def run(self, tokens, pos, masks, cache: KVCache):
-        """Logits [b, vocab] of the last of tokens [b, t], at positions pos [b, t] (RoPE; GPT-2: wpe).
+    def run(self, tokens, pos, masks, cache: KVCache, every: bool = False):
+        """Logits [b, vocab] of the last of tokens [b, t], at positions pos [b, t] (RoPE; GPT-2: wpe); `every`:
+        logits [b, t, vocab] of every position (a speculative verify step, reference_impls/speculative.py).
 
         masks: layer type -> [b, 1, t, n] bool (`attention_mask`) over the n keys `cache.update` returns.
         """
@@ -262,15 +264,16 @@ class Decoder(nn.Module):
         rope = self.rotary(pos, x.dtype) if cache.keys_rotated else {}
         for i, (layer, kind) in enumerate(zip(self.layers, self.layer_types)):
             x = layer(x, rope.get(kind), masks[kind], cache, i)
-        return self.head(x.narrow(1, x.size(1) - 1, 1))[:, 0]
+        return self.head(x) if every else self.head(x.narrow(1, x.size(1) - 1, 1))[:, 0]
 
     def masks(self, q_pos, k_pos, k_real):
         """Layer type -> `attention_mask` (the window applies to sliding layers only)."""
         return {kind: attention_mask(q_pos, k_pos, k_real, self.window if kind == SLIDING else None)
                 for kind in sorted(set(self.layer_types))}
 
-    def forward(self, tokens, valid, cache=None):
-        """Logits [batch, vocab] for the last position, and the grown cache (`GrowingCache`).
+    def forward(self, tokens, valid, cache=None, every: bool = False):
+        """Logits [batch, vocab] for the last position (`every`: [batch, t, vocab], every position), and the grown
+        cache (`GrowingCache`).
 
         tokens [b, t] are the new tokens; valid [b, n] marks real (non-pad) tokens over all n
         keys, the cache's n - t plus these t; cache is a list of per-layer (k, v) [b, n - t, kv_heads, d].
@@ -289,7 +292,7 @@ class Decoder(nn.Module):
         k_pos = valid.long().cumsum(-1) - 1
         q_pos = k_pos.narrow(1, n - t, t).clamp(min=0)
         grown = GrowingCache(cache)
-        return self.run(tokens, q_pos, self.masks(q_pos, k_pos, valid), grown), grown.layers
+        return self.run(tokens, q_pos, self.masks(q_pos, k_pos, valid), grown, every), grown.layers
 
 
 class Backbone(nn.Module):

@@ -11,7 +11,8 @@
 - An engine declaring ``kv_released`` (each call's cache dropped when ``generate()`` returns) holds at most
   HELD_SLACK besides its weights after a call: a cache still referenced (kept on the model, as transformers
   5.13-5.14's ``model._cache``, #47731) fails.
-- Calls of the same shapes with different prompts do not grow memory (a leak, a memo keyed by prompt)."""
+- Calls of the same shapes with different prompts do not grow memory (a leak, a memo keyed by prompt); a declared
+  ``PrefixCache`` grows up to its capacity and then stops, measured."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from functools import partial
 import pytest
 import torch
 
+from pytest_kvcompile.contract.engine import KVLayout
 from pytest_kvcompile.memory.measure import (
     expected_kv_bytes,
     format_bytes,
@@ -30,6 +32,7 @@ from pytest_kvcompile.models.prompts import variant
 from pytest_kvcompile.verdicts.failures import Kind, fail
 
 WARMUP_CALLS, REPEATS = 1, 3
+MAX_CALLS = 64  # calls to offer a declared PrefixCache more than its capacity
 HELD_FACTOR, HELD_SLACK = 1.5, 64 * 1024
 
 #: A declared KVLayout's footprint is computed from a transformers config (layers, KV heads, head_dim, windows).
@@ -203,18 +206,45 @@ def _describe(call, kv_engine) -> str:
     return f"generate(<{len(call)} prompt(s) of lengths {[len(p) for p in call]}>, {kv_engine.max_new_tokens})"
 
 
+def _prefix_bound(kv_engine) -> tuple[int, str]:
+    """What a declared PrefixCache may grow by in all: its capacity_bytes, else HELD_FACTOR x the K/V of its
+    capacity_tokens positions (+ HELD_SLACK), and how that was reached."""
+    declared, spec = kv_engine.ref.declaration.prefix_cache, kv_engine.spec
+    if declared.capacity_bytes is not None:
+        return declared.capacity_bytes, f"its declared capacity_bytes={declared.capacity_bytes:,}"
+    if isinstance(spec.config, OwnConfig):
+        pytest.skip(OWN_MODEL.format(spec.name).replace("a declared kv_layout", "declared capacity_tokens") +
+                    ": declare PrefixCache(capacity_bytes=...) too")
+    kv = expected_kv_bytes(KVLayout("dynamic", windowed=False), spec.config, kv_stored(kv_engine) or spec.dtype, 1,
+                           declared.capacity_tokens, 1 + 1).total
+    return (int(HELD_FACTOR * kv) + HELD_SLACK,
+            f"{HELD_FACTOR:g} x the K/V of its declared capacity_tokens={declared.capacity_tokens} "
+            f"({format_bytes(kv)}) + {format_bytes(HELD_SLACK)}")
+
+
 def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
     """A leak grows memory at every call; a one-off allocation (a lazily built buffer) grows once. Rule: after
     WARMUP_CALLS calls, a measure that grows at each of REPEATS more calls of the same shapes, each with other
     prompts (a memo keyed by prompt grows too), is a leak; kv_cache_bytes() must not change at all. Objects alive
     before the first call are frozen out of the census (gc.freeze()), which makes it cheap; tensors created since
-    are what can grow."""
+    are what can grow.
+
+    A declared `PrefixCache` grows by design: the calls go on until they have offered more positions than its
+    capacity_tokens (at most MAX_CALLS), and then it must stop growing (the REPEATS calls after that) and never hold
+    more than its capacity allows (`_prefix_bound`), kv_cache_bytes() included."""
     if not kv_engine.ref.declaration.kv_cache_bytes and kv_engine.held().weights == 0:
         pytest.skip(f"engine '{kv_engine.name}' holds no tensor visible from Python, not even its weights, and reports "
                     "no kv_cache_bytes(): its memory is native (a C/C++ runtime), which this census cannot see")
     base = _call(kv_engine, kv_prompts, kv_batch)
+    prefix = kv_engine.ref.declaration.prefix_cache
+    offered = sum(len(p) + kv_engine.max_new_tokens - 1 for p in base)  # positions one call writes
+    fill = -(-prefix.capacity_tokens // offered) if prefix else 0
+    if WARMUP_CALLS + fill + REPEATS > MAX_CALLS:
+        pytest.skip(f"engine '{kv_engine.name}' declares {prefix}: offering more than its capacity takes {fill} calls "
+                    f"of {offered} positions, more than {MAX_CALLS}: build the engine with a smaller cache for the "
+                    "suite")
     vocab = kv_engine.spec.vocab_size
-    calls = [[variant(p, vocab, salt=100 + i) for p in base] for i in range(WARMUP_CALLS + REPEATS)]
+    calls = [[variant(p, vocab, salt=100 + i) for p in base] for i in range(WARMUP_CALLS + fill + REPEATS)]
     call = base
     with kv_engine.tensor_census() as census:
         for call in calls[:WARMUP_CALLS]:
@@ -228,14 +258,24 @@ def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
     for measure in history[0]:
         values = [h[measure] for h in history]
         steps = [b - a for a, b in zip(values, values[1:])]
-        if all(s > 0 for s in steps) or (measure == "kv_cache_bytes()" and any(steps)):
+        if all(s > 0 for s in steps[-REPEATS:]) or (measure == "kv_cache_bytes()" and not prefix and any(steps)):
             problems.append(f"  {measure}: {format_bytes(values[0])} after {WARMUP_CALLS} warmup call(s), then "
-                            f"{', '.join(f'{s:+,} B' for s in steps)} per call")
+                            f"{', '.join(f'{s:+,} B' for s in steps[-REPEATS:])} per call"
+                            + (f" (the last {REPEATS} of {len(steps)}, after {fill * offered:,} positions offered)"
+                               if prefix else ""))
+    if prefix:
+        bound, why = _prefix_bound(kv_engine)
+        problems += [f"  {measure}: {format_bytes(peak)} at its peak, over the {format_bytes(bound)} it may hold "
+                     f"({why})" for measure in history[0] if (peak := max(h[measure] for h in history)) > bound]
     if problems:
+        what = (f"grows past its declared {prefix} over {len(calls)} calls {described}" if prefix else
+                f"memory grows over {REPEATS} repeated calls {described}")
         fail(
             Kind.MEMORY,
-            f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': memory grows over {REPEATS} repeated "
-            f"calls {described}\n" + "\n".join(problems) + "\n  hint: generate() keeps something per call "
-            "(caches or outputs appended to a list, a memo keyed by prompt, a cache never reset): keep only the last "
-            "call's cache",
+            f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': {what}\n" + "\n".join(problems) +
+            ("\n  hint: a bounded cache must evict once full (least recently used blocks, oldest prompts) and hold no "
+             "more than its capacity; or declare the capacity it really has" if prefix else
+             "\n  hint: generate() keeps something per call (caches or outputs appended to a list, a memo keyed by "
+             "prompt, a cache never reset): keep only the last call's cache; a prefix cache kept across calls on "
+             "purpose declares Declaration(prefix_cache=PrefixCache(capacity_tokens=N))"),
         )

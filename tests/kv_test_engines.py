@@ -183,6 +183,24 @@ class LazyInitCompiled(CompiledGreedy):
         self.last = lambda logits: compiled(logits, state)
 
 
+class ThreadSafeGreedy(Greedy):
+    """Correct and safe to call from several threads at once: every call has its own cache."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, thread_safe=True,
+                                 description="test engine: greedy loop, thread-safe")
+
+
+class SharedStateGreedy(ThreadSafeGreedy):
+    """Bug: declares thread_safe but keeps the call's prompts on the object, so a concurrent call answers another's."""
+
+    def generate(self, prompts, max_new_tokens):
+        import time
+
+        self.current = prompts
+        time.sleep(0.02)  # concurrent calls overwrite self.current here
+        return super().generate(self.current, max_new_tokens)
+
+
 class Unbatched(Greedy):
     """Correct, but declares nothing optional."""
 

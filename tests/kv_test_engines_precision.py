@@ -1,14 +1,19 @@
 """Engines for the 16-bit verdict rule (issue 23, pytest_kvcompile/oracles/precision.py), written against the public
 contract: correct engines that compute the model another way (they must pass in bfloat16 and float16 on every zoo
 model), engines whose bug lives in precision or head mapping (they must fail in both), and the rule's own twins, which
-take one token just inside / just outside what the rule allows."""
+take one token just inside / just outside what the rule allows. Issue 44: numerics one format coarser than the model
+(a KV cache, its values, RoPE angles, the softmax scale), which the run-level rates must catch, and score() rows
+drifting just inside / outside the dtype's typical noise without a token flipping."""
+
+import math
+import types
 
 import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from kv_test_engines import Greedy
-from pytest_kvcompile import Declaration
+from pytest_kvcompile import Declaration, ModelNotSupported
 from pytest_kvcompile.models.checkpoints import with_cache
 
 
@@ -61,25 +66,97 @@ class LeftPaddedBatched(Greedy):
 
 
 # --- bugs ---------------------------------------------------------------------------------------------------------
-class Float8Cache(Greedy):
+COARSER = {torch.float16: torch.bfloat16, torch.bfloat16: torch.float8_e4m3fn}  # one format coarser than the run's
+
+
+class _RoundedCache(Greedy):
+    """A greedy loop whose KV cache is rounded to `formats()` = (keys' format, values' format) after every step, while
+    the engine declares the run's dtype (a cache stored lower that nobody declared)."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, description="test engine: KV cache stored lower")
+
+    def formats(self):
+        return self.spec.dtype, self.spec.dtype
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        (key, value), inputs, tokens, rows = self.formats(), torch.tensor([prompt]), [], []
+        cache = DynamicCache(config=self.model.config)
+        for step in range(steps):
+            logits = self.model(input_ids=inputs, **with_cache(cache)).logits[0, -1]
+            for layer in cache.layers:
+                if getattr(layer, "keys", None) is not None and layer.keys.numel():
+                    layer.keys = layer.keys.to(key).to(layer.keys.dtype)
+                    layer.values = layer.values.to(value).to(layer.values.dtype)
+            rows.append(logits)
+            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            inputs = torch.tensor([[tokens[-1]]])
+        return tokens, torch.stack(rows)
+
+
+class Float8Cache(_RoundedCache):
     """Bug: the KV cache is kept in float8 (e4m3), rounded at every write, while the engine declares the run's dtype
     (a quantized cache nobody declared)."""
 
     kv_declaration = Declaration(batching=True, description="test engine: KV cache rounded to float8_e4m3fn")
 
-    @torch.inference_mode()
-    def _run(self, prompt, steps, forced, cache=None):
-        cache, inputs, tokens, rows = DynamicCache(config=self.model.config), torch.tensor([prompt]), [], []
-        for step in range(steps):
-            logits = self.model(input_ids=inputs, **with_cache(cache)).logits[0, -1]
-            for layer in cache.layers:
-                if getattr(layer, "keys", None) is not None and layer.keys.numel():
-                    layer.keys = layer.keys.to(torch.float8_e4m3fn).to(layer.keys.dtype)
-                    layer.values = layer.values.to(torch.float8_e4m3fn).to(layer.values.dtype)
-            rows.append(logits)
-            tokens.append(int(logits.argmax()) if forced is None else forced[step])
-            inputs = torch.tensor([[tokens[-1]]])
-        return tokens, torch.stack(rows)
+    def formats(self):
+        return torch.float8_e4m3fn, torch.float8_e4m3fn
+
+
+class CoarserKVCache(_RoundedCache):
+    """Bug: K and V kept one format coarser than the model (bfloat16 in a float16 run: three mantissa bits fewer;
+    float8 e4m3 in a bfloat16 run). Declares score(), like the correct Greedy loop it rounds."""
+
+    def formats(self):
+        return COARSER[self.spec.dtype], COARSER[self.spec.dtype]
+
+
+class CoarserValues(_RoundedCache):
+    """Bug: K kept in the model's dtype, V one format coarser (float16 K with bfloat16 V; bfloat16 K with float8 V)."""
+
+    def formats(self):
+        return self.spec.dtype, COARSER[self.spec.dtype]
+
+
+def _rope_in_model_dtype(module, x, position_ids, *args, **kwargs):
+    """A rotary embedding whose angles (position x inverse frequency) are computed in x's dtype, not float32."""
+    freqs = position_ids[..., None].to(x.dtype) * module.inv_freq.to(device=x.device, dtype=x.dtype)
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return (angles.cos() * module.attention_scaling).to(x.dtype), (angles.sin() * module.attention_scaling).to(x.dtype)
+
+
+class RopeAnglesInModelDtype(Greedy):
+    """Bug: RoPE angles computed in the model's dtype (8 or 11 significant bits: position 160 is off by up to 0.6 rad
+    in bfloat16, 0.08 in float16), not float32 as transformers does. Models with one rotary table (Llama, Mistral)."""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        tables = [m for m in self.model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+        if not tables or any(not hasattr(m, "inv_freq") for m in tables):
+            raise ModelNotSupported(f"test engine: no single RoPE table in model '{spec.name}'")
+        for table in tables:
+            table.forward = types.MethodType(_rope_in_model_dtype, table)
+
+
+def _scale_rounded(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    """SDPA whose softmax scale, folded with log2(e) as an exp2 softmax does, is held in float8 (e4m3)."""
+    folded = (module.scaling if scaling is None else scaling) * math.log2(math.e)
+    rounded = float(torch.tensor(folded).to(torch.float8_e4m3fn).float())
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=rounded / math.log2(math.e),
+                                  **kwargs)
+
+
+AttentionInterface.register("kv_test_scale_rounded", _scale_rounded)
+
+
+class AttentionScaleRounded(Greedy):
+    """Bug: the softmax scale folded with log2(e) (an exp2 softmax's constant) rounded to 8 bits: 1/sqrt(16) x log2(e)
+    = 0.3607 held as 0.375, 4% too large. (Rounded to the model's own dtype, the zoo's scale 1/sqrt(16) is exact.)"""
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.model.set_attn_implementation("kv_test_scale_rounded")
 
 
 def _tiled_heads(module, query, key, value, attention_mask, **kwargs):
@@ -152,3 +229,32 @@ class FlipJustOutside(_OneFlip):
     """Wrong by the rule: one token 105-130% of the allowed gap behind the best. Must FAIL (a mismatch)."""
 
     WINDOW = (1.05, 1.3)
+
+
+class _LogitsDrift(Greedy):
+    """The tokens of the correct Greedy loop; its logits (generate's and score()'s) moved at every EVERY-th step: the
+    best's seven runners-up lowered by DELTA (4x the computations' median error on llama, within the score()
+    tolerance), so no token flips and only the run's score() rate (verdicts/rows.py: RunRate) can tell."""
+
+    kv_declaration = Declaration(batching=True, scoring=True, description="test engine: logits drifting, no flip")
+    EVERY = 1
+    DELTA = {torch.float16: 0.1, torch.bfloat16: 0.6}  # llama: median error 0.024 / 0.155
+
+    def _run(self, prompt, steps, forced, cache=None):
+        tokens, rows = super()._run(prompt, steps, forced, cache)
+        rows = rows.clone()
+        for step in range(0, len(rows), self.EVERY):
+            rows[step, rows[step].topk(8).indices[1:]] -= self.DELTA[self.spec.dtype]
+        return tokens, rows
+
+
+class LogitsDriftJustInside(_LogitsDrift):
+    """Correct by the rule: one step in 16 moved (the run's score() rate stays within the dtype's computations')."""
+
+    EVERY = 16
+
+
+class LogitsDriftJustOutside(_LogitsDrift):
+    """Wrong by the rule: one step in 2 moved (its score() rate twice the computations'). No token flips."""
+
+    EVERY = 2

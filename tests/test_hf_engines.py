@@ -145,3 +145,5 @@ def test_assisted_equals_greedy_and_rejects_drafts(spec, greedy, monkeypatch):
     engine = HFAssisted(spec)
     assert engine.generate(PROMPTS[1:], 12) == [greedy(p, 12) for p in PROMPTS[1:]]
     assert any(accepted < proposed for accepted, proposed in rounds), rounds
+    # acceptance(), read from the target's forwards, is what transformers' candidate generator was told
+    assert [step for row in engine.acceptance() for step in row] == [(p, a) for a, p in rounds]

@@ -48,8 +48,9 @@ def test_unknown_engine_is_a_usage_error_listing_engines(kvtester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         "ERROR: unknown engine 'nope'. Available engines: ctranslate2, executorch, hf-assisted, "
-        "hf-continuous-batching, hf-dynamic-compile, hf-eager, hf-export, *kvpress-knorm, *litgpt, *llama-cpp, "
-        "*mistralrs, *onnxruntime, openvino, ref-compiled-dynamic*vllm, vllm-compile. "
+        "hf-continuous-batching, hf-continuous-batching-prefix-cache, hf-dynamic-compile, hf-eager, hf-export, "
+        "*kvpress-knorm, *litgpt, *llama-cpp, *llama-cpp-prompt-cache, *mistralrs, *onnxruntime, openvino, "
+        "ref-compiled-dynamic*vllm, vllm-compile, vllm-prefix-cache, vllm-server. "
         "Give a built-in name*"
         "import path 'package.module:attr'*--kv-list-engines*",
     ])

@@ -56,6 +56,8 @@ def test_calibration_measures_the_noise_of_equivalent_computations(llama_bf16):
     assert 0 < noise.max_near_ties(16) < 16 and noise.flip_rate <= noise.flip_rate_bound
     assert precision.Noise.from_dict(noise.to_dict()) == noise
     assert 0.05 < noise.scale < 2  # bfloat16 on the zoo's Llama: tenths of a logit (docs/precision.md)
+    assert noise.flips >= precision.MIN_FLIPS  # one block was enough to bound the rate (issue 44)
+    assert noise.logit_threshold == noise.median_error and 0.4 < noise.beyond_rate < 0.6  # about half, by definition
 
 
 def test_local_noise_is_the_error_on_the_judged_difference():

@@ -69,7 +69,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("oracles", "engines", "latency"),          # what is right; the built-in engines; timings
     ("run",),                                   # session, harness, isolation, fixtures, fuzzer
     ("reports",),                               # JSON/Markdown/HTML reports, baselines, the terminal table
-    ("check_engine", "cli", "__init__"),        # the commands and the package's public names
+    ("check_engine", "cli", "docs", "__init__"),  # the commands, the docs site's tables, the public names
     ("plugin",),                                # the pytest hooks: wires everything, imported by nothing
 ]
 LAYER_OF = {name: rank for rank, names in enumerate(LAYERS) for name in names}

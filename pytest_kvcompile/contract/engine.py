@@ -18,6 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from pytest_kvcompile.contract.speculative import Speculative
+
 #: Capability names, as they appear in skip reasons and in ``--kv-list-engines``.
 BATCHING = "batching"
 SCORING = "scoring"
@@ -170,6 +172,33 @@ class KVLayout:
         return held, bounds[0][1] if len(bounds) == 1 else f"min({', '.join(term for _, term in bounds)})"
 
 
+@dataclass(frozen=True)
+class PrefixCache:
+    """A KV cache kept across calls so that prompts sharing a prefix reuse it (vLLM's automatic prefix caching,
+    SGLang's radix cache, llama.cpp's prompt cache): it grows by design, up to a capacity, and is no leak.
+
+    - `capacity_tokens`: the positions it keeps at most, over all calls (required: a cache without a bound is a leak).
+      The suite offers more distinct prefixes than that, so it must evict (suites/test_prefix_cache.py), and the
+      memory check drives it past that capacity and holds it there (suites/test_kv_memory.py).
+    - `block_size`: positions per block where the cache shares whole blocks (vLLM: 16); the suite's prompt lengths
+      then land on k*B-1, k*B and k*B+1. None (a radix tree, a prompt cache): the suite sweeps 1, 16, 32 and 64.
+    - `capacity_bytes`: the bytes it may grow by at most (whatever tensors it keeps: K/V, logits, indexes); None: the
+      K/V of `capacity_tokens` positions of the model in its dtype, times the memory checks' HELD_FACTOR.
+    """
+
+    capacity_tokens: int
+    block_size: int | None = None
+    capacity_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("capacity_tokens", "block_size", "capacity_bytes"):
+            value = getattr(self, name)
+            if (value is not None or name == "capacity_tokens") and (type(value) is not int or value < 1):
+                raise ValueError(f"PrefixCache({name}={value!r}): {name} must be an int >= 1"
+                                 + ("" if name == "capacity_tokens" else " or None") +
+                                 ", e.g. PrefixCache(capacity_tokens=2048, block_size=16)")
+
+
 TOKEN_ROLES = ("eos", "bos", "pad")  # Declaration.never_emits names these by role: the model config's ids
 MAX_NEVER_EMITS = 8  # ids one engine may declare it never emits: a runtime suppresses special tokens, not a vocabulary
 
@@ -283,6 +312,13 @@ class Declaration:
       ``"int4"``, ``"int2"``): the token checks then allow the noise of storing K and V in it, measured on the model
       (oracles/precision.py: `KVComputation`, memoized by oracles/store.py: `kv_noise`); a format leaving no token
       judgeable is a named skip that still fails the engine as vacuous; None: the model's dtype.
+    - `thread_safe`: ``generate`` may be called from several threads at once (concurrent users of one engine object):
+      the concurrency suite (suites/test_concurrency.py) then sends it concurrent requests, as it does to servers.
+    - `speculative`: `Speculative` (contract/speculative.py), a speculative decoder: tokens drafted per step, the
+      drafters ``use_drafter()`` takes and whether ``acceptance()`` reports what each step kept
+      (suites/test_speculative.py forces every acceptance length).
+    - `prefix_cache`: `PrefixCache`, a cache kept across calls to reuse shared prefixes, bounded by its capacity: the
+      memory checks hold it to that capacity instead of failing its growth, and the prefix suite overflows it.
     """
 
     strategy: Strategy = EXACT
@@ -302,6 +338,9 @@ class Declaration:
     never_emits: tuple[int | str, ...] = ()
     bounds: Bounds | None = None
     kv_dtype: str | None = None
+    thread_safe: bool = False
+    speculative: Speculative | None = None
+    prefix_cache: PrefixCache | None = None
 
     def __post_init__(self) -> None:
         entries = self.never_emits if isinstance(self.never_emits, tuple) else ()
@@ -312,6 +351,12 @@ class Declaration:
         if self.bounds is not None and not isinstance(self.bounds, Bounds):
             raise ValueError(f"bounds={self.bounds!r}: write bounds=Bounds(max_prompt=N, ...) "
                              "(pytest_kvcompile.Bounds)")
+        if self.prefix_cache is not None and not isinstance(self.prefix_cache, PrefixCache):
+            raise ValueError(f"prefix_cache={self.prefix_cache!r}: write prefix_cache=PrefixCache(capacity_tokens=N, "
+                             "block_size=B) (pytest_kvcompile.PrefixCache)")
+        if self.speculative is not None and not isinstance(self.speculative, Speculative):
+            raise ValueError(f"speculative={self.speculative!r}: write speculative=Speculative(k=N, ...) "
+                             "(pytest_kvcompile.Speculative)")
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: one of {', '.join(KV_DTYPES)}, or None (the model's dtype)")
 
@@ -324,6 +369,7 @@ class Declaration:
         return (
             f"strategy={self.strategy} capabilities={caps} compiled={'yes' if self.compiled else 'no'} "
             f"devices={','.join(self.devices)} dtypes={','.join(self.dtypes)}"
+            + (f" speculative={self.speculative}" if self.speculative else "")
         )
 
 
@@ -412,6 +458,7 @@ __all__ = [
     "KVBytesEngine",
     "ModelNotSupported",
     "ModelSpec",
+    "PrefixCache",
     "ScoringEngine",
     "Strategy",
     "declaration_of",

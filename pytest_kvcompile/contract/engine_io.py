@@ -8,6 +8,7 @@ was wrong and how to fix it, never a traceback from the plugin's internals.
 from __future__ import annotations
 
 import numbers
+import operator
 import traceback
 from collections.abc import Sequence
 from typing import Any
@@ -36,8 +37,12 @@ def _engine_traceback(exc: BaseException) -> str:
 
 def _fail_raised(ref: EngineRef, what: str, exc: Exception) -> None:
     __tracebackhide__ = True
-    if isinstance(exc, EngineProcessDied):
-        pytest.fail(str(exc), pytrace=False)
+    if isinstance(exc, EngineProcessDied):  # its message is the whole failure (a process died, a server failed)
+        from pytest_kvcompile.verdicts.failures import Kind
+
+        error = pytest.fail.Exception(str(exc), pytrace=False)
+        error.kind = Kind(getattr(exc, "kind", Kind.CRASH.value)).value
+        raise error from None  # the message says it all: not the exception it replaces again
     kind = exc.remote_type if isinstance(exc, RemoteError) else type(exc).__name__
     pytest.fail(
         f"engine '{ref.name}' raised {kind} in {what}: {exc}\n"
@@ -68,7 +73,45 @@ def build(ref: EngineRef, spec: ModelSpec, compile_backend: str) -> Any:
                 f"add it or drop the declaration",
                 pytrace=False,
             )
+    speculative, needed = ref.declaration.speculative, {}
+    if speculative and speculative.drafters:
+        needed["use_drafter"] = f"drafters={speculative.drafters}"
+    if speculative and speculative.acceptance:
+        needed["acceptance"] = "acceptance=True"
+    for method, declared in needed.items():
+        if not callable(getattr(engine, method, None)):
+            pytest.fail(f"engine '{ref.name}' declares Speculative({declared}) but has no {method}() method: add it "
+                        "or drop it from the declaration (pytest_kvcompile/contract/speculative.py)", pytrace=False)
     return engine
+
+
+def use_drafter(ref: EngineRef, engine: Any, drafter: Any) -> None:
+    """engine.use_drafter(drafter) (a Drafter, a draft ModelSpec, or None: its own draft), its raising a failure."""
+    __tracebackhide__ = True
+    try:
+        engine.use_drafter(drafter)
+    except Exception as exc:
+        _fail_raised(ref, f"use_drafter({type(drafter).__name__})", exc)
+
+
+def acceptance(ref: EngineRef, engine: Any, rows: int, k: int) -> list[list[tuple[int, int]]]:
+    """engine.acceptance() after a generate() of `rows` prompts: per row its (drafted, accepted) pairs, validated."""
+    __tracebackhide__ = True
+    try:
+        found = engine.acceptance()
+    except Exception as exc:
+        _fail_raised(ref, "acceptance()", exc)
+    rule = (f"acceptance() must return one list per prompt of the last generate() ({rows}), each of (drafted, "
+            f"accepted) int pairs per verify step with 0 <= accepted <= drafted <= k={k}")
+    try:
+        steps = [[(operator.index(d), operator.index(a)) for d, a in row] for row in found]
+        ok = len(steps) == rows and all(0 <= a <= d <= k for row in steps for d, a in row)
+    except (TypeError, ValueError):
+        ok = False
+    if not ok:
+        pytest.fail(f"engine '{ref.name}' returned malformed output from acceptance(): {rule}; got "
+                    f"{str(found)[:300]}", pytrace=False)
+    return steps
 
 
 def generate(ref: EngineRef, engine: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -46,9 +46,13 @@ BUILTIN_ENGINES: dict[str, str] = {
     "ref-tova": "reference_impls.eviction_engine:TOVA",
     "ref-streaming-llm-shifted": "reference_impls.eviction_engine:StreamingLLMShifted",
     "ref-kv-shared": "reference_impls.kv_shared:KVSharedPrefillSkip",
+    "ref-speculative": "reference_impls.speculative:SpeculativeDecoding",
+    "ref-paged-prefix": "reference_impls.paged_prefix:PagedPrefixCache",
     # Third-party engines: their packages are imported when the engine is built, never at resolve time.
     "vllm": "pytest_kvcompile.engines.vllm:VLLMEager",
     "vllm-compile": "pytest_kvcompile.engines.vllm:VLLMCompiled",
+    "vllm-prefix-cache": "pytest_kvcompile.engines.vllm:VLLMPrefixCache",
+    "vllm-server": "pytest_kvcompile.engines.vllm_server:VLLMServer",
     "litgpt": "pytest_kvcompile.engines.litgpt:LitGPT",
     "litgpt-compile": "pytest_kvcompile.engines.litgpt:LitGPTCompiled",
     "litgpt-top-k-1": "pytest_kvcompile.engines.litgpt:LitGPTTopK1",
@@ -63,8 +67,11 @@ BUILTIN_ENGINES: dict[str, str] = {
     "executorch": "pytest_kvcompile.engines.executorch:ExecuTorch",
     "llama-cpp": "pytest_kvcompile.engines.llamacpp:LlamaCpp",
     "llama-cpp-q8-kv": "pytest_kvcompile.engines.llamacpp:LlamaCppQ8KV",
+    "llama-cpp-prompt-cache": "pytest_kvcompile.engines.llamacpp:LlamaCppPromptCache",
+    "llama-cpp-server": "pytest_kvcompile.engines.llamacpp_server:LlamaCppServer",
     "ctranslate2": "pytest_kvcompile.engines.ct2:CTranslate2",
     "hf-continuous-batching": "pytest_kvcompile.engines.continuous:ContinuousBatching",
+    "hf-continuous-batching-prefix-cache": "pytest_kvcompile.engines.continuous:ContinuousBatchingPrefixCache",
     "openvino": "pytest_kvcompile.engines.ov:OpenVINO",
     "mistralrs": "pytest_kvcompile.engines.mistralrs:MistralRs",
     "hf-quantized-quanto": "pytest_kvcompile.engines.quantized:QuantizedQuanto",
@@ -79,7 +86,7 @@ class EngineRef:
 
     name: str
     target: str
-    source: str  # "built-in", "entry point of <dist>", "import path"
+    source: str  # "built-in", "entry point of <dist>", "import path", "server URL"
     factory: EngineFactory = field(compare=False, repr=False)
     declaration: Declaration = field(compare=False)
 
@@ -130,7 +137,86 @@ def available() -> dict[str, tuple[str, str]]:
     return found
 
 
+#: A server the user runs, named by its API and URL: ``API+http://HOST:PORT[/PATH][?timeout=SECONDS&top=K]``
+SERVER_SOURCE = "server URL"
+SERVER_TARGET = "pytest_kvcompile.engines.server:external"
+SERVER_APIS = {"openai": "the OpenAI-compatible /v1/completions of vLLM, trtllm-serve, SGLang",
+               "sglang": "SGLang's native /generate", "llamacpp": "llama.cpp's /completion"}
+SERVER_EXAMPLE = "openai+http://127.0.0.1:8000"
+
+
+@dataclass(frozen=True)
+class ServerURL:
+    """A parsed ``API+URL`` engine NAME: the wire format, the base URL, the per-request timeout and the top-k asked."""
+
+    api: str
+    url: str
+    timeout: float = 120.0
+    top: int = 20
+
+
+def is_server_url(name: str) -> bool:
+    return "://" in name or (name.partition("+")[0] in SERVER_APIS and "+" in name)
+
+
+def server_url(name: str) -> ServerURL:
+    """Parse an ``API+URL`` engine NAME; EngineResolutionError naming the fix."""
+    from urllib.parse import parse_qs, urlsplit
+
+    apis = "; ".join(f"{api} ({what})" for api, what in SERVER_APIS.items())
+    api, plus, url = name.partition("+")
+    if not plus or "://" in api:
+        raise EngineResolutionError(f"engine '{name}': a server is named by its API and URL, API+URL, e.g. "
+                                    f"{SERVER_EXAMPLE}; the API is one of {apis}")
+    if api not in SERVER_APIS:
+        raise EngineResolutionError(f"engine '{name}': unknown server API '{api}'; write one of {apis} before the "
+                                    f"'+', e.g. {SERVER_EXAMPLE}")
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.fragment:
+        raise EngineResolutionError(f"engine '{name}': '{url}' is not a server URL; write http://HOST:PORT (the "
+                                    f"server's base URL, port included), e.g. {SERVER_EXAMPLE}")
+    timeout, top = ServerURL.timeout, ServerURL.top
+    for key, values in parse_qs(parts.query, keep_blank_values=True).items():
+        value = _number(values[-1])
+        if key == "timeout" and value is not None and value > 0:
+            timeout = value
+        elif key == "top" and values[-1].isdigit():
+            top = int(values[-1])
+        else:
+            raise EngineResolutionError(f"engine '{name}': query parameter {key}={values[-1]!r} is not understood; "
+                                        "the URL takes ?timeout=SECONDS (per request, > 0) and ?top=K (log-"
+                                        f"probabilities asked per step, a whole number), e.g. {SERVER_EXAMPLE}"
+                                        "?timeout=60")
+    base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/').removesuffix('/v1')}"
+    return ServerURL(api, base, timeout, top)
+
+
+def _number(text: str) -> float | None:
+    try:
+        return float(text)
+    except ValueError:
+        return None
+
+
+def check_served_models(engines: dict[str, EngineRef], models: list[str]) -> None:
+    """A server the user runs serves one checkpoint: a run with one checks exactly one model."""
+    servers = [name for name, ref in engines.items() if ref.source == SERVER_SOURCE]
+    if servers and len(models) != 1:
+        raise EngineResolutionError(
+            f"engine '{servers[0]}' is a server the run does not start: it serves one checkpoint, but the run has "
+            f"{len(models)} models ({', '.join(models) or 'none'}). Give that checkpoint alone: --kv-model=PATH "
+            "--kv-zoo=none (or --kv-zoo=NAME for a zoo checkpoint it serves)")
+
+
 def _import_target(name: str, target: str) -> Any:
+    if target == SERVER_TARGET and is_server_url(name):  # the factory of that server (engines/server.py: external)
+        parsed = server_url(name)
+        module = importlib.import_module(SERVER_TARGET.partition(":")[0])
+        return module.external(parsed.api, parsed.url, parsed.timeout, parsed.top)
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise EngineResolutionError(
@@ -180,6 +266,9 @@ def resolve(name: str) -> EngineRef:
     known = available()
     if name in known:
         target, source = known[name]
+    elif is_server_url(name):
+        server_url(name)  # a usage error naming the fix before anything is imported
+        target, source = SERVER_TARGET, SERVER_SOURCE
     elif ":" in name:
         target, source = name, "import path"
     else:
@@ -187,8 +276,8 @@ def resolve(name: str) -> EngineRef:
         raise EngineResolutionError(
             f"unknown engine '{name}'. Available engines: {listing}. "
             "Give a built-in name, an entry point of the group "
-            f"'{ENTRY_POINT_GROUP}', or an import path 'package.module:attr' "
-            "(pytest --kv-list-engines lists them)."
+            f"'{ENTRY_POINT_GROUP}', an import path 'package.module:attr' or a server, API+URL, e.g. "
+            f"{SERVER_EXAMPLE} (pytest --kv-list-engines lists them)."
         )
     factory = _import_target(name, target)
     try:

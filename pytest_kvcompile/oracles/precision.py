@@ -12,7 +12,15 @@ the truth's best token b and another token e is the error a computation makes on
 model and dtype, along the truth's greedy path on `CALIBRATION` prompts (`calibrate`, stored with the oracle):
 
 - scale = the 99th percentile, over positions and computations, of the largest such error among the truth's top 8;
-- flip rate = the largest share of positions where one computation's argmax is not the truth's.
+- flip rate = the largest share of positions where one computation's argmax is not the truth's;
+- beyond rate = the largest share of positions where one computation's error exceeds the median error (of all
+  positions and computations): about half, by definition; the score() rows' counterpart of the flip rate (a sign test:
+  an engine no noisier than the noisiest computation is beyond that median at most as often; the median, where errors
+  are densest, tells a wider spread from the same spread with the fewest positions).
+
+Calibration runs blocks of prompts (`calibration_prompts`) until the noisiest computation flipped `MIN_FLIPS` times
+(or `MAX_BLOCKS` blocks): a rate seen a few times has an upper bound several times itself, which no run could test
+against; eight flips bound it within twice itself (bfloat16 stops after one block, float16 after two to five).
 
 **The rule.** At a step where the engine's token e is not the truth's best b (gap g = t[b] - t[e], the truth
 teacher-forced on the engine's own tokens), it is a near tie iff ``g <= NOISE_FACTOR x max(scale, local)``,
@@ -21,7 +29,11 @@ tokens (`LocalNoise`): positions where the network amplifies rounding are noisy 
 local term covers them without widening the rule elsewhere. NOISE_FACTOR covers computations the four do not
 (fused kernels, other reduction orders); its twin in tests/ fails just outside it. A sequence may hold as many near
 ties as a correct engine flipping at the flip rate's upper bound shows with probability >= `FALSE_ALARM`
-(binomial); so may a whole run (`run_rate_exceeded`). The numbers per zoo model: docs/precision.md.
+(binomial); so may a whole run, over all its distinct verified positions (verdicts/rows.py: `RunRate`), and the
+run's score() rows beyond the median error, against the beyond rate. `positions_needed`: how many
+positions give those run rules the power (`POWER`) to fail an engine `POWER_MULTIPLE` x as noisy; the suites' check
+of them (suites/test_near_tie_rate.py) runs the engine on the calibration's own prompts. The numbers per zoo model:
+docs/precision.md.
 
 float32 keeps its constants (config/tolerances.py): its noise is ~1e-5, far inside them (measured in the same doc).
 
@@ -45,15 +57,25 @@ from typing import Any
 
 import torch
 
-from pytest_kvcompile.config.tolerances import FALSE_ALARM, binomial_tail
+from pytest_kvcompile.config.tolerances import (
+    FALSE_ALARM,
+    MEASURED_DTYPES,
+    POWER,
+    POWER_MULTIPLE,
+    binomial_tail,
+    power,
+)
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
 from pytest_kvcompile.models.checkpoints import with_cache
 
-REDUCED = ("bfloat16", "float16")  # dtypes judged by this module's rule
+REDUCED = MEASURED_DTYPES  # dtypes judged by this module's rule
 NOISE_FACTOR = 1.5
 TOP = 8  # the truth's top tokens whose differences to the best are measured
 QUANTILE = 0.99  # of the per-position errors: the scale
-CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60, 12, 33, 70, 5, 110, 48, 21, 9), 32, 230)  # prompt lengths, steps, seed
+# one block of calibration prompts: their lengths, steps per prompt, the seed of the first block
+CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60, 12, 33, 70, 5, 110, 48, 21, 9), 32, 230)
+MIN_FLIPS = 8  # calibration adds blocks until the noisiest computation flipped this often...
+MAX_BLOCKS = 8  # ...or this many blocks (4096 positions)
 CHUNK = 5  # prefill chunk of the chunked computation
 COMPUTATIONS = ("eager, cache", "sdpa, no cache", "sdpa, left-padded batch", "eager, chunked prefill")
 # a KV format flipping this share of greedy choices (upper bound): its near ties, budgeted at that rate, let through
@@ -196,6 +218,15 @@ def _chunks(prompt: list[int]) -> list[list[int]]:
     return [prompt[i:i + CHUNK] for i in range(0, len(prompt), CHUNK)]
 
 
+def calibration_prompts(vocab_size: int, blocks: int) -> list[list[int]]:
+    """The first `blocks` blocks of calibration prompts (`CALIBRATION`: one block is its lengths, drawn in order from
+    one generator; a longer list starts with a shorter one)."""
+    lengths, _, seed = CALIBRATION
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+            for _ in range(blocks) for length in lengths]
+
+
 def difference_errors(truth: torch.Tensor, computed: torch.Tensor, best: torch.Tensor,
                       others: torch.Tensor) -> torch.Tensor:
     """|(c[b] - c[o]) - (t[b] - t[o])| for each row's best b [n] and other tokens o [n, k]: [..., n, k]."""
@@ -219,8 +250,9 @@ class Noise:
     flips: int  # positions where the most-flipping computation's argmax is not the truth's
     positions: int  # positions per computation
     logit_error: float  # the largest absolute logit error of any computation (any token): score() rows
-    per_computation: dict[str, dict[str, float]]  # name -> max, p99, flips
+    per_computation: dict[str, dict[str, float]]  # name -> max, p99, flips, beyond
     kv_dtype: str | None = None  # the noise of a KV cache stored in this dtype (KVComputation), not of the model
+    beyond: int = 0  # positions where the noisiest computation's error exceeds the median error (`logit_threshold`)
 
     @property
     def tolerance(self) -> float:
@@ -244,10 +276,26 @@ class Noise:
         """Near ties allowed in one sequence of `steps`: more happen with probability < FALSE_ALARM at the bound."""
         return budget(steps, self.flip_rate_bound)
 
+    @property
+    def logit_threshold(self) -> float:
+        """A score() row farther than this from the truth (on its top-TOP differences) is beyond the median noise."""
+        return self.median_error
+
+    @property
+    def beyond_rate(self) -> float:
+        return self.beyond / self.positions if self.positions else 0.0
+
+    @property
+    def beyond_rate_bound(self) -> float:
+        """Upper 97.5% (Clopper-Pearson) bound of the beyond rate, as of the flip rate."""
+        return upper_bound(self.beyond, self.positions)
+
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
         out.update(tolerance=self.tolerance, score_tolerance=self.score_tolerance, flip_rate=self.flip_rate,
-                   flip_rate_bound=self.flip_rate_bound, factor=NOISE_FACTOR)
+                   flip_rate_bound=self.flip_rate_bound, factor=NOISE_FACTOR, logit_threshold=self.logit_threshold,
+                   beyond_rate=self.beyond_rate, beyond_rate_bound=self.beyond_rate_bound,
+                   positions_needed=positions_needed(self))
         return out
 
     @classmethod
@@ -272,14 +320,14 @@ class Noise:
 
 def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComputation | None = None) -> Noise:
     """Measure `spec`'s noise (module docstring) over `computations` (default: the equivalent 16-bit ones; a
-    `KVComputation`: a KV cache stored lower). `truth`: the oracle judging the run (``reference(prompt, n)``)."""
-    lengths, steps, seed = CALIBRATION
+    `KVComputation`: a KV cache stored lower) on blocks of `calibration_prompts` until MIN_FLIPS (or MAX_BLOCKS).
+    `truth`: the oracle judging the run (``reference(prompt, n)``)."""
+    lengths, steps, _ = CALIBRATION
     computations = computations or Computations(spec)
     names = computations.names
-    generator = torch.Generator().manual_seed(seed)
     top_errors, logit_error, flips = [], 0.0, torch.zeros(len(names), dtype=torch.long)
-    for length in lengths:
-        prompt = torch.randint(0, spec.vocab_size, (length,), generator=generator).tolist()
+    prompts = calibration_prompts(spec.vocab_size, MAX_BLOCKS)
+    for i, prompt in enumerate(prompts):
         ref = truth.reference(prompt, steps)
         t = ref.logits.double()
         computed = computations.along(prompt, ref.tokens)  # [K, steps, vocab]
@@ -287,12 +335,26 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
         top_errors.append(difference_errors(t, computed, best, others).amax(-1))  # [K, steps]
         logit_error = max(logit_error, float((computed - t).abs().amax()))
         flips += (computed.argmax(-1) != best).sum(-1)
+        if (i + 1) % len(lengths) == 0 and int(flips.max()) >= MIN_FLIPS:
+            break
     errors = torch.cat(top_errors, dim=1)  # [K, positions]
-    per = {name: {"max": float(errors[i].max()), "p99": float(errors[i].quantile(QUANTILE)), "flips": int(flips[i])}
-           for i, name in enumerate(names)}
+    median = float(errors.flatten().median())
+    beyond = (errors > median).sum(-1)
+    per = {name: {"max": float(errors[i].max()), "p99": float(errors[i].quantile(QUANTILE)), "flips": int(flips[i]),
+                  "beyond": int(beyond[i])} for i, name in enumerate(names)}
     return Noise(spec.name, dtype_name(spec.dtype), float(errors.flatten().quantile(QUANTILE)), float(errors.max()),
-                 float(errors.flatten().median()), int(flips.max()), errors.size(1), logit_error, per,
-                 getattr(computations, "kv_dtype", None))
+                 median, int(flips.max()), errors.size(1), logit_error, per, getattr(computations, "kv_dtype", None),
+                 int(beyond.max()))
+
+
+def logit_errors(truth: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """Per step, the largest error of `scored` rows on the `truth` rows' top-TOP differences to their best (the
+    calibration's statistic; ids at -inf in `truth` are out of its choice): [steps]."""
+    if not len(truth):
+        return torch.zeros(0, dtype=torch.float64)
+    truth = truth.double()
+    best, others = truth.argmax(-1), truth.topk(min(TOP, truth.size(-1)), dim=-1).indices
+    return difference_errors(truth, scored.double()[None], best, others).amax(-1)[0]
 
 
 class LocalNoise:
@@ -340,8 +402,9 @@ class Rules:
         """An engine storing its KV cache lower (Declaration.kv_dtype): the larger of these numbers and those of the
         stored KV's measured noise `kv` (module docstring); `kv` is the noise its reports show."""
         ties = None if self.max_near_ties is None else max(self.max_near_ties, kv.max_near_ties(steps))
-        if self.noise is not None and self.noise.flip_rate_bound > kv.flip_rate_bound:  # the run's rate: never below
-            kv = dataclasses.replace(kv, flips=self.noise.flips, positions=self.noise.positions)  # the model's own
+        if self.noise is not None and self.noise.flip_rate_bound > kv.flip_rate_bound:  # the run's rates: never below
+            kv = dataclasses.replace(kv, flips=self.noise.flips, positions=self.noise.positions,  # the model's own
+                                     beyond=self.noise.beyond, median_error=self.noise.median_error)
         return Rules(max(self.tie_tolerance, kv.tolerance), ties, max(self.score_tolerance, kv.score_tolerance), kv)
 
 
@@ -366,3 +429,19 @@ def budget(steps: int, rate: float) -> int:
     """The smallest k such that a sequence of `steps` at flip `rate` has more than k near ties with probability
     below FALSE_ALARM."""
     return next(k for k in range(steps + 1) if binomial_tail(steps, rate, k + 1) < FALSE_ALARM)
+
+
+def positions_needed(noise: Noise) -> int:
+    """Verified positions (whole calibration prompts of CALIBRATION's steps) at which an engine flipping at
+    POWER_MULTIPLE x the measured flip rate fails the run-level near-tie rule (binomial at the rate's bound,
+    FALSE_ALARM) with probability >= POWER; the calibration's MAX_BLOCKS blocks where none reach it (a rate too low
+    to measure: its bound is above POWER_MULTIPLE x itself)."""
+    lengths, steps, _ = CALIBRATION
+    lo, hi = 1, MAX_BLOCKS * len(lengths)  # prompts; power grows with them (bisection: up to a prompt or two more)
+    rate, bound = POWER_MULTIPLE * noise.flip_rate, noise.flip_rate_bound
+    if power(hi * steps, bound, rate) < POWER:
+        return hi * steps
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if power(mid * steps, bound, rate) >= POWER else (mid + 1, hi)
+    return lo * steps

@@ -16,13 +16,19 @@ logits (an engine oracle without score()) cannot exclude anything: equality stay
 Near ties are budgeted: more than ``max_near_ties`` in one sequence is *numerics drift*, a failure
 listing every flip (a correct engine flips rarely; one that flips at every close call is not
 computing what the model computes).
+
+The engine's own top-k (servers: engines/server.py, which give log-probabilities, not logits) narrows the rule, never
+widens it: where the engine gave its top-k log-probabilities at a step (two or more entries), a flip the oracle calls a
+near tie is one only if the engine's top-k holds both the oracle's choice and its own token, no further apart than the
+same allowance (log-probabilities of one step differ by the logits' difference). A step without them is judged by the
+oracle alone, as for any engine.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +51,7 @@ class Divergence:
     gap: float
     near_tie: bool
     allowed: float = 0.0  # the largest gap that was a near tie here (the tolerance, or the 16-bit local noise rule)
+    engine_gap: float | None = None  # |log p(got) - log p(expected)| in the engine's own top-k (inf: one is missing)
 
 
 @dataclass
@@ -82,10 +89,12 @@ class TokenMismatch(AssertionError):
 
 
 def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float,
-                  max_near_ties: int | None = None, excluded: Collection[int] = ()) -> Verdict:
+                  max_near_ties: int | None = None, excluded: Collection[int] = (),
+                  engine_top: Sequence[Mapping[int, float] | None] | None = None) -> Verdict:
     """Classify every step of `got` against the oracle given the engine's own prefix (the module rule); the oracle
     chooses among ids not in `excluded` (the engine's declared never_emits), and an excluded id in `got` is a
-    mismatch."""
+    mismatch. `engine_top`: per step the engine's own top-k log-probabilities (id -> log p), which narrow a near tie
+    (module docstring)."""
     verdict = Verdict(steps=len(reference.tokens), max_near_ties=max_near_ties)
     excluded = sorted(set(int(i) for i in excluded))
     first = next((i for i, (e, g) in enumerate(zip(reference.tokens, got)) if e != g or g in excluded), None)
@@ -108,10 +117,25 @@ def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float
         gap = float(row[best] - row[token])
         if token != best and gap >= 0:
             allowed = allowed_gap(reference, got, step, best, token, gap, tie_tolerance)
-            verdict.divergences.append(Divergence(step, best, token, gap, gap <= allowed, allowed))
+            near, engine_gap = gap <= allowed, None
+            if near and engine_top is not None:
+                engine_gap = top_k_gap(engine_top, step, best, token)
+                near = engine_gap is None or engine_gap <= allowed
+            verdict.divergences.append(Divergence(step, best, token, gap, near, allowed, engine_gap))
             if verdict.mismatch:
                 break
     return verdict
+
+
+def top_k_gap(engine_top: Sequence[Mapping[int, float] | None], step: int, best: int, token: int) -> float | None:
+    """How far apart the engine's own top-k log-probabilities put the oracle's choice `best` and its token at `step`:
+    inf when either is missing from them, None when it gave fewer than two there (nothing to narrow with)."""
+    row = engine_top[step] if step < len(engine_top) else None
+    if not row or len(row) < 2:
+        return None
+    if best not in row or token not in row:
+        return math.inf
+    return abs(float(row[token]) - float(row[best]))
 
 
 def _without(row: torch.Tensor, excluded: Sequence[int]) -> torch.Tensor:
@@ -145,6 +169,7 @@ def check_tokens(
     window: int | None = None,
     context: str = "",
     excluded: Collection[int] = (),
+    engine_top: Sequence[Mapping[int, float] | None] | None = None,
 ) -> Verdict:
     """Fail with a full explanation unless every step of `got` is the oracle's choice or a near tie,
     and near ties stay within `max_near_ties` (None: unlimited).
@@ -152,7 +177,8 @@ def check_tokens(
     Returns the verdict when it passes. `where` says which call (verdicts/failures.py: `Where`, e.g. the row of a batch
     and the prompts served before; the hint reads its fields; a plain string is shown, not read); `window` is the
     model's sliding window, used for hints; `context` is appended to a failure (e.g. the calls the engine object
-    served before); `excluded`: ids the engine declares it never emits (out of the oracle's choice, module rule).
+    served before); `excluded`: ids the engine declares it never emits (out of the oracle's choice, module rule);
+    `engine_top`: the engine's own top-k log-probabilities per step, which narrow a near tie (module rule).
     """
     __tracebackhide__ = True
     got = [int(t) for t in got]
@@ -167,7 +193,7 @@ def check_tokens(
         failure = Failure(Kind.LENGTH, **facts)
         lines = [f"engine '{engine}' returned {len(got)} tokens {at}, expected {len(reference.tokens)}"]
     else:
-        verdict = token_verdict(reference, got, tie_tolerance, max_near_ties, excluded)
+        verdict = token_verdict(reference, got, tie_tolerance, max_near_ties, excluded, engine_top)
         ties = tuple((t.step, t.expected, t.got, round(t.gap, 6)) for t in verdict.near_ties)
         if verdict.mismatch is not None:
             bad = verdict.mismatch
@@ -222,10 +248,18 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
         ]
     given = " (given the engine's own tokens before it, which left the oracle's path at an earlier near tie)" \
         if verdict.near_ties else ""
+    if bad.engine_gap is not None and bad.gap <= max(bad.allowed, tol):  # the oracle's near tie, not the engine's
+        own = ("its own top-k log-probabilities there lack one of the two" if bad.engine_gap == math.inf else
+               f"its own top-k log-probabilities put them {bad.engine_gap:.4g} apart")
+        why = (f"the oracle prefers {bad.expected} by a logit gap of {bad.gap:.4g}, within {_allowed(bad, tol)}, but "
+               f"{own}: a near tie needs both sides to see one (the top-k rule, docs/servers.md), so this is a "
+               "mismatch")
+    else:
+        why = (f"the oracle prefers {bad.expected} by a logit gap of {bad.gap:.4g} > {_allowed(bad, tol)}, so this is "
+               "a real mismatch, not numerics")
     lines = [
         f"engine '{engine}' diverges from the oracle {at}: step {bad.step} of {n}{given}",
-        f"  expected token {bad.expected}, got {bad.got}: the oracle prefers {bad.expected} by a logit gap of "
-        f"{bad.gap:.4g} > {_allowed(bad, tol)}, so this is a real mismatch, not numerics",
+        f"  expected token {bad.expected}, got {bad.got}: {why}",
         "  oracle top-3 at this step: " + ", ".join(f"{t} ({v:.4g})" for t, v in failure.top3),
         context, f"  oracle: {list(ref.tokens)}", f"  engine: {got}",
     ]
@@ -259,6 +293,25 @@ def _drift(ref: Reference, got, verdict: Verdict, tol, engine, at) -> list[str]:
     ]
 
 
+def _distance(a: torch.Tensor, b: torch.Tensor, excluded: Collection[int]) -> torch.Tensor:
+    found = (a.float() - b).abs()
+    if excluded:  # the engine may mask the ids it declares it never emits: their columns are not compared
+        found[..., sorted(excluded)] = 0
+    return found
+
+
+def compared_rows(reference: Reference, got: Sequence[int], scored: torch.Tensor, tie_tolerance: float,
+                  excluded: Collection[int] = ()) -> torch.Tensor:
+    """The oracle's logits a score() of `got` is compared with (a scored reference): along the engine's tokens, and
+    after an eviction near tie the closest alternative (the one nearest `scored`)."""
+    oracle = reference.given(got, tie_tolerance)
+    if reference.alternatives is not None and len(got):
+        rows = reference.alternatives(got, tie_tolerance)
+        closest = [int(_distance(scored[i], alt, excluded).amax(-1).argmin()) for i, alt in enumerate(rows)]
+        oracle = torch.stack([alt[k] for alt, k in zip(rows, closest)])
+    return oracle
+
+
 def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, *, tie_tolerance: float,
                 score_tolerance: float, engine: str = "engine", model: str = "model", prompt: str = "prompt",
                 excluded: Collection[int] = ()) -> float:
@@ -268,24 +321,8 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
     engine declares it never emits, are out of both (it may mask them). Returns the max difference."""
     __tracebackhide__ = True
     got = [int(t) for t in got]
-    if not reference.scored:  # an oracle without logits: only score() against generate() can be checked
-        oracle = scored.float()
-    else:
-        oracle = reference.given(got, tie_tolerance)
-    columns = sorted(excluded)
-
-    def distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        found = (a.float() - b).abs()
-        if columns:  # the engine may mask the ids it declares it never emits: their columns are not compared
-            found[..., columns] = 0
-        return found
-
-    diff = distance(scored, oracle)
-    if reference.alternatives is not None and diff.numel():  # after an eviction near tie: the closest alternative
-        rows = reference.alternatives(got, tie_tolerance)
-        closest = [int(distance(scored[i], alt).amax(-1).argmin()) for i, alt in enumerate(rows)]
-        oracle = torch.stack([alt[k] for alt, k in zip(rows, closest)])
-        diff = distance(scored, oracle)
+    oracle = scored.float() if not reference.scored else compared_rows(reference, got, scored, tie_tolerance, excluded)
+    diff = _distance(scored, oracle, excluded)
     worst = float(diff.max()) if diff.numel() else 0.0
     problems = []
     if worst > score_tolerance:
@@ -315,3 +352,42 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
 def _top(row: torch.Tensor) -> str:
     values, ids = row.float().topk(min(3, row.numel()))
     return ", ".join(f"{int(i)} ({float(v):.4g})" for v, i in zip(values, ids))
+
+
+def check_logprobs(reference: Reference, got: Sequence[int], rows: Sequence[Mapping[int, float]], *,
+                   tie_tolerance: float, score_tolerance: float, engine: str = "engine", model: str = "model",
+                   prompt: str = "prompt", excluded: Collection[int] = ()) -> float:
+    """A server's teacher-forced top-k log-probabilities along `got` (engines/server.py: teacher_forced), the check of
+    ``score()`` for engines that give log-probabilities, not logits: each given entry against the oracle's
+    log-softmax at the same step (max abs difference <= `score_tolerance`), and each step's best entry against `got`
+    (the same path must pick the same tokens, up to a near tie). Returns the max difference."""
+    __tracebackhide__ = True
+    got = [int(t) for t in got]
+    oracle = reference.given(got, tie_tolerance).float().log_softmax(-1) if reference.scored else None
+    worst, worst_at, problems = 0.0, None, []
+    for step, row in enumerate(rows):
+        entries = {int(t): float(v) for t, v in row.items() if int(t) not in excluded}
+        if oracle is not None:
+            for token, logprob in entries.items():
+                diff = abs(logprob - float(oracle[step, token])) if 0 <= token < oracle.shape[-1] else math.inf
+                if diff > worst:
+                    worst, worst_at = diff, (step, token, logprob)
+        best = max(entries, key=entries.get, default=None)
+        own = entries.get(got[step], -math.inf)
+        if best is not None and best != got[step] and entries[best] - own > tie_tolerance and not problems:
+            problems.append(f"  at step {step} generate() produced {got[step]} but its teacher-forced "
+                            f"log-probabilities prefer {best} by {entries[best] - own:.4g} > tie tolerance "
+                            f"{tie_tolerance:g}: the server's prompt path and its generation path do not compute the "
+                            "same thing")
+    if worst > score_tolerance:
+        step, token, logprob = worst_at
+        problems.insert(0, f"  its log-probabilities differ from the oracle's log-softmax by up to {worst:.4g} > score "
+                           f"tolerance {score_tolerance:g} (worst at step {step}, token {token}: server {logprob:.4g}, "
+                           f"oracle {float(oracle[step, token]):.4g})")
+    if problems:
+        failure = Failure(Kind.SCORE, engine, model, prompt, len(reference.prompt), tolerance=score_tolerance,
+                          gap=round(worst, 6), tokens=tuple(got), oracle=tuple(int(t) for t in reference.tokens))
+        raise TokenMismatch("\n".join([
+            f"engine '{engine}': its teacher-forced log-probabilities are not the oracle's on model '{model}', "
+            f"{prompt}, along the tokens generate() produced", *problems, "  hint: " + failure.hint]), failure)
+    return worst

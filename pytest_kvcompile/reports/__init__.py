@@ -44,7 +44,9 @@ from pytest_kvcompile.verdicts.rows import (
     params,
     run_metadata,
     run_problems,
+    run_rates,
     skipped_everywhere,
+    speculation_line,
 )
 
 REPORT_JSON = "--kv-report-json"
@@ -290,11 +292,22 @@ class ResultsPlugin:
                          for r in self.results["rows"] if r.get("eviction_noise")}
             for (model, dtype, _), found in sorted(evictions.items()):
                 tr.write_line(eviction_noise_line(model, dtype, found))
+        rates = [(r, found) for r in self.results["rows"] for found in run_rates(r, self.settings.max_near_tie_rate)
+                 if found.positions]
+        if rates:
+            tr.write_sep("-", f"kvcompile: run-level rates vs the dtype's equivalent computations ({len(rates)})")
+            for row, found in rates:
+                tr.write_line(f"{row['engine']} / {row['model']} ({row['dtype']}): {found.line()}", red=found.failed)
         fuzzed = [r for r in self.results["rows"] if r.get("fuzz_coverage")]
         if fuzzed:
             tr.write_sep("-", f"kvcompile: fuzz covering walk ({len(fuzzed)})")
             for r in fuzzed:
                 tr.write_line(f"{r['engine']} / {r['model']}: {coverage_line(r['fuzz_coverage'])}")
+        speculative = [r for r in self.results["rows"] if r.get("speculation")]
+        if speculative:
+            tr.write_sep("-", f"kvcompile: speculative decoding, verify steps as reported ({len(speculative)})")
+            for r in speculative:
+                tr.write_line(f"{r['engine']} / {r['model']}: {speculation_line(r['speculation'])}")
         builds = sorted((r for r in self.results["rows"] if r.get("builds")), key=lambda r: -r["build_s"])[:5]
         if builds:
             tr.write_sep("-", f"kvcompile: slowest engine builds ({len(builds)})")

@@ -17,7 +17,7 @@ from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats, verdicts
 from pytest_kvcompile.verdicts.failures import Failure, Problem
-from pytest_kvcompile.verdicts.rows import coverage_line, stats
+from pytest_kvcompile.verdicts.rows import coverage_line, speculation_line, stats
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:.3em .6em;font-size:.9em;text-align:left}th{background:#f3f3f3}
@@ -182,6 +182,8 @@ def _engine_section(engine: str, rows: list[dict[str, Any]], all_rows: list[dict
             + _table(rows, all_rows) + charts + shown + _list("recompiles after warmup", reasons, "bad") + timelines
             + layers + _list("fuzz covering walk", [f"{r['model']}: {coverage_line(r['fuzz_coverage'])}" for r in rows
                                                     if r.get("fuzz_coverage")])
+            + _list("speculative decoding: verify steps", [f"{r['model']}: {speculation_line(r['speculation'])}"
+                                                           for r in rows if r.get("speculation")])
             + _list("near ties", [t for r in rows for t in r["near_ties"]]) + "</section>")
 
 

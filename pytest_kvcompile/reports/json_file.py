@@ -29,8 +29,9 @@ inconsistent, recompile, memory, latency, crash, other); a token verdict's ``fai
 "note"}, ``step``, ``expected``, ``got``, ``gap``, ``allowed``, ``tolerance``, ``window``, ``scored``, ``oracle``,
 ``tokens``, ``prompt_tail``, ``top3``, ``near_ties``, ``max_near_ties``, ``excluded``, ``hint``). A row's ``noise``
 with a ``kv_dtype`` is the measured noise of a KV cache stored that way (Declaration.kv_dtype), not the model's.
-``problems`` are the run rules that failed (`Problem`: vacuous, no_eviction, run_drift), each naming its engine in a
-field.
+``problems`` are the run rules that failed (`Problem`: vacuous, no_eviction, run_drift, logit_drift), each naming its
+engine in a field. A row's ``scored`` (measured runs, engines declaring score()): distinct scored sequences ->
+[positions, those beyond the typical noise] (verdicts/rows.py: RunRate).
 Schema 1 files (before typed verdicts) are read and upgraded: a failure's kind comes from its token diff (else
 "other"), the diff becomes its ``failure`` (its ``where`` string the note of its ``where``), ``problems`` is empty.
 Baselines written by earlier versions keep working.
@@ -66,6 +67,7 @@ _NESTED = {  # field -> required keys and their types
     "compiles": {"warmup": int, "after_warmup": int, "reasons": list},
     "kv_bytes": {"expected": (int, type(None)), "measured": int},
     "latency": {"prompt_len": int, "decode_tokens": int, "timer": str, "prefill_ms": list, "decode_ms_per_token": list},
+    "speculation": {"k": int, "steps": int, "drafted": int, "accepted": int, "lengths": dict},
 }
 
 

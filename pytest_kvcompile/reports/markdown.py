@@ -8,6 +8,7 @@ from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
 from pytest_kvcompile.verdicts.failures import Problem
+from pytest_kvcompile.verdicts.rows import concurrency_line, speculation_line
 
 
 def _escape(cell: str) -> str:
@@ -59,7 +60,13 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
                              for row in rows for f in row["failures"]]),
                ("recompiles after warmup", [f"{row['engine']} / {row['model']}: {reason}" for row in rows
                                             if row["compiles"] for reason in row["compiles"]["reasons"]]),
-               ("near ties", [tie for row in rows for tie in row["near_ties"]])]
+               ("near ties", [tie for row in rows for tie in row["near_ties"]]),
+               ("speculative decoding: verify steps", [f"{row['engine']} / {row['model']}: "
+                                                       f"{speculation_line(row['speculation'])}"
+                                                       for row in rows if row.get("speculation")]),
+               ("concurrent requests per round", [f"{row['engine']} / {row['model']}: "
+                                                  f"{concurrency_line(row['concurrency'])}"
+                                                  for row in rows if row.get("concurrency")])]
     keep = None
     while True:
         text = "\n".join(lines + [x for title, found in details for x in _details(title, found, keep)]) + "\n"

@@ -135,10 +135,14 @@ def _check_and_record(engine: EngineUnderTest, record: Recorder, reference: Refe
     except TokenMismatch:
         record.verdict(None, "", len(got), None)
         raise
-    sequence = hashlib.sha256(repr((tuple(reference.prompt), tuple(int(t) for t in got))).encode()).hexdigest()[:16]
     record.verdict(verdict, f"{engine.name} / {engine.spec.name} / {prompt.name} ({where.describe()})", len(got),
-                   reference.evicted, sequence)
+                   reference.evicted, _sequence(reference, got))
     return verdict
+
+
+def _sequence(reference: Reference, got: Sequence[int]) -> str:
+    """The key of a verified sequence (its prompt and the engine's tokens): one verified again counts once."""
+    return hashlib.sha256(repr((tuple(reference.prompt), tuple(int(t) for t in got))).encode()).hexdigest()[:16]
 
 
 @pytest.fixture
@@ -153,6 +157,28 @@ def kv_check_tokens(kv_engine: EngineUnderTest, kv_record: Recorder) -> Callable
         return _check_and_record(kv_engine, kv_record, reference, got, prompt, where)
 
     return check_tokens
+
+
+@pytest.fixture
+def kv_check_score(kv_engine: EngineUnderTest, kv_record: Recorder, kv_session: Session) -> Callable[..., float | None]:
+    """``kv_check_score(reference, got, prompt)``: the engine's declared score() of its tokens `got` for `prompt`
+    against the oracle's logits and against `got` (token_match.check_score; a server's log-probabilities where it
+    gives them), the largest logit difference returned (None: nothing to check). Where the verdict numbers are
+    measured (16-bit, a KV cache stored lower) and the oracle is the float64 truth they were measured against (not
+    an engine, --kv-oracle), its steps beyond the dtype's median noise are recorded for the run's score() rate
+    (verdicts/rows.py: RunRate)."""
+    truth = getattr(kv_session.oracles.get(kv_engine.name), "ref", None) is None
+
+    def check_score(reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
+        __tracebackhide__ = True
+        scored = kv_engine.scored(prompt, got)
+        worst = kv_engine.check_score(reference, got, prompt, scored)
+        if scored is not None and kv_engine.noise is not None and reference.scored and truth:
+            kv_record.metric(scored={_sequence(reference, got): [len(got),
+                                                                 kv_engine.beyond_noise(reference, got, scored)]})
+        return worst
+
+    return check_score
 
 
 @pytest.fixture

@@ -6,8 +6,10 @@ each example starts with one neutral call (a 7-token prompt, 2 new tokens) and t
 ``generate()`` calls: 1..4 prompts (1 without ``batching``) of lengths around the boundaries caches
 care about (1, 2, the window W-1/W/W+1/2W, eviction budgets, 15/16/17 ... 255/256/257, capped by the model's
 positions), fresh prompts, prompts sharing a prefix of any length with an earlier one, exact repeats, and 1..64
-new tokens. Invariant after every call: every row is right under the verdict rules (token_match: oracle-side
-verification, near ties), and an engine that ran compiled code compiled nothing after the warmup.
+new tokens or a long generation (LONG_NEW_TOKENS, up to the model's last position: suites/test_long_generation.py's
+bugs, a decode buffer that wraps). Invariant after every call: every row is right under the verdict rules
+(token_match: oracle-side verification, near ties), and an engine that ran compiled code compiled nothing after the
+warmup.
 
 One engine object serves every example (compiled engines cannot be rebuilt per example), so each example's
 calls follow the previous example's; the neutral call at its start overwrites what the last call left (an engine
@@ -50,6 +52,7 @@ PROFILES = ("ci", "dev")
 FUZZ, FUZZ_PROFILE, FUZZ_BUDGET, FUZZ_SEED = "--kv-fuzz", "--kv-fuzz-profile", "--kv-fuzz-budget", "--kv-fuzz-seed"
 BOUNDARIES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257)
 NEW_TOKENS = (1, 2, 3, 8, 15, 16, 17, 32, 33, 63, 64)
+LONG_NEW_TOKENS = (96, 97, 128, 255, 256, 400)  # long generations (hypothesis' draws), capped by the model's positions
 
 
 OPTIONS = [
@@ -111,7 +114,11 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
         rule,
     )
 
+    from pytest_kvcompile.models.checkpoints import max_positions  # torch: imported when fuzzing
+
     vocab, batch = kv_engine.spec.vocab_size, 4 if kv_engine.ref.declaration.batching else 1
+    positions = max_positions(kv_engine.spec.config) or max(lengths) + max(LONG_NEW_TOKENS)
+    new_tokens = st.sampled_from(NEW_TOKENS) | st.integers(1, 64) | st.sampled_from(LONG_NEW_TOKENS)
 
     class EngineFuzz(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -130,6 +137,7 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
                 kv_engine.generate([neutral], 2)
 
         def _run(self, prompts: list[tuple[int, ...]], n: int) -> None:
+            n = max(1, min(n, positions - max(map(len, prompts))))  # a long generation ends at the last position
             self.calls.append((prompts, n))
             self.prompts += prompts  # bookkept even when idle: rule preconditions read it (same draws on a replay)
             if self.idle:
@@ -145,14 +153,14 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
         @rule(size=st.sampled_from(range(1, batch + 1)),
               rows=st.lists(st.tuples(st.sampled_from(lengths) | st.integers(1, max(lengths)), st.integers(0, 2**16)),
                             min_size=batch, max_size=batch),
-              n=st.sampled_from(NEW_TOKENS) | st.integers(1, 64))
+              n=new_tokens)
         def fresh_prompts(self, size, rows, n) -> None:
             self._run([tokens(seed, length, vocab) for length, seed in rows[:size]], n)
 
         @precondition(lambda self: self.prompts)
         @rule(pick=st.integers(0, 2**16), shared=st.sampled_from(lengths) | st.integers(1, max(lengths)),
               tail=st.integers(1, 40), seed=st.integers(0, 2**16), alone=st.booleans(),
-              n=st.sampled_from(NEW_TOKENS) | st.integers(1, 64))
+              n=new_tokens)
         def shared_prefix(self, pick, shared, tail, seed, alone, n) -> None:
             earlier = self.prompts[pick % len(self.prompts)]
             k = min(shared, len(earlier))
@@ -160,7 +168,7 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
             self._run([prompt] if alone or batch == 1 else [prompt, earlier], n)
 
         @precondition(lambda self: self.prompts)
-        @rule(pick=st.integers(0, 2**16), n=st.sampled_from(NEW_TOKENS) | st.integers(1, 64))
+        @rule(pick=st.integers(0, 2**16), n=new_tokens)
         def repeat(self, pick, n) -> None:
             self._run([self.prompts[pick % len(self.prompts)]], n)
 

@@ -23,17 +23,26 @@ import pytest
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
+from pytest_kvcompile.engines.server import ServerEngine
 from pytest_kvcompile.errors import CallTimeout, EngineProcessDied
 from pytest_kvcompile.memory.measure import Held, held_by, live_tensor_bytes
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.reference import Reference
-from pytest_kvcompile.oracles.token_match import Verdict, allowed_gap, check_score, check_tokens
+from pytest_kvcompile.oracles.token_match import (
+    Verdict,
+    allowed_gap,
+    check_logprobs,
+    check_score,
+    check_tokens,
+    compared_rows,
+)
 from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder, reset_dynamo
 from pytest_kvcompile.run.isolation import IsolatedEngine
 from pytest_kvcompile.verdicts.failures import Where
 
 FRESH_ENGINE = "--kv-fresh-engine"
 CALL_TIMEOUT = "--kv-call-timeout"
+CONCURRENT_TIMEOUT_S = 300.0  # concurrent calls (`EngineUnderTest.concurrently`) without --kv-call-timeout
 
 
 @contextlib.contextmanager
@@ -123,6 +132,7 @@ class EngineUnderTest:
     call_timeout: float = 0.0  # --kv-call-timeout, for in-process engines (isolated ones enforce it in the parent)
     broken: str | None = None  # why this engine object must not serve another test (a call timed out, its process died)
     excluded: tuple[int, ...] = ()  # ids it declares it never emits on this model (Declaration.never_emits)
+    noise: Any = None  # oracles.precision.Noise its verdict numbers were measured from (16-bit, a KV stored lower)
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' on model '{self.spec.name}'>"
@@ -163,6 +173,72 @@ class EngineUnderTest:
             if events:
                 self.progress(f"{self.name} / {self.spec.name}: {self.history[-1]} compiled {len(events)} "
                               f"frame(s), {time.perf_counter() - started:.1f} s")
+
+    @contextlib.contextmanager
+    def drafting(self, drafter: Any) -> Iterator[None]:
+        """A speculative engine's ``use_drafter(drafter)`` (contract/speculative.py) for the calls inside, then its own
+        draft again (``use_drafter(None)``): the engine object serves later tests as built."""
+        __tracebackhide__ = True
+        with self._guarded(f"use_drafter({type(drafter).__name__})"):
+            engine_io.use_drafter(self.ref, self.engine, drafter)
+        try:
+            yield
+        finally:
+            if not self.broken:
+                with self._guarded("use_drafter(None)"):
+                    engine_io.use_drafter(self.ref, self.engine, None)
+
+    def acceptance(self, rows: int) -> list[list[tuple[int, int]]]:
+        """A speculative engine's ``acceptance()`` after a generate() of `rows` prompts, validated: per row its
+        (drafted, accepted) pairs per verify step."""
+        __tracebackhide__ = True
+        with self._guarded("acceptance()"):
+            return engine_io.acceptance(self.ref, self.engine, rows, self.ref.declaration.speculative.k)
+
+    def concurrently(self, calls: Sequence[Sequence[Prompt]],
+                     max_new_tokens: int | None = None) -> list[list[list[int]]]:
+        """Each entry of `calls` as one ``generate()`` call, all released at once from threads of their own (a
+        server's concurrent users; an engine declaring thread_safe), validated like any call and recorded in `history`.
+        Fails the test naming the call that raised, or that did not return within --kv-call-timeout (else
+        CONCURRENT_TIMEOUT_S): a stuck thread is left behind (a daemon), the engine object is not used again."""
+        __tracebackhide__ = True
+        n = max_new_tokens or self.max_new_tokens
+        limit = self.call_timeout or CONCURRENT_TIMEOUT_S
+        found: list[Any] = [None] * len(calls)
+        start = threading.Barrier(len(calls))
+        shown = [f"{Call(tuple(len(p) for p in call), n)}" for call in calls]
+
+        def run(i: int) -> None:
+            try:
+                start.wait(limit)
+                found[i] = ("ok", engine_io.generate(self.ref, self.engine, [p.ids for p in calls[i]], n,
+                                                     self.spec.vocab_size,
+                                                     outside=self.outside_bounds([len(p) for p in calls[i]], n)))
+            except BaseException as exc:  # pytest.fail/skip outcomes too: re-raised in the test's thread
+                found[i] = ("raised", exc)
+
+        self.on_call(self.name, self.spec.name, f"{len(calls)} concurrent calls: {'; '.join(shown)}", len(self.history))
+        threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"kvcompile-call-{i}")
+                   for i in range(len(calls))]
+        recorder = CompileRecorder()
+        deadline = time.monotonic() + limit
+        with recorder:
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(max(0.0, deadline - time.monotonic()))
+        events = tuple(recorder.events)
+        self.history += [Call(tuple(len(p) for p in call), n, events if i == 0 else ()) for i, call in enumerate(calls)]
+        hung = [i for i, thread in enumerate(threads) if thread.is_alive()]
+        if hung:
+            self.broken = (f"engine '{self.name}' on model '{self.spec.name}': call {hung[0] + 1} of {len(calls)} sent "
+                           f"concurrently, {shown[hung[0]]}, did not return within {limit:g} s "
+                           f"({CALL_TIMEOUT} or {CONCURRENT_TIMEOUT_S:g} s); {len(hung)} call(s) still running")
+            pytest.fail(self.broken + "\n  The next test of this engine x model builds it anew.", pytrace=False)
+        raised = next((result[1] for result in found if result[0] == "raised"), None)
+        if raised is not None:
+            raise raised
+        return [result[1] for result in found]
 
     def outside_bounds(self, lengths: Sequence[int], new_tokens: int) -> str | None:
         """Why this call is outside the shapes the engine declares it refuses (Declaration.bounds), or None. The call
@@ -264,10 +340,24 @@ class EngineUnderTest:
         the verdict, or TokenMismatch (the kv_check_tokens fixture records either for the reports)."""
         __tracebackhide__ = True
         return check_tokens(
-            reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.max_near_ties, engine=self.name,
+            reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.near_tie_budget(len(reference.tokens)),
+            engine=self.name,
             model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
             context=self.served(len(self.history) - 1), excluded=self.excluded,
+            engine_top=self.engine.top_logprobs(prompt.ids, got) if self.server else None,
         )
+
+    @property
+    def server(self) -> bool:
+        """The engine is a server over HTTP (engines/server.py): its answers carry its own top-k log-probabilities."""
+        return isinstance(self.engine, ServerEngine)
+
+    def near_tie_budget(self, steps: int) -> int | None:
+        """Near ties one sequence of `steps` may hold: the run's budget, set for --kv-max-new-tokens steps; a longer
+        sequence (a long generation) in 16-bit gets the measured noise's budget for its own length, never less."""
+        if self.max_near_ties is None or self.noise is None or steps <= self.max_new_tokens:
+            return self.max_near_ties
+        return max(self.max_near_ties, self.noise.max_near_ties(steps))
 
     def check(self, *args: Any, **kwargs: Any) -> Verdict:
         """Deprecated spelling of `check_tokens` (it checks the tokens and records nothing: use kv_check_tokens)."""
@@ -312,13 +402,50 @@ class EngineUnderTest:
         return (f"at step {step} ({a} vs {b}): {judge} separates the two by a logit gap of {gap:.4g} > {allowed:.4g}, "
                 "not a near tie")
 
-    def check_score(self, reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
-        """A declared score(): its rows against the oracle's along `got`, and its argmax against `got`."""
+    def scored(self, prompt: Prompt, got: Sequence[int]) -> Any:
+        """The engine's declared score(prompt, got): logits [len(got), vocab], validated (None: it declares none)."""
         __tracebackhide__ = True
         if not self.ref.declaration.scoring:
             return None
         with self._guarded(f"score(<prompt of length {len(prompt)}>, <continuation of length {len(got)}>)"):
-            scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
+            return engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
+
+    def beyond_noise(self, reference: Reference, got: Sequence[int], scored: Any) -> int:
+        """Steps where `scored` (score() of `got`) is farther from the oracle's rows than the typical noise of the
+        dtype's computations (oracles/precision.py: logit_threshold; measured runs and a scored oracle only)."""
+        from pytest_kvcompile.oracles.precision import logit_errors
+
+        truth = compared_rows(reference, got, scored, self.tie_tolerance, self.excluded).double().clone()
+        if self.excluded:
+            truth[:, list(self.excluded)] = -float("inf")  # out of the oracle's choice, as in the token checks
+        return int((logit_errors(truth, scored) > self.noise.logit_threshold).sum())
+
+    def check_score(self, reference: Reference, got: Sequence[int], prompt: Prompt, scored: Any = None) -> float | None:
+        """A declared score(): its rows (`scored`, else asked now) against the oracle's along `got`, and its argmax
+        against `got`."""
+        __tracebackhide__ = True
+        if not self.ref.declaration.scoring:
+            return self._check_logprobs(reference, got, prompt) if self.server else None
+        scored = self.scored(prompt, got) if scored is None else scored
         return check_score(reference, got, scored, tie_tolerance=self.tie_tolerance,
                            score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
                            prompt=f"prompt '{prompt.name}'", excluded=self.excluded)
+
+    def _check_logprobs(self, reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
+        """A server's teacher-forced top-k log-probabilities along `got` against the oracle's
+        (token_match.check_logprobs): the check of score() for engines giving log-probabilities; None where its API
+        gives none (llama.cpp)."""
+        __tracebackhide__ = True
+        what = f"prompt log-probabilities(<prompt of length {len(prompt)}>, <continuation of length {len(got)}>)"
+        with self._guarded(what):
+            try:
+                rows = self.engine.teacher_forced(prompt.ids, got)
+            except EngineProcessDied as exc:
+                self.broken = getattr(self.engine, "dead", None)
+                pytest.fail(str(exc), pytrace=False)
+        if rows is None:
+            return None
+        return check_logprobs(reference, got, rows, tie_tolerance=self.tie_tolerance,
+                              score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
+                              prompt=f"prompt '{prompt.name}'", excluded=self.excluded)
+

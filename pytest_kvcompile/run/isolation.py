@@ -3,8 +3,9 @@
 Native runtimes (llama.cpp, ONNX Runtime, C++ engines) can segfault, abort or hang inside C code, and in the
 pytest process that takes the run and its reports with it. An *isolated* engine (its declaration says
 ``isolated=True``, or ``--kv-isolate=NAME,...|all``) is built in a child Python process; ``generate``, ``score``,
-``kv_cache_bytes`` and the memory measurements are forwarded to it over a pipe, and what dynamo did in the child
-comes back with every call, so the recompile and memory checks still observe the engine itself.
+``kv_cache_bytes``, a speculative engine's ``use_drafter`` and ``acceptance``, and the memory measurements are
+forwarded to it over a pipe, and what dynamo did in the child comes back with every call, so the recompile and memory
+checks still observe the engine itself.
 
 - The child dies (a signal, ``os._exit``): the test fails naming the signal, the call and the engine's last output
   (faulthandler's Python stack included).
@@ -93,6 +94,12 @@ class IsolatedEngine:
 
     def kv_cache_bytes(self) -> Any:
         return self._ask(("kv_cache_bytes",), "kv_cache_bytes()")
+
+    def use_drafter(self, drafter: Any) -> None:  # a speculative engine's (contract/speculative.py): picklable drafters
+        self._ask(("use_drafter", drafter), f"use_drafter({type(drafter).__name__})")
+
+    def acceptance(self) -> Any:
+        return self._ask(("acceptance",), "acceptance()")
 
     def remote(self, what: str) -> Any:
         """A measurement or reset in the engine's process: 'held' (memory.measure.held_by of the engine),
@@ -351,6 +358,10 @@ def _answer(engine: Any, request: tuple) -> Any:
         return engine.score(*args)
     if kind == "kv_cache_bytes":
         return engine.kv_cache_bytes()
+    if kind == "use_drafter":
+        return engine.use_drafter(*args)
+    if kind == "acceptance":
+        return engine.acceptance()
     if kind == "held":
         return held_by(engine)
     if kind == "freeze":

@@ -26,7 +26,7 @@ from pytest_kvcompile.contract.engine import (
     missing_capability,
     never_emitted,
 )
-from pytest_kvcompile.contract.registry import EngineRef
+from pytest_kvcompile.contract.registry import SERVER_SOURCE, EngineRef
 from pytest_kvcompile.errors import NotApplicable, Unjudgeable
 from pytest_kvcompile.latency.marker import Settings as LatencySettings
 from pytest_kvcompile.models import checkpoints as models
@@ -40,6 +40,8 @@ from pytest_kvcompile.recompiles.recorder import CompileRecorder, reset_dynamo
 from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
 from pytest_kvcompile.run.isolation import IsolatedEngine
 from pytest_kvcompile.verdicts.rows import Collector
+
+SERVED_PROBE = (1, 7, 23)  # prompt lengths a user's server answers before anything is judged (Session._check_served)
 
 
 @dataclass
@@ -100,6 +102,8 @@ class Session:
             if not broken:
                 return built
             self.progress(f"{name} / {model}: building it anew ({broken.splitlines()[0]})")
+            if built.server:  # a managed server that hung is stopped now, not when the object is collected
+                built.engine.close()
         self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
         try:
             self._built[key] = self.fresh_engine(name, model)
@@ -156,12 +160,48 @@ class Session:
             stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
             if not isinstance(stored, str) and stored.score_noise is not None:
                 self.collector.add(name, model, eviction_noise=stored.score_noise.to_dict())
-        return EngineUnderTest(
+        built = EngineUnderTest(
             ref, spec, instance, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
             build_compiles=build_compiles, build_captures=build_captures, call_timeout=settings.call_timeout,
             max_near_ties=rules.max_near_ties, score_tolerance=rules.score_tolerance,
             cuda_grown=grown, progress=self.progress, on_call=self.on_call, excluded=tuple(sorted(excluded)),
+            noise=rules.noise,
         )
+        if ref.source == SERVER_SOURCE:
+            self._check_served(built)
+        return built
+
+    def _check_served(self, built: EngineUnderTest) -> None:
+        """A server the user runs must serve the run's checkpoint: the first token of its answers to probe prompts
+        (SERVED_PROBE lengths, alone: prefill only) against the oracle's, up to a near tie. Fails (every test of the
+        engine x model) with what it says it serves before anything is judged; a server computing the checkpoint wrongly
+        later (decode, batching, caching) is left to the checks, which say where. Without an oracle the checks that
+        need one skip anyway."""
+        from pytest_kvcompile.models.prompts import of_length
+        from pytest_kvcompile.oracles.token_match import token_verdict
+
+        __tracebackhide__ = True
+        name, model, engine = built.name, built.spec.name, built.engine
+        try:
+            oracle = self.oracle(name, model)
+        except NotApplicable:
+            return
+        for length in SERVED_PROBE:
+            prompt = of_length(length, built.spec.vocab_size, salt=43)
+            reference = oracle.reference(prompt.ids, built.max_new_tokens)
+            got = engine_io.generate(built.ref, engine, [prompt.ids], built.max_new_tokens, built.spec.vocab_size)[0]
+            verdict = token_verdict(reference, got, built.tie_tolerance, None, built.excluded,
+                                    engine.top_logprobs(prompt.ids, got) if built.server else None)
+            bad = verdict.mismatch
+            if bad is not None and bad.step == 0:
+                served = engine.served.describe() if built.server else "(not asked: the engine runs isolated)"
+                gap = f" by a logit gap of {bad.gap:.4g}" if reference.scored else ""
+                pytest.fail(
+                    f"engine '{name}' does not serve model '{model}' ({built.spec.path}): a probe prompt of length "
+                    f"{length}, sent alone, starts {got[:4]} where that checkpoint gives {list(reference.tokens[:4])} "
+                    f"(its first token: the checkpoint prefers {bad.expected}{gap} over {bad.got}); nothing was "
+                    f"judged. The server describes its model as: {served}. Start it on that checkpoint, or give the "
+                    "checkpoint it serves with --kv-model=PATH --kv-zoo=none", pytrace=False)
 
     def oracle(self, name: str, model: str) -> StoredOracle:
         """The engine's oracle on the model (memoized, disk-cached, self-checked): with --kv-oracle=hf (default) the

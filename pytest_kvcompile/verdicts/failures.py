@@ -30,11 +30,13 @@ class Kind(str, Enum):
     MEMORY = "memory"  # a memory marker's limit
     LATENCY = "latency"  # a latency budget
     CRASH = "crash"  # the engine's process, or the xdist worker running it, died
+    SPECULATION = "speculation"  # a speculative engine kept another number of drafts than a correct one would
     OTHER = "other"  # any other failing test: its message says what
     # run rules: they fail the run, not one test
     VACUOUS = "vacuous"  # token checks ran on an engine x model but verified no token
     NO_EVICTION = "no_eviction"  # an evicting strategy evicted nothing on any verified sequence
     RUN_DRIFT = "run_drift"  # near ties per verified token over the run beyond the rate a correct engine reaches
+    LOGIT_DRIFT = "logit_drift"  # score() rows beyond the dtype's typical noise more often than its computations are
 
     def __str__(self) -> str:
         return self.value

@@ -17,6 +17,7 @@ import math
 import platform
 import statistics
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
@@ -24,7 +25,7 @@ from typing import Any, TypedDict
 
 import pytest
 
-from pytest_kvcompile.config.tolerances import FALSE_ALARM, run_rate_exceeded
+from pytest_kvcompile.config.tolerances import FALSE_ALARM, POWER_MULTIPLE, binomial_tail, power, run_rate_exceeded
 from pytest_kvcompile.verdicts.failures import Kind, Problem
 
 OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
@@ -60,6 +61,17 @@ class Compiles(TypedDict, total=False):
 class KVBytes(TypedDict):
     expected: int | None
     measured: int
+
+
+class Speculation(TypedDict):
+    """A speculative engine's verify steps as it reported them (contract/speculative.py: acceptance()): drafts per step
+    `k`, `steps`, tokens `drafted` and `accepted` over them, and per "accepted/drafted" how many steps kept that."""
+
+    k: int
+    steps: int
+    drafted: int
+    accepted: int
+    lengths: dict[str, int]
 
 
 class Check(TypedDict, total=False):
@@ -104,8 +116,11 @@ class Row(TypedDict):
     noise: dict[str, Any] | None  # oracles.precision.Noise.to_dict()
     eviction_noise: dict[str, Any] | None  # oracles.eviction.ScoreNoise.to_dict()
     fuzz_coverage: dict[str, Any] | None  # run.fuzz.Coverage
+    speculation: Speculation | None
     oracle: dict[str, Any] | None  # {"source", "engine", "limitations"}
     sequences: dict[str, list[int]]
+    scored: dict[str, list[int]]  # distinct scored sequences -> [positions, beyond the typical noise] (RunRate)
+    concurrency: dict[str, dict[str, int]]  # round ("alone", "N=4", ...) -> responses: identical, near_tie, wrong
 
 
 class MergeError(ValueError):
@@ -138,8 +153,11 @@ def new_row(engine: str, model: str, device: str, dtype: str) -> Row:
         "noise": None,  # 16-bit runs: the model's measured noise and the verdict numbers from it (oracles/precision.py)
         "eviction_noise": None,  # 16-bit runs of a scoring eviction policy: its cuts' noise (oracles/eviction.py)
         "fuzz_coverage": None,  # --kv-fuzz: conditions on two consecutive calls the covering walk made (run/fuzz.py)
+        "speculation": None,  # a speculative engine's reported verify steps (suites/test_speculative.py)
         "oracle": None,  # {"source", "engine": an engine oracle, "limitations": [str]} (oracles/store.py: facts)
         "sequences": {},  # distinct verified sequences (key of prompt + engine tokens) -> [verified tokens, near ties]
+        "scored": {},  # measured runs: distinct score()d sequences -> [positions, beyond the typical noise] (RunRate)
+        "concurrency": {},  # suites/test_concurrency.py: round -> {"identical", "near_tie", "wrong"} responses
     }
 
 
@@ -161,6 +179,13 @@ def _merge_kv_bytes(a, b):
     return max(a, b, key=lambda x: (x["expected"] is not None, x["measured"]))
 
 
+def _merge_speculation(a, b):
+    """Steps of separate tests add up."""
+    lengths = Counter(a["lengths"]) + Counter(b["lengths"])
+    return {**{n: a[n] + b[n] for n in ("steps", "drafted", "accepted")}, "k": max(a["k"], b["k"]),
+            "lengths": dict(lengths)}
+
+
 def _merge_latency(a, b):
     protocol = ("prompt_len", "decode_tokens", "timer")
     if any(a[k] != b[k] for k in protocol):
@@ -175,7 +200,8 @@ _OPTIONAL = {"compiles": _merge_compiles, "kv_bytes": _merge_kv_bytes, "latency"
              "noise": lambda a, b: a, "eviction_noise": lambda a, b: a,
              "oracle": lambda a, b: {**a, "limitations": list(dict.fromkeys(a["limitations"] + b["limitations"]))},
              # one walk per engine and model in a run; across runs, the one that covered most
-             "fuzz_coverage": lambda a, b: max(a, b, key=lambda x: (x["covered"], x["calls"]))}
+             "fuzz_coverage": lambda a, b: max(a, b, key=lambda x: (x["covered"], x["calls"])),
+             "speculation": _merge_speculation}
 
 
 def merge_row(into: Row, row: Row) -> None:
@@ -195,7 +221,12 @@ def merge_row(into: Row, row: Row) -> None:
         mine["reason"] = mine["reason"] or seen["reason"]
     into["versions"] = list(dict.fromkeys(into.get("versions", []) + row.get("versions", [])))
     into["failures"] += [f for f in row["failures"] if f not in into["failures"]]
-    into["sequences"] = {**into.get("sequences", {}), **row.get("sequences", {})}
+    for name in ("sequences", "scored"):  # keyed by sequence: one verified twice, or in two workers, counts once
+        into[name] = {**into.get(name, {}), **row.get(name, {})}
+    for label, counts in row.get("concurrency", {}).items():
+        mine = into.setdefault("concurrency", {}).setdefault(label, {})
+        for name, n in counts.items():
+            mine[name] = mine.get(name, 0) + n
     for field, merge in _OPTIONAL.items():
         if row.get(field) is not None:
             try:
@@ -226,6 +257,21 @@ def coverage_line(found: dict[str, Any]) -> str:
     parts = ", ".join(f"{p} {c}/{n}" for p, (c, n) in found["parts"].items())
     return (f"{found['covered']}/{found['possible']} conditions on two consecutive calls covered ({parts}) in "
             f"{found['calls']} calls, {found['seconds']} s")
+
+
+def speculation_line(found: Speculation) -> str:
+    """A speculative engine's verify steps: drafted vs accepted, and each acceptance length with its count."""
+    lengths = sorted(found["lengths"].items(), key=lambda x: tuple(int(n) for n in reversed(x[0].split("/"))))
+    share = f"{found['accepted'] / found['drafted']:.0%}" if found["drafted"] else "-"
+    return (f"{found['steps']} verify step(s) of up to {found['k']} drafts: {found['accepted']} of {found['drafted']} "
+            f"drafted tokens accepted ({share}); accepted/drafted per step: "
+            + ", ".join(f"{length} x{count}" for length, count in lengths))
+
+
+def concurrency_line(found: dict[str, dict[str, int]]) -> str:
+    """Per round of the concurrency suite, its responses: identical, within near ties, wrong."""
+    return "; ".join(f"{label}: {c.get('identical', 0)} identical, {c.get('near_tie', 0)} within near ties, "
+                     f"{c.get('wrong', 0)} wrong" for label, c in found.items())
 
 
 def stats(samples: list[float] | tuple[float, ...]) -> dict[str, float]:
@@ -392,21 +438,20 @@ def run_problems(rows: list[Row], max_near_tie_rate: float | None) -> list[Probl
                 f"its eviction strategy evicted nothing on any of the {row['evicting']} verified sequence(s), so they "
                 "proved nothing about eviction (the prompt set adds budget+1 and 2*budget+3 tokens within the model's "
                 "position limit: a larger budget cannot be exercised on this model)"), **at))
+        spec = row.get("speculation")
+        if spec and not 0 < spec["accepted"] < spec["drafted"]:
+            problems.append(Problem(Kind.VACUOUS, message=(
+                f"it declares speculative decoding, but over its {spec['steps']} reported verify step(s) "
+                f"{'no draft was rejected' if spec['drafted'] else 'nothing was drafted'}"
+                f"{' and none accepted' if not spec['accepted'] else ''}: the steps proved nothing about keeping "
+                "accepted drafts and rolling back rejected ones"), **at))
     by_engine: dict[tuple, list[int]] = {}
     for row in rows:
-        noise = row.get("noise")
         at = dict(engine=row["engine"], model=row["model"], device=row["device"], dtype=row["dtype"])
-        if max_near_tie_rate is None or (noise and noise.get("kv_dtype")):  # measured (16-bit, a KV stored lower):
-            # distinct sequences, so a repeated one counts once
-            rate = noise["flip_rate_bound"] if noise else None
-            distinct = row.get("sequences", {}).values()
-            verified, ties = sum(v for v, _ in distinct), sum(t for _, t in distinct)
-            if rate is not None and run_rate_exceeded(ties, verified, rate):
-                problems.append(Problem(Kind.RUN_DRIFT, message=(
-                    f"{ties} near ties in {verified} verified tokens of {len(distinct)} distinct sequences "
-                    f"({ties / verified:.1%}): a correct engine flipping at the model's measured rate (<= {rate:.1%}) "
-                    f"shows this many with probability < {FALSE_ALARM:g}: numerics drift over the run (the near ties "
-                    "are listed above)"), **at))
+        for found in run_rates(row, max_near_tie_rate):
+            if found.failed:
+                problems.append(Problem(found.kind, message=found.failure(), **at))
+        if max_near_tie_rate is None or (row.get("noise") or {}).get("kv_dtype"):  # measured: a RunRate above
             continue
         found = by_engine.setdefault((row["engine"], row["device"], row["dtype"]), [0, 0])
         found[0] += row.get("near_tie_tokens", 0)
@@ -418,6 +463,100 @@ def run_problems(rows: list[Row], max_near_tie_rate: float | None) -> list[Probl
                 f"--kv-max-near-tie-rate={max_near_tie_rate:g}: numerics drift over the run (the near ties are listed "
                 "above)")))
     return problems
+
+
+#: What makes an engine's numerics noisier than the dtype's own computations: the failing run rules' advice.
+NOISIER = ("a KV cache or activations kept in a format coarser than {dtype} (declare Declaration.kv_dtype if the cache "
+           "is stored lower on purpose), RoPE angles or the softmax scale computed in {dtype} rather than float32, "
+           "softmax or matmul accumulation in {dtype}: compare its attention and cache step by step with transformers' "
+           "{dtype} path on the prompt of a near tie")
+
+
+@dataclass(frozen=True)
+class RunRate:
+    """A run-level rate of one engine x model where the verdict numbers are measured (16-bit, or a KV cache stored
+    lower: oracles/precision.py): `events` in `positions` (of `sequences` distinct sequences: one verified again
+    counts once), against the share `measured` of positions where the noisiest equivalent computation shows the same
+    event in calibration, and its 97.5% upper bound `bound`. The rule fails where a computation at the bound shows
+    this many events with probability (`p_value`) < FALSE_ALARM, as a sequence's near-tie budget does. `power`: the
+    chance that an engine POWER_MULTIPLE x as noisy (POWER_MULTIPLE x `measured`) fails it at these positions.
+
+    Near ties (`kind` RUN_DRIFT): the engine's token is not the truth's best, against the flip rate. score() rows
+    (LOGIT_DRIFT): its logits are farther from the truth than `threshold` (the computations' median error on the
+    truth's top-8 logit differences), against the beyond rate."""
+
+    kind: Kind
+    events: int
+    positions: int
+    sequences: int
+    measured: float
+    bound: float
+    dtype: str
+    threshold: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return self.events / self.positions if self.positions else 0.0
+
+    @property
+    def p_value(self) -> float:
+        return binomial_tail(self.positions, self.bound, self.events)
+
+    @property
+    def failed(self) -> bool:
+        return run_rate_exceeded(self.events, self.positions, self.bound)
+
+    @property
+    def power(self) -> float:
+        return power(self.positions, self.bound, min(1.0, POWER_MULTIPLE * self.measured))
+
+    @property
+    def what(self) -> str:
+        if self.kind == Kind.RUN_DRIFT:
+            return f"near ties {self.events} in {self.positions} verified positions"
+        return (f"score() beyond {self.threshold:.3g} of the truth at {self.events} of {self.positions} scored "
+                "positions")
+
+    def line(self) -> str:
+        """`what` beside the computations' rate, the p-value and the power, for the report."""
+        return (f"{self.what} ({self.sequences} sequences): {self.rate:.2%} vs correct {self.dtype} computations "
+                f"{self.measured:.2%} (bound {self.bound:.2%}): p = {self.p_value:.2g}"
+                f"{f' < {FALSE_ALARM:g}: FAILS' if self.failed else ''}; an engine {POWER_MULTIPLE}x as noisy fails "
+                f"here with probability {self.power:.0%}")
+
+    def failure(self) -> str:
+        """The failing rule's message: the rates, the p-value, what to try."""
+        if self.kind == Kind.RUN_DRIFT:
+            found = (f"{self.events} near ties in {self.positions} verified positions ({self.sequences} distinct "
+                     f"sequences), {self.rate:.2%}, where correct {self.dtype} computations of this model flip at "
+                     f"{self.measured:.2%} (bound {self.bound:.2%}; the near ties are listed above)")
+        else:
+            found = (f"its score() rows are farther than {self.threshold:.3g} (the median error of the {self.dtype} "
+                     f"computations) from the float64 truth on its top-8 logit differences at {self.events} of "
+                     f"{self.positions} scored positions, {self.rate:.2%}, where the noisiest computation is that "
+                     f"far at {self.measured:.2%} (bound {self.bound:.2%}): its logits drift more than the dtype's "
+                     "computations do, whether or not a token flips")
+        return (f"{found}: p = {self.p_value:.2g} < {FALSE_ALARM:g}, numerics noisier than the dtype's own over the "
+                f"run; try: {NOISIER.format(dtype=self.dtype)}")
+
+
+def run_rates(row: Row, max_near_tie_rate: float | None = None) -> list[RunRate]:
+    """The measured run-level rates of `row` (RunRate): near ties over its distinct verified sequences unless the
+    near-tie rate is given (`max_near_tie_rate`, and the engine stores no KV lower), score() rows over its distinct
+    scored ones; none without measured noise."""
+    noise = row.get("noise")
+    if not noise:
+        return []
+    found = []
+    if max_near_tie_rate is None or noise.get("kv_dtype"):
+        distinct = row.get("sequences", {}).values()
+        found.append(RunRate(Kind.RUN_DRIFT, sum(t for _, t in distinct), sum(v for v, _ in distinct), len(distinct),
+                             noise["flip_rate"], noise["flip_rate_bound"], row["dtype"]))
+    scored = row.get("scored", {}).values()
+    if scored and "beyond_rate_bound" in noise:
+        found.append(RunRate(Kind.LOGIT_DRIFT, sum(b for _, b in scored), sum(n for n, _ in scored), len(scored),
+                             noise["beyond_rate"], noise["beyond_rate_bound"], row["dtype"], noise["logit_threshold"]))
+    return found
 
 
 def skipped_everywhere(rows: list[Row]) -> list[str]:

@@ -1,0 +1,228 @@
+"""The documentation site's reference pages, rendered from the code's own tables (never copied by hand).
+
+A page asks for a table with a line of its own, ``<!-- kvcompile: NAME -->``; ``docs/hooks.py`` (the MkDocs hook)
+replaces it with ``render(NAME)`` when the site is built, so a page can never name an option, marker, fixture, field
+or engine the code does not have with a table that says otherwise. NAME is one of `TABLES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+import subprocess
+import sys
+import typing
+from collections.abc import Callable
+from pathlib import Path
+
+DIRECTIVE = re.compile(r"^<!-- kvcompile: ([a-z-]+) -->$", re.M)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cell(text: object) -> str:
+    """One table cell: one line, its pipes escaped except inside code spans (Python-Markdown's tables skip those)."""
+    parts = re.split(r"(`[^`]*`)", " ".join(str(text).split()))
+    return "".join(part if part.startswith("`") else part.replace("|", "\\|") for part in parts)
+
+
+def _table(header: tuple[str, ...], rows: list[tuple[object, ...]], right: tuple[int, ...] = ()) -> str:
+    """A Markdown table; `right`: the columns aligned right (numbers)."""
+    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
+    lines = ["| " + " | ".join(header) + " |", rule]
+    return "\n".join(lines + ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows])
+
+
+def all_options() -> list:
+    """Every option the plugin adds (plugin.py's OPTIONS: the core's, the fuzzer's, latency's, the reports')."""
+    from pytest_kvcompile import reports
+    from pytest_kvcompile.config import options
+    from pytest_kvcompile.latency import marker as latency_marker
+    from pytest_kvcompile.run import fuzz
+
+    return [*options.OPTIONS, *fuzz.OPTIONS, *latency_marker.OPTIONS, *reports.OPTIONS]
+
+
+def options_table() -> str:
+    def default(option) -> str:
+        if option.kind == "bool":
+            return "off"
+        value = option.default
+        return f"`{value}`" if value not in ("", None, []) else "none"
+
+    return _table(("option", "ini key", "default", "what it does"),
+                  [(f"`{o.flag}{'=' + o.metavar if o.metavar else ''}`", f"`{o.ini}`", default(o), o.help)
+                   for o in all_options()])
+
+
+def _pytest_lines(flag: str) -> list[str]:
+    """What ``pytest FLAG`` prints with only this plugin's entry point loaded, run from an empty directory."""
+    out = subprocess.run([sys.executable, "-m", "pytest", flag, "-p", "no:cacheprovider", "-p", "no:benchmark",
+                          "-p", "no:xdist", "-p", "no:hypothesispytest", "--rootdir", "/", "-c", "/dev/null"],
+                         capture_output=True, text=True, cwd="/", check=False).stdout
+    return out.splitlines()
+
+
+def markers_table() -> str:
+    """The kvcompile markers as ``pytest --markers`` shows them (the ini ``markers`` lines the plugin registers)."""
+    rows = []
+    for line in _pytest_lines("--markers"):
+        found = re.match(r"@pytest\.mark\.((?:no_recompile|limit_memory|latency_budget|kv_requires)\b[^:]*): (.*)",
+                         line)
+        if found:
+            rows.append((f"`@pytest.mark.{found.group(1)}`", found.group(2)))
+    return _table(("marker", "what it checks"), rows)
+
+
+def fixtures_table() -> str:
+    """The ``kv_*`` fixtures with their docstrings' first paragraph (``pytest --fixtures``)."""
+    from pytest_kvcompile.run import fixtures
+
+    rows = []
+    for name, obj in sorted(vars(fixtures).items()):
+        if hasattr(obj, "_get_wrapped_function"):  # pytest 9: a FixtureFunctionDefinition
+            function = obj._get_wrapped_function()
+        else:  # pytest 8: the function itself, marked
+            function = obj if hasattr(obj, "_pytestfixturefunction") else None
+        if name.startswith("kv_") and function is not None:
+            rows.append((f"`{name}`", (inspect.getdoc(function) or "").split("\n\n")[0]))
+    return _table(("fixture", "what it gives"), rows)
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """field -> its description: the ``- `field`: text`` bullets of the class docstring (continuation lines joined)."""
+    found: dict[str, str] = {}
+    current = None
+    for line in (inspect.getdoc(cls) or "").splitlines():
+        bullet = re.match(r"- ((?:`\w+`(?:, )?)+):?\s*(.*)", line.strip())
+        if bullet:
+            current = re.findall(r"`(\w+)`", bullet.group(1))
+            for name in current:
+                found[name] = bullet.group(2)
+        elif current and line.startswith("  ") and line.strip():
+            for name in current:
+                found[name] += " " + line.strip()
+        elif not line.strip():
+            current = None
+    return found
+
+
+def dataclass_table(cls: type) -> str:
+    """Fields of a contract dataclass: name, type, default and the description its docstring gives."""
+    docs, hints = _field_docs(cls), typing.get_type_hints(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        if f.name.startswith("_"):
+            continue
+        default = ("required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   else f"`{f.default!r}`" if f.default is not dataclasses.MISSING else "`" + repr(f.default_factory())
+                   + "`")
+        kind = _type_name(hints.get(f.name, f.type))
+        rows.append((f"`{f.name}`", f"`{kind}`", default, docs.get(f.name, "")))
+    summary = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
+    return f"### `{cls.__name__}`\n\n{summary}\n\n" + _table(
+        ("field", "type", "default", "meaning"), rows)
+
+
+def contract_tables() -> str:
+    from pytest_kvcompile.contract import engine
+
+    classes = [getattr(engine, name) for name in ("Declaration", "KVLayout", "Bounds", "PrefixCache", "Strategy")
+               if hasattr(engine, name)]
+    return "\n\n".join(dataclass_table(cls) for cls in classes)
+
+
+def engines_table() -> str:
+    """Every built-in engine: its NAME, where it lives, its declaration's summary and description."""
+    from pytest_kvcompile.contract.engine import declaration_of
+    from pytest_kvcompile.contract.registry import BUILTIN_ENGINES, _import_target
+
+    rows = []
+    for name, target in BUILTIN_ENGINES.items():
+        declared = declaration_of(_import_target(name, target))
+        needs = ", ".join(pip for _, pip in declared.requires) or "-"
+        rows.append((f"`{name}`", f"`{target}`", declared.description, needs))
+    return _table(("NAME", "factory", "what it is", "needs"), rows)
+
+
+def zoo_table() -> str:
+    from pytest_kvcompile.models import zoo
+
+    return _table(("model", "what it is", "in 'all'"),
+                  [(f"`{m.name}`", m.description, "yes" if m.in_all else "named only") for m in zoo.ZOO.values()])
+
+
+def ci_jobs(run: str | None = None) -> list[tuple[str, str]]:
+    """(name, what it runs) of `.ci/run`'s jobs, in order: its ``echo "== NAME: what"`` lines."""
+    text = (ROOT / ".ci" / "run").read_text() if run is None else run
+    return re.findall(r'^echo "== ([\w-]+): (.*)"$', text, re.M)
+
+
+def ci_timings(timings: str | None = None) -> dict[str, str]:
+    """job -> seconds from `.ci/timings` (the record .ci/run writes; committed after a fresh-clone run)."""
+    text = (ROOT / ".ci" / "timings").read_text() if timings is None else timings
+    found = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#") and "\t" in line:
+            name, seconds = line.split("\t", 1)
+            found[name] = seconds.strip()
+    return found
+
+
+def ci_table(run: str | None = None, timings: str | None = None) -> str:
+    """`.ci/run`'s jobs in order with the seconds `.ci/timings` recorded ("-": not recorded yet), and the total."""
+    text = (ROOT / ".ci" / "timings").read_text() if timings is None else timings
+    seconds = ci_timings(text)
+    rows: list[tuple[object, ...]] = [(f"`{name}`", what, seconds.get(name, "-")) for name, what in ci_jobs(run)]
+    total = seconds.get("total", "-")
+    minutes = f" (about {round(int(total) / 60)} min)" if total.isdigit() else ""
+    rows.append(("**total**", "", f"**{total}**{minutes}"))
+    note = " ".join(line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#"))
+    return _table(("job", "what it runs", "seconds"), rows, right=(2,)) + f"\n\nThe record: {_cell(note)}"
+
+
+def schema_table() -> str:
+    """The results JSON (``--kv-report-json``): its version, the versions read back, and a row's fields."""
+    from pytest_kvcompile.reports import json_file
+    from pytest_kvcompile.verdicts import rows as row_module
+
+    row = getattr(row_module, "Row", None)
+    fields: list[tuple[object, ...]] = []
+    if row is not None and dataclasses.is_dataclass(row):
+        hints = typing.get_type_hints(row)
+        fields = [(f"`{f.name}`", f"`{_type_name(hints.get(f.name, f.type))}`") for f in dataclasses.fields(row)
+                  if not f.name.startswith("_")]
+    elif row is not None:
+        fields = [(f"`{name}`", f"`{_type_name(kind)}`") for name, kind in typing.get_type_hints(row).items()]
+    reads = ", ".join(str(v) for v in getattr(json_file, "READS", ()))
+    doc = (inspect.getdoc(json_file) or "").replace("::\n", ":\n")
+    head = (f"`schema_version` **{json_file.SCHEMA_VERSION}** (files of versions {reads} are read back), "
+            f"`kind` `{json_file.KIND}`.")
+    return "\n\n".join([head, doc, "A row's fields (`verdicts/rows.py`):", _table(("field", "type"), fields)])
+
+
+def _type_name(kind: object) -> str:
+    return re.sub(r"\b(typing|pytest_kvcompile\.[\w.]+)\.", "", inspect.formatannotation(kind))
+
+
+TABLES: dict[str, Callable[[], str]] = {
+    "options": options_table,
+    "markers": markers_table,
+    "fixtures": fixtures_table,
+    "contract": contract_tables,
+    "engines": engines_table,
+    "zoo": zoo_table,
+    "ci": ci_table,
+    "schema": schema_table,
+}
+
+
+def render(name: str) -> str:
+    if name not in TABLES:
+        raise KeyError(f"<!-- kvcompile: {name} -->: no such table; choose from {', '.join(TABLES)}")
+    return TABLES[name]()
+
+
+def expand(markdown: str) -> str:
+    """`markdown` with each ``<!-- kvcompile: NAME -->`` line replaced by its table."""
+    return DIRECTIVE.sub(lambda m: render(m.group(1)), markdown)

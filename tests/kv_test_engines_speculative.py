@@ -1,0 +1,80 @@
+"""Speculative decoders for tests/test_speculative.py: a correct variant of ref-speculative, and twins carrying one
+bug each that suites/test_speculative.py must catch. Each changes one method of reference_impls/speculative.py."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pytest_kvcompile.contract.speculative import Speculative
+from reference_impls.speculative import DraftModel, SpeculativeDecoding
+
+
+class SpeculativeK2(SpeculativeDecoding):
+    """Correct: 2 drafts per step."""
+
+    kv_declaration = dataclasses.replace(SpeculativeDecoding.kv_declaration,
+                                         speculative=dataclasses.replace(
+                                             SpeculativeDecoding.kv_declaration.speculative, k=2))
+
+    def __init__(self, spec, *, compile_backend: str = "inductor"):
+        super().__init__(spec, compile_backend=compile_backend, k=2)
+
+
+class KeepsRejectedKV(SpeculativeDecoding):
+    """Bug: every drafted position's K/V stays in the cache, rejected ones too (mlx-lm PR #1109: caches that cannot
+    be trimmed)."""
+
+    def _kept(self, drafts, accepted):
+        return [0 if d is None else 1 + len(d) for d in drafts]
+
+
+class BonusFromTheWrongPosition(SpeculativeDecoding):
+    """Bug: after a rejection the bonus token is read one position late, from the logits that followed the rejected
+    draft (vLLM PR #9730: bonus tokens when k > 1)."""
+
+    def _accept(self, draft, choices):
+        accepted, _ = super()._accept(draft, choices)
+        return accepted, choices[min(accepted + 1, len(draft))]
+
+
+class RollbackOffByOneAtLast(SpeculativeDecoding):
+    """Bug: when the first rejected draft is the last one (j = k - 1), its K/V is kept (an off-by-one at the end of the
+    step's window)."""
+
+    def _kept(self, drafts, accepted):
+        return [k + (d is not None and a == len(d) - 1 == self.k - 1) for k, d, a in
+                zip(super()._kept(drafts, accepted), drafts, accepted)]
+
+
+class OneRowsRollbackForAll(SpeculativeDecoding):
+    """Bug: in a batch, the first row's rollback is applied to every row (rows keeping different lengths)."""
+
+    def _kept(self, drafts, accepted):
+        kept = super()._kept(drafts, accepted)
+        first = next((k for k in kept if k), 0)
+        return [first if d is not None else 0 for d in drafts]
+
+
+class DraftKeepsRejected(DraftModel):
+    """Bug: the draft model's own cache is not rolled back: it keeps its drafts the target rejected and runs the new
+    context's tokens on top of them."""
+
+    def _rollback(self, start, held):
+        return len(held)
+
+
+class DraftCacheNotRolledBack(SpeculativeDecoding):
+    """Bug (draft-model speculation): its draft models' caches are never cropped (DraftKeepsRejected). Every token is
+    still the target's, so only the acceptance the draft earns shows it."""
+
+    draft_model = DraftKeepsRejected
+
+
+class NeverDrafts(SpeculativeDecoding):
+    """Declares speculative decoding but drafts nothing: every step is a plain decode, reported honestly as (0, 0)."""
+
+    kv_declaration = dataclasses.replace(SpeculativeDecoding.kv_declaration, speculative=Speculative(k=4,
+                                         acceptance=True))
+
+    def __init__(self, spec, *, compile_backend: str = "inductor"):
+        super().__init__(spec, compile_backend=compile_backend, k=0)

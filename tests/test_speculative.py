@@ -1,0 +1,146 @@
+"""Speculative decoding (issue 42): suites/test_speculative.py passes ref-speculative and a correct variant, and
+fails each twin of tests/kv_test_engines_speculative.py naming the check that caught it; the schedule, the judge of
+reported steps and the vacuous-run rule as functions."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_suites
+from pytest_kvcompile.contract.engine import Declaration
+from pytest_kvcompile.contract.speculative import Speculative
+from pytest_kvcompile.oracles.reference import Reference
+from pytest_kvcompile.oracles.speculation import (
+    DraftRow,
+    ScheduledDrafter,
+    UnknownContext,
+    choose_swap,
+    judge,
+    schedule_rejects,
+    simulate,
+    swap_rejects,
+)
+from pytest_kvcompile.verdicts.rows import new_row, run_problems, speculation_line
+
+T = "kv_test_engines_speculative:"
+TWINS = ("KeepsRejectedKV", "BonusFromTheWrongPosition", "RollbackOffByOneAtLast", "OneRowsRollbackForAll",
+         "DraftCacheNotRolledBack", "NeverDrafts")
+
+
+#: -k: every check on the correct variant; on each twin the checks that must catch it (the rest would only cost time)
+SELECT = ("test_speculative and (SpeculativeK2 or (schedules and not batched and (KeepsRejectedKV or "
+          "BonusFromTheWrongPosition or RollbackOffByOneAtLast)) or (OneRowsRollbackForAll and schedules) or "
+          "(DraftCacheNotRolledBack and (draft_model or schedules)) or (NeverDrafts and own_draft))")
+
+
+# --- the suite against a correct variant and every twin: one pytester run (ref-speculative: the suites' own runs) ---
+def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester):
+    report = kvtester.path / "r.json"
+    result = run_suites(kvtester, f"--kv-engine={T}SpeculativeK2", *(f"--kv-engine={T}{twin}" for twin in TWINS),
+                        "--kv-compile-backend=aot_eager", "-k", SELECT, f"--kv-report-json={report}", "-p", "no:xdist")
+    rows = {row["engine"]: row for row in json.loads(report.read_text())["rows"]}
+
+    def failures(twin):
+        return {f["test"].split("::")[1].split("[")[0]: f for f in rows[T + twin]["failures"]}
+
+    assert rows[T + "SpeculativeK2"]["tests"] == {**rows[T + "SpeculativeK2"]["tests"], "passed": 4, "failed": 0}
+    # rejected K/V kept: the tokens after the first rejection are computed over them
+    assert failures("KeepsRejectedKV")["test_speculative_schedules"]["kind"] in ("mismatch", "memory")
+    # the bonus read after the rejected draft: a token the target did not choose
+    assert failures("BonusFromTheWrongPosition")["test_speculative_schedules"]["kind"] == "mismatch"
+    # only a rejection at j = k - 1 keeps one position too many: the schedule that forces it catches it
+    off = failures("RollbackOffByOneAtLast")["test_speculative_schedules"]
+    assert off["kind"] in ("mismatch", "memory") and "reject first at 3" in off["message"], off["message"]
+    # one row's rollback for all: single calls pass, rows keeping different lengths in one step fail
+    shared = failures("OneRowsRollbackForAll")
+    assert "test_speculative_schedules" not in shared and shared["test_speculative_schedules_batched"]["kind"] \
+        == "mismatch"
+    # the draft model's cache not cropped: every token right (the suite's drafter passes), the acceptance its draft
+    # earns is not
+    draft = failures("DraftCacheNotRolledBack")
+    assert set(draft) == {"test_speculative_draft_model"} and draft["test_speculative_draft_model"]["kind"] \
+        == "speculation", draft
+    assert rows[T + "DraftCacheNotRolledBack"]["tests"]["passed"] == 2
+    # drafting nothing passes every check and fails the run: no draft was accepted or rejected
+    assert not failures("NeverDrafts")
+    problems = {p["engine"]: p for p in json.loads(report.read_text())["problems"]}
+    assert set(problems) == {T + "NeverDrafts"} and problems[T + "NeverDrafts"]["kind"] == "vacuous"
+    result.stdout.fnmatch_lines([  # in the order of the output: a failure, the reports' steps, the run rules
+        f"*engine '{T}DraftCacheNotRolledBack' on model 'llama' kept another number of drafts than a correct "
+        "speculative decoder*",
+        "*kvcompile: speculative decoding, verify steps as reported*",
+        f"{T}SpeculativeK2 / llama: * verify step(s) of up to 2 drafts: * drafted tokens accepted *; accepted/drafted "
+        "per step: * 1/2 x*, 2/2 x*",
+        f"*engine '{T}NeverDrafts' on model 'llama' (cpu, float32): it declares speculative decoding, but over its * "
+        "reported verify step(s) nothing was drafted and none accepted*",
+    ])
+
+
+# --- the pieces ------------------------------------------------------------------------------------------------------
+def _reference(tokens, vocab=8):
+    logits = torch.zeros(len(tokens), vocab)
+    for i, t in enumerate(tokens):
+        logits[i, t], logits[i, (t + 3) % vocab] = 5.0, -5.0  # the oracle ranks t first and t + 3 last
+    return Reference((1, 2), tuple(tokens), logits, "test")
+
+
+@pytest.mark.parametrize("lengths, k, n, steps", [
+    ((4,), 4, 16, [(4, 4), (4, 4), (4, 4)]),
+    ((0,), 4, 6, [(4, 0), (3, 0), (2, 0), (1, 0), (0, 0)]),
+    ((3,), 4, 16, [(4, 3), (4, 3), (4, 3), (2, 2)]),
+    ((4, 0), 4, 16, [(4, 4), (4, 0), (4, 4), (3, 0), (2, 2)]),
+])
+def test_a_schedule_makes_each_step_keep_its_length(lengths, k, n, steps):
+    assert simulate(schedule_rejects(lengths, k, n), k, n) == steps
+
+
+def test_the_scheduled_drafter_proposes_the_oracle_or_its_last_choice():
+    row = DraftRow.of(_reference([5, 6, 7, 0, 1]), rejects={2}, vocab_size=8)
+    drafter = ScheduledDrafter((row,))
+    assert drafter.propose([1, 2, 5], 3) == [6, (7 + 3) % 8, 0]  # position 1, 2 (rejected: the last choice), 3
+    assert drafter.propose([1, 2], 1) == [5]
+    with pytest.raises(UnknownContext, match="starts with none of this call's 1 prompt"):
+        drafter.propose([9, 9, 9], 2)
+
+
+def test_judge_names_the_step_that_kept_another_number():
+    tokens = [5, 6, 7, 0, 1, 2]
+    row = DraftRow.of(_reference(tokens), rejects={2, 4}, vocab_size=8)
+    good = judge(row, [(3, 1), (3, 1), (0, 0)], tokens)
+    assert (good.checked, good.wrong) == (3, None)
+    bad = judge(row, [(3, 2), (2, 0), (0, 0)], tokens)
+    assert bad.wrong.startswith("verify step 1 of 3, after 1 generated token(s), drafted 3 and kept 2, but a "
+                                "correct engine keeps 1: a draft the target must reject")
+    assert "generate() returned 6" in judge(row, [(3, 1)], tokens).wrong  # steps that cannot have made the tokens
+    diverged = judge(row, [(3, 1), (3, 0), (0, 0), (0, 0)], [5, 6, 7, 3, 1, 2])  # a near tie at position 3
+    assert diverged.wrong is None and diverged.unjudged >= 1
+
+
+def test_a_swapped_draft_is_rejected_where_the_continuation_holds_a_swapped_token():
+    assert swap_rejects([5, 6, 5, 7], (5, 9)) == {0, 2}
+    a, b = choose_swap([[1, 2, 3, 4, 5, 6, 7, 8, 2, 9], [4, 4, 4, 4, 4, 4, 4, 4, 4, 4]], 4, 16)
+    assert b not in {1, 2, 3, 4, 5, 6, 7, 8, 9} and a in {1, 2, 3, 4, 5, 6, 7, 8, 9}
+
+
+def test_a_speculative_run_that_never_accepted_and_rejected_is_vacuous():
+    def row(drafted, accepted):
+        found = new_row("e", "m", "cpu", "float32")
+        found["speculation"] = {"k": 4, "steps": 5, "drafted": drafted, "accepted": accepted, "lengths": {"0/4": 5}}
+        return found
+
+    assert [p.kind.value for p in run_problems([row(20, 0), row(20, 20), row(0, 0)], 0.01)] == ["vacuous"] * 3
+    assert run_problems([row(20, 7)], 0.01) == []
+    assert speculation_line(row(20, 7)["speculation"]) == ("5 verify step(s) of up to 4 drafts: 7 of 20 drafted "
+                                                           "tokens accepted (35%); accepted/drafted per step: 0/4 x5")
+
+
+def test_a_bad_speculative_declaration_names_the_fix():
+    with pytest.raises(ValueError, match="k must be an int >= 1"):
+        Speculative(k=0)
+    with pytest.raises(ValueError, match="a tuple of 'drafter', 'draft_model'"):
+        Speculative(k=2, drafters=("lookup",))
+    with pytest.raises(ValueError, match="write speculative=Speculative"):
+        Declaration(speculative=4)
