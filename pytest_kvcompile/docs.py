@@ -80,12 +80,8 @@ def fixtures_table() -> str:
 
     rows = []
     for name, obj in sorted(vars(fixtures).items()):
-        if hasattr(obj, "_get_wrapped_function"):  # pytest 9: a FixtureFunctionDefinition
-            function = obj._get_wrapped_function()
-        else:  # pytest 8: the function itself, marked
-            function = obj if hasattr(obj, "_pytestfixturefunction") else None
-        if name.startswith("kv_") and function is not None:
-            rows.append((f"`{name}`", (inspect.getdoc(function) or "").split("\n\n")[0]))
+        if name.startswith("kv_") and callable(obj):  # pytest >= 8.4 wraps a fixture: unwrap reaches the function
+            rows.append((f"`{name}`", (inspect.getdoc(inspect.unwrap(obj)) or "").split("\n\n")[0]))
     return _table(("fixture", "what it gives"), rows)
 
 

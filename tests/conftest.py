@@ -36,8 +36,15 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def zoo_cache(tmp_path_factory) -> Path:
-    """One zoo checkpoint cache for every pytester run of this process."""
-    return tmp_path_factory.mktemp("kv-zoo-cache")
+    """One zoo checkpoint, oracle and noise cache for every pytester run of this test session: under xdist the
+    workers share it (its files are written to a temporary name and renamed, oracles/store.py and models/zoo.py), so
+    a 16-bit calibration or an oracle computed by one worker is read by the other."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's base directory, above each worker's own
+    path = root / "kv-zoo-cache"
+    path.mkdir(exist_ok=True)
+    return path
 
 
 @pytest.fixture

@@ -14,8 +14,11 @@ LEAKY = "--kv-engine=kv_test_engines_verdicts:LeaksAfterBatchOfThree"
 
 
 def test_a_bug_needing_a_combination_of_calls_is_found_by_the_fixed_history_checks_and_the_fuzzer(kvtester):
-    fixed = run_suites(kvtester, LEAKY, "-p", "no:benchmark", "-k", "not latency and not call_history")
-    assert fixed.ret == 0, fixed.stdout.str()[-3000:]  # every other fixed check passes it
+    # every other fixed check passes it, but the prefix suite's cold/warm check (a prompt alone right after it was
+    # one row of a batch of three): that check catches it too
+    fixed = run_suites(kvtester, LEAKY, "-p", "no:benchmark", "-k",
+                       "not latency and not call_history and not long_generation and not cold_warm_alone_batched")
+    assert fixed.ret == 0, fixed.stdout.str()[-3000:]
     history = run_suites(kvtester, LEAKY, "-k", "call_history")
     history.assert_outcomes(failed=2)
     history.stdout.fnmatch_lines(["*call * on one engine object: a single prompt right after a batch of size 3 "

@@ -53,6 +53,7 @@ FUZZ, FUZZ_PROFILE, FUZZ_BUDGET, FUZZ_SEED = "--kv-fuzz", "--kv-fuzz-profile", "
 BOUNDARIES = (1, 2, 15, 16, 17, 31, 32, 33, 63, 64, 65, 127, 128, 129, 255, 256, 257)
 NEW_TOKENS = (1, 2, 3, 8, 15, 16, 17, 32, 33, 63, 64)
 LONG_NEW_TOKENS = (96, 97, 128, 255, 256, 400)  # long generations (hypothesis' draws), capped by the model's positions
+LONG_SHARE = 8  # one draw of new tokens in LONG_SHARE is a long generation
 
 
 OPTIONS = [
@@ -118,7 +119,10 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
 
     vocab, batch = kv_engine.spec.vocab_size, 4 if kv_engine.ref.declaration.batching else 1
     positions = max_positions(kv_engine.spec.config) or max(lengths) + max(LONG_NEW_TOKENS)
-    new_tokens = st.sampled_from(NEW_TOKENS) | st.integers(1, 64) | st.sampled_from(LONG_NEW_TOKENS)
+    short = st.sampled_from(NEW_TOKENS) | st.integers(1, 64)
+    # a long generation in about one draw of LONG_SHARE: it costs up to 400 steps of the engine and the oracle
+    new_tokens = st.integers(1, LONG_SHARE).flatmap(lambda i: st.sampled_from(LONG_NEW_TOKENS) if i == LONG_SHARE
+                                                   else short)
 
     class EngineFuzz(RuleBasedStateMachine):
         def __init__(self) -> None:
