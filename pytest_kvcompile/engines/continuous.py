@@ -64,8 +64,7 @@ class ContinuousBatching:
         from pytest_kvcompile.models.checkpoints import pretrained
 
         self.spec = spec
-        self.model = pretrained(spec.path, spec.dtype,
-                                                          attn_implementation="eager").to(spec.device).eval()
+        self.model = pretrained(spec.path, spec.dtype, attn_implementation="eager").to(spec.device).eval()
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call info and warnings
 
     def _started(self):
