@@ -223,3 +223,23 @@ def test_a_kv_format_never_lowers_the_runs_near_tie_rate_below_the_models():
     rules = Rules(0.3, 4, 0.6, model).with_kv(kv, steps=16)
     assert rules.noise.kv_dtype == "bfloat16" and rules.noise.flip_rate_bound == model.flip_rate_bound
     assert rules.tie_tolerance == 0.3 and rules.max_near_ties == 4
+
+
+def test_the_score_spread_is_measured_between_attention_kernels_at_one_position():
+    """Noise.score_spread: the largest ratio, at one position, of one family's largest logit error to the other's
+    (positions where both are far below the median error are rounding ulps, left out); never below NOISE_FACTOR."""
+    import dataclasses
+
+    from pytest_kvcompile.oracles.precision import COMPUTATIONS, NOISE_FACTOR, Noise, Rules, family_spread
+
+    # eager (0, 3) vs sdpa (1, 2): at position 2 eager is 3.5 off where sdpa is 1.0; at position 0 a 0.001/0.0001 ulp
+    logits = torch.tensor([[0.001, 1.0, 3.5, 1.0], [0.0001, 1.1, 1.0, 1.0], [0.0001, 0.9, 0.8, 1.0],
+                           [0.001, 1.0, 3.0, 1.0]])
+    assert family_spread(logits, COMPUTATIONS) == pytest.approx(3.5)
+    assert family_spread(logits[:1], ("eager, KV stored as int8",)) == NOISE_FACTOR  # one family: the factor
+    model = Noise("m", "bfloat16", 0.2, 0.3, 0.1, flips=20, positions=512, logit_error=0.4, per_computation={},
+                  spread=3.5)
+    assert dataclasses.replace(model, spread=1.1).score_spread == NOISE_FACTOR
+    kv = Noise("m", "bfloat16", 0.1, 0.2, 0.05, flips=2, positions=512, logit_error=0.2, per_computation={},
+               kv_dtype="int8")
+    assert Rules(0.3, 4, 0.6, model).with_kv(kv, steps=16).noise.score_spread == 3.5  # the larger of both

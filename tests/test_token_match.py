@@ -139,6 +139,31 @@ def test_score_rows_are_checked_against_the_oracle_and_generate():
         check_score(REF, [0, 0, 1, 2], wrong, tie_tolerance=1e-3, score_tolerance=10.0)
 
 
+def test_16bit_score_rows_may_be_as_far_off_as_the_equivalent_computations_spread_at_that_step():
+    """The 16-bit local term of score(): where the equivalent computations are themselves 0.8 off at step 2 (a
+    position the network amplifies rounding at), score() may be `spread` (Noise.score_spread, measured) x 0.8 off
+    there and only there; the twin just outside fails, and so does the same error at a quiet step."""
+    from pytest_kvcompile.oracles.precision import LocalNoise
+
+    computed = torch.tensor(ROWS)[None].repeat(2, 1, 1)
+    computed[1, 2, 1] += 0.8  # one computation's error at step 2
+    noisy = Reference(REF.prompt, REF.tokens, REF.logits, "hand-made", REF.forced,
+                      noise=lambda got: LocalNoise(computed))
+    rows, spread = torch.tensor(ROWS), 2.5
+    inside, outside, quiet = rows.clone(), rows.clone(), rows.clone()
+    inside[2, 0] += 0.99 * spread * 0.8
+    outside[2, 0] += 1.01 * spread * 0.8
+    quiet[3, 0] += 0.99 * spread * 0.8
+    kw = {"tie_tolerance": 1e-3, "score_tolerance": 0.1, "spread": spread}
+    assert check_score(noisy, [0, 0, 1, 2], inside, **kw) > 1.9
+    with pytest.raises(TokenMismatch, match=r"by up to 2.02\d* > 2, the equivalent 16-bit computations' own "
+                                            r"error at this step x their measured spread \(score tolerance 0.1\) "
+                                            r"\(at step 2"):
+        check_score(noisy, [0, 0, 1, 2], outside, **kw)
+    with pytest.raises(TokenMismatch, match=r"> score tolerance 0.1 \(at step 3"):
+        check_score(noisy, [0, 0, 1, 2], quiet, **kw)
+
+
 def test_assert_tokens_match_is_the_deprecated_spelling_of_check_tokens():
     from pytest_kvcompile import assert_tokens_match
 

@@ -253,6 +253,8 @@ class Noise:
     per_computation: dict[str, dict[str, float]]  # name -> max, p99, flips, beyond
     kv_dtype: str | None = None  # the noise of a KV cache stored in this dtype (KVComputation), not of the model
     beyond: int = 0  # positions where the noisiest computation's error exceeds the median error (`logit_threshold`)
+    #: the largest ratio, at one position, of one family's logit error to the other's (`score_spread`)
+    spread: float = NOISE_FACTOR
 
     @property
     def tolerance(self) -> float:
@@ -262,6 +264,12 @@ class Noise:
     @property
     def score_tolerance(self) -> float:
         return NOISE_FACTOR * self.logit_error
+
+    @property
+    def score_spread(self) -> float:
+        """score()'s local factor: a row may be this many times the computations' largest logit error at its own
+        position (`LocalNoise.score_allowed`), never less than NOISE_FACTOR."""
+        return max(NOISE_FACTOR, self.spread)
 
     @property
     def flip_rate(self) -> float:
@@ -295,6 +303,7 @@ class Noise:
         out.update(tolerance=self.tolerance, score_tolerance=self.score_tolerance, flip_rate=self.flip_rate,
                    flip_rate_bound=self.flip_rate_bound, factor=NOISE_FACTOR, logit_threshold=self.logit_threshold,
                    beyond_rate=self.beyond_rate, beyond_rate_bound=self.beyond_rate_bound,
+                   score_spread=self.score_spread,
                    positions_needed=positions_needed(self))
         return out
 
@@ -325,7 +334,7 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     lengths, steps, _ = CALIBRATION
     computations = computations or Computations(spec)
     names = computations.names
-    top_errors, logit_error, flips = [], 0.0, torch.zeros(len(names), dtype=torch.long)
+    top_errors, logit_rows, flips = [], [], torch.zeros(len(names), dtype=torch.long)
     prompts = calibration_prompts(spec.vocab_size, MAX_BLOCKS)
     for i, prompt in enumerate(prompts):
         ref = truth.reference(prompt, steps)
@@ -333,7 +342,7 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
         computed = computations.along(prompt, ref.tokens)  # [K, steps, vocab]
         best, others = t.argmax(-1), t.topk(TOP, dim=-1).indices
         top_errors.append(difference_errors(t, computed, best, others).amax(-1))  # [K, steps]
-        logit_error = max(logit_error, float((computed - t).abs().amax()))
+        logit_rows.append((computed - t).abs().amax(-1))  # [K, steps]
         flips += (computed.argmax(-1) != best).sum(-1)
         if (i + 1) % len(lengths) == 0 and int(flips.max()) >= MIN_FLIPS:
             break
@@ -342,9 +351,24 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     beyond = (errors > median).sum(-1)
     per = {name: {"max": float(errors[i].max()), "p99": float(errors[i].quantile(QUANTILE)), "flips": int(flips[i]),
                   "beyond": int(beyond[i])} for i, name in enumerate(names)}
+    logits = torch.cat(logit_rows, dim=1)  # [K, positions]
     return Noise(spec.name, dtype_name(spec.dtype), float(errors.flatten().quantile(QUANTILE)), float(errors.max()),
-                 median, int(flips.max()), errors.size(1), logit_error, per, getattr(computations, "kv_dtype", None),
-                 int(beyond.max()))
+                 median, int(flips.max()), errors.size(1), float(logits.max()), per,
+                 getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names))
+
+
+def family_spread(logits: torch.Tensor, names: Sequence[str]) -> float:
+    """The largest ratio, at one position, of one family's largest logit error to the other family's (`logits`:
+    [computations, positions]; a family: the computations sharing an attention kernel, the first word of their
+    name): how far one correct computation's error can be from another's at the same position, where rounding is
+    amplified alike for all (`Noise.score_spread`). One family alone: NOISE_FACTOR."""
+    families = sorted({name.split(",")[0] for name in names})
+    if len(families) < 2:
+        return NOISE_FACTOR
+    worst = torch.stack([logits[[i for i, n in enumerate(names) if n.split(",")[0] == f]].amax(0) for f in families])
+    floor = worst.max(0).values.median()  # positions where every family is far below the typical error: ratios of
+    ratio = worst.amax(0) / worst.amin(0).clamp(min=float(floor) * 1e-3)  # rounding ulps, not of amplification
+    return float(ratio[worst.amax(0) > floor].max()) if bool((worst.amax(0) > floor).any()) else NOISE_FACTOR
 
 
 def logit_errors(truth: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
@@ -371,6 +395,16 @@ class LocalNoise:
 
     def allowed(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
         return NOISE_FACTOR * self.error(step, best, token, truth_row)
+
+    def score_allowed(self, step: int, truth_row: torch.Tensor, excluded: Sequence[int] = (),
+                      spread: float = NOISE_FACTOR) -> float:
+        """score()'s local term: `spread` (`Noise.score_spread`) x the computations' largest absolute logit error at
+        this step (ids in `excluded` left out): a position the network amplifies rounding at is far off for every
+        computation, by as much as one family of them is from another there."""
+        error = (self.computed[:, step].double() - truth_row.double()).abs()
+        if excluded:
+            error[:, list(excluded)] = 0
+        return spread * float(error.max())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +439,8 @@ class Rules:
         if self.noise is not None and self.noise.flip_rate_bound > kv.flip_rate_bound:  # the run's rates: never below
             kv = dataclasses.replace(kv, flips=self.noise.flips, positions=self.noise.positions,  # the model's own
                                      beyond=self.noise.beyond, median_error=self.noise.median_error)
+        if self.noise is not None:
+            kv = dataclasses.replace(kv, spread=max(kv.spread, self.noise.spread))
         return Rules(max(self.tie_tolerance, kv.tolerance), ties, max(self.score_tolerance, kv.score_tolerance), kv)
 
 

@@ -314,11 +314,13 @@ def compared_rows(reference: Reference, got: Sequence[int], scored: torch.Tensor
 
 def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, *, tie_tolerance: float,
                 score_tolerance: float, engine: str = "engine", model: str = "model", prompt: str = "prompt",
-                excluded: Collection[int] = ()) -> float:
+                excluded: Collection[int] = (), spread: float | None = None) -> float:
     """A declared ``score(prompt, got)`` is checked twice: its rows against the oracle's logits given the same
-    tokens (max abs difference <= `score_tolerance`), and its argmax against `got`, the tokens ``generate()``
-    produced (the same path must pick the same tokens, up to near ties in its own logits). Ids in `excluded`, which the
-    engine declares it never emits, are out of both (it may mask them). Returns the max difference."""
+    tokens (max abs difference <= `score_tolerance`; in 16-bit, where the reference gives its local noise, or
+    `spread` x the equivalent computations' own error at that step if larger: oracles/precision.py), and its argmax
+    against `got`, the tokens ``generate()`` produced (the same path must pick the same tokens, up to near ties in its
+    own logits). Ids in `excluded`, which the engine declares it never emits, are out of both (it may mask them).
+    Returns the max difference."""
     __tracebackhide__ = True
     got = [int(t) for t in got]
     oracle = scored.float() if not reference.scored else compared_rows(reference, got, scored, tie_tolerance, excluded)
@@ -326,11 +328,21 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
     worst = float(diff.max()) if diff.numel() else 0.0
     problems = []
     if worst > score_tolerance:
-        step = int(diff.amax(-1).argmax())
-        problems.append(f"  its logits differ from the oracle's by up to {worst:.4g} "
-                        f"> score tolerance {score_tolerance:g} "
-                        f"(worst at step {step}: oracle top-3 {_top(oracle[step])}, "
-                        f"score() top-3 {_top(scored[step])})")
+        per_step = diff.amax(-1).double()
+        allowed = torch.full_like(per_step, score_tolerance)
+        local = reference.noise(got) if reference.noise is not None else None  # 16-bit: the local term
+        if local is not None:
+            for step in (per_step > score_tolerance).nonzero().flatten().tolist():
+                allowed[step] = max(score_tolerance, local.score_allowed(
+                    step, oracle[step], sorted(excluded), **({} if spread is None else {"spread": spread})))
+        if bool((per_step > allowed).any()):
+            step = int((per_step / allowed).argmax())
+            where = (f"score tolerance {score_tolerance:g}" if float(allowed[step]) == score_tolerance else
+                     f"{float(allowed[step]):.4g}, the equivalent 16-bit computations' own error at this step x "
+                     f"their measured spread (score tolerance {score_tolerance:g})")
+            problems.append(f"  its logits differ from the oracle's by up to {float(per_step[step]):.4g} > {where} "
+                            f"(at step {step}: oracle top-3 {_top(oracle[step])}, "
+                            f"score() top-3 {_top(scored[step])})")
     for step, token in enumerate(got):
         row = _without(scored[step].float(), sorted(excluded)) if excluded else scored[step]
         best = int(row.argmax())

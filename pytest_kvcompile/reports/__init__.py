@@ -355,7 +355,8 @@ def noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
     return (f"{model} ({dtype}): tie tolerance {noise['tolerance']:.3g} "
             f"({noise['factor']:g} x noise scale {noise['scale']:.3g}, or x "
             f"the noise at the position), near-tie rate of equivalent computations {noise['flip_rate']:.1%} (bound "
-            f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g}; "
+            f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g} (or "
+            f"{noise.get('score_spread', noise['factor']):.3g} x the computations' error at the position); "
             f"judged against float64 "
             f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"
             f"{noise['positions']} calibration positions")

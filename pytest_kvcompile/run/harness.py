@@ -429,7 +429,8 @@ class EngineUnderTest:
         scored = self.scored(prompt, got) if scored is None else scored
         return check_score(reference, got, scored, tie_tolerance=self.tie_tolerance,
                            score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
-                           prompt=f"prompt '{prompt.name}'", excluded=self.excluded)
+                           prompt=f"prompt '{prompt.name}'", excluded=self.excluded,
+                           spread=self.noise.score_spread if self.noise is not None else None)
 
     def _check_logprobs(self, reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
         """A server's teacher-forced top-k log-probabilities along `got` against the oracle's
