@@ -11,31 +11,41 @@ def test_generate(kv_engine, kv_prompts):
 """
 
 
-@pytest.mark.parametrize("engine, lines", [
-    ("RaisesInInit", [
+VIOLATIONS = {  # engine: the lines its failure shows
+    "RaisesInInit": [
         "*engine 'kv_test_engines:RaisesInInit' raised RuntimeError in its factory kv_test_engines:RaisesInInit"
         "(ModelSpec(name='llama', ...)): weights not found: simulated engine init failure",
         "The engine's traceback:",
         "*kv_test_engines.py*in __init__*",
-    ]),
-    ("RaisesInGenerate", [
+    ],
+    "RaisesInGenerate": [
         "*engine 'kv_test_engines:RaisesInGenerate' raised ValueError in generate(<1 prompt(s) of lengths ?1?>, "
         "max_new_tokens=16): simulated kernel failure for batch of 1",
         "*kv_test_engines.py*in _explode*",
-    ]),
-    ("WrongCount", ["*returned malformed output from generate(*): continuation 0 has 15 tokens, expected exactly "
-                    "max_new_tokens=16 (the suite never stops at EOS: generate all of them)"]),
-    ("FloatTokens", ["*continuation 0, step 0: *.0 (float) is not an int token id"]),
-    ("OutOfVocab", ["*continuation 0, step 0: token id 261 is outside the vocabulary ?0, 256)"]),
-    ("ReturnsTensor", ["*got a torch.Tensor of shape (1, 16); return plain lists: `tokens.tolist()`"]),
-    ("NoGenerate", ["*its factory returned a NoGenerate without a generate() method*"]),
-])
-def test_contract_violations_fail_clearly(kvtester, engine, lines):
+    ],
+    "WrongCount": ["*returned malformed output from generate(*): continuation 0 has 15 tokens, expected exactly "
+                    "max_new_tokens=16 (the suite never stops at EOS: generate all of them)"],
+    "FloatTokens": ["*continuation 0, step 0: *.0 (float) is not an int token id"],
+    "OutOfVocab": ["*continuation 0, step 0: token id 261 is outside the vocabulary ?0, 256)"],
+    "ReturnsTensor": ["*got a torch.Tensor of shape (1, 16); return plain lists: `tokens.tolist()`"],
+    "NoGenerate": ["*its factory returned a NoGenerate without a generate() method*"],
+}
+
+
+def test_contract_violations_fail_clearly_and_an_undeclared_device_skips(kvtester):
+    """Every violating engine in one run, each in its own process (the default isolation of an engine from outside),
+    and beside them an engine declaring only cuda: skipped on cpu, by name."""
     kvtester.makepyfile(ONE_CALL)
-    result = kvtester.runpytest_subprocess(f"--kv-engine=kv_test_engines:{engine}", "--kv-zoo=llama")
+    engines = [f"--kv-engine=kv_test_engines:{e}" for e in (*VIOLATIONS, "CudaOnly")]
+    result = kvtester.runpytest_subprocess(*engines, "--kv-zoo=llama", "-rsfE")
     # an engine that cannot be built is an error in the test's setup; a bad call fails the test
-    result.assert_outcomes(**({"errors": 1} if engine in ("RaisesInInit", "NoGenerate") else {"failed": 1}))
-    result.stdout.fnmatch_lines(lines)
+    result.assert_outcomes(errors=2, failed=len(VIOLATIONS) - 2, skipped=1)
+    result.stdout.fnmatch_lines(["*engine 'kv_test_engines:CudaOnly' does not declare device 'cpu' "
+                                 "(declares devices=?'cuda'?)*"])
+    for engine, lines in VIOLATIONS.items():
+        result.stdout.fnmatch_lines(lines)
+        outcome = "ERROR" if engine in ("RaisesInInit", "NoGenerate") else "FAILED"
+        result.stdout.fnmatch_lines([f"{outcome} test_*.py::test_generate?kv_test_engines:{engine}-llama?*"])
     out = result.stdout.str()
     assert "engine_io.py" not in out and "session.py" not in out
 
@@ -55,14 +65,6 @@ def test_undeclared_capabilities_skip_with_the_capability_named(kvtester):
     result.stdout.fnmatch_lines([f"SKIPPED ?1? *{name}.py:*: {reason}" for name in
                                  ("test_batch_consistency", "test_determinism", "test_prefix_cache", "test_stale_state",
                                   "test_token_identity")])
-
-
-def test_undeclared_device_skips(kvtester):
-    kvtester.makepyfile(ONE_CALL)
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:CudaOnly", "--kv-zoo=llama", "-rs")
-    result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["*engine 'kv_test_engines:CudaOnly' does not declare device 'cpu' "
-                                 "(declares devices=?'cuda'?)*"])
 
 
 # --- declared limits (issue 28) -----------------------------------------------------------------------------------

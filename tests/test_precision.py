@@ -4,6 +4,7 @@ inside and just outside what it allows. Real pytest runs of suites/ (pytester), 
 tests/kv_test_engines_precision.py and the other kv_test_engines* files."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -68,76 +69,92 @@ def test_local_noise_is_the_error_on_the_judged_difference():
     assert local.allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.75)
 
 
-# --- correct engines pass in both dtypes --------------------------------------------------------------------------
+# --- correct engines pass in both dtypes (one run per dtype, every engine judged in it) ---------------------------
+CORRECT = ("kv_test_engines:Greedy", "kv_test_engines_verdicts:Recompute", "kv_test_engines_precision:ChunkedPrefill",
+           "kv_test_engines_precision:LeftPaddedBatched")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("engine", ["kv_test_engines:Greedy", "kv_test_engines_verdicts:Recompute",
-                                    "kv_test_engines_precision:ChunkedPrefill",
-                                    "kv_test_engines_precision:LeftPaddedBatched"])
-def test_correct_engines_pass_in_16_bit(kvtester, engine, dtype):
-    result = run_suites(kvtester, f"--kv-engine={engine}", f"--kv-dtype={dtype}",
+def test_correct_engines_pass_in_16_bit(kvtester, dtype):
+    result = run_suites(kvtester, *(f"--kv-engine={e}" for e in CORRECT), f"--kv-dtype={dtype}",
                         "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k", TOKEN_CHECKS)
     assert result.ret == 0, result.stdout.str()[-4000:]
     assert "failed" not in result.parseoutcomes()
+    for engine in CORRECT:  # (the verdict lines' order is the report's, not the options')
+        result.stdout.fnmatch_lines([f"PASS  {engine}: *"])
     result.stdout.fnmatch_lines(["*verdict rules measured per model (*): 16-bit, KV stored lower*",
                                  f"llama ({dtype}): tie tolerance * (1.5 x noise scale *"])
 
 
 # --- every token-changing bug class still fails in both -----------------------------------------------------------
-TWINS = {  # bug class: (engine, zoo, -k, the failure line)
+TWINS = {  # bug class: (engine, zoo, -k, the failure line's phrase after the engine's name)
     "late token": ("kv_test_engines:WrongLateToken", "llama", "token_identity and short7 and not batched",
-                   "*diverges from the oracle*"),
-    "stale state": ("kv_test_engines:StaleCache", "llama", "stale_state and not batched", "*diverges from the oracle*"),
-    "padding": ("kv_test_engines:PaddingBug", "llama", "token_identity_batched", "*diverges from the oracle*"),
+                   "diverges from the oracle"),
+    "stale state": ("kv_test_engines:StaleCache", "llama", "stale_state and not batched", "diverges from the oracle"),
+    "padding": ("kv_test_engines:PaddingBug", "llama", "token_identity_batched", "diverges from the oracle"),
     "positions": ("kv_test_engines_verdicts:ContinuesPositions", "gpt2-abspos", "stale_state and not batched",
-                  "*diverges from the oracle*"),
+                  "diverges from the oracle"),
     "pad positions": ("kv_test_engines_verdicts:PadPositions", "gpt2-abspos", "token_identity_batched",
-                      "*diverges from the oracle*"),
+                      "diverges from the oracle"),
     "truncation": ("kv_test_engines_verdicts:KeepsLast256", "llama", "token_identity and long250 and not batched",
-                   "*diverges from the oracle*"),
+                   "diverges from the oracle"),
     "prefix cache": ("kv_test_engines_verdicts:PrefixCacheBug", "llama", "shared_prefixes and not batched",
-                     "*diverges from the oracle*"),
+                     "diverges from the oracle"),
     "window": ("kv_test_engines_sliding:OffByOne", "mistral-sw", "token_identity and not batched",
-               "*diverges from the oracle*"),
+               "diverges from the oracle"),
     "shared layers": ("kv_test_engines_kvshared:SkipsSharedLayers", "gemma4-kvshared",
-                      "token_identity and long48 and not batched", "*diverges from the oracle*"),
+                      "token_identity and long48 and not batched", "diverges from the oracle"),
     "static cache never reset": ("kv_test_engines_static:Stale", "llama", "stale_state and not batched",
-                                 "*diverges from the oracle*"),
+                                 "diverges from the oracle"),
     "eviction": ("kv_test_engines_eviction:StreamingLLMWithoutSinks", "llama", "token_identity and not batched",
-                 "*diverges from the oracle*"),
+                 "diverges from the oracle"),
     "head mapping": ("kv_test_engines_precision:WrongHeadMapping", "llama", "token_identity and short7 and not batched",
-                     "*diverges from the oracle*"),
+                     "diverges from the oracle"),
     "tie then garbage": ("kv_test_engines_verdicts:FlipThenGarbage", "llama", "token_identity and short7 and not "
-                         "batched", "*diverges from the oracle*"),
+                         "batched", "diverges from the oracle"),
     "drift": ("kv_test_engines_verdicts:FlipsAtEveryCloseCall", "llama", "token_identity and long48 and not batched",
-              "*from the oracle*"),  # 16-bit: its flips at gaps up to 5 are mismatches before they are drift
-    "float8 cache": ("kv_test_engines_precision:Float8Cache", "llama", TOKEN_CHECKS, "*from the oracle*"),
+              "from the oracle"),  # 16-bit: its flips at gaps up to 5 are mismatches before they are drift
+    "float8 cache": ("kv_test_engines_precision:Float8Cache", "llama", TOKEN_CHECKS, "from the oracle"),
     "stale without oracle": ("kv_test_engines_verdicts:StaleWithoutOracle", "llama", "stale_state and not batched",
-                             "*state leaks*"),
+                             "state leaks"),
 }
 
 
+def _only(engine: str, model: str, select: str) -> str:
+    """A -k clause selecting `select` for one engine on one model (the test ids name both): every twin in one run,
+    each on its own checks. `kv_test_engines_static:Stale` is named by its module (its class name is in others')."""
+    module, name = engine.split(":")
+    key = module.removeprefix("kv_test_") if name == "Stale" else name
+    return f"({key} and {model} and ({select}))"
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("bug", sorted(TWINS))
-def test_every_bug_class_still_fails_in_16_bit(kvtester, bug, dtype):
-    engine, model, select, line = TWINS[bug]
-    result = run_suites(kvtester, f"--kv-engine={engine}", f"--kv-dtype={dtype}", f"--kv-zoo={model}", "-k", select)
-    assert result.parseoutcomes().get("failed"), result.stdout.str()[-4000:]
-    result.stdout.fnmatch_lines([line])
+def test_every_bug_class_still_fails_in_16_bit(kvtester, dtype):
+    """One run per dtype: each twin on its model and checks (selected by test id), each must fail by its bug."""
+    models = sorted({model for _, model, _, _ in TWINS.values()})
+    select = " or ".join(_only(engine, model, k) for engine, model, k, _ in TWINS.values())
+    result = run_suites(kvtester, *(f"--kv-engine={engine}" for engine, *_ in TWINS.values()), f"--kv-dtype={dtype}",
+                        f"--kv-zoo={','.join(models)}", "-k", select)
+    out = result.stdout.str()
+    for bug, (engine, _model, _, phrase) in TWINS.items():
+        assert re.search(rf"^FAIL  {re.escape(engine)}: ", out, re.M), f"{bug}: {engine} did not fail\n{out[-4000:]}"
+        assert re.search(rf"engine '{re.escape(engine)}'.*{phrase}", out), f"{bug}: no '{phrase}' line\n{out[-4000:]}"
 
 
 # --- the rule's twins: just inside passes, just outside fails -----------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_a_flip_just_inside_the_rule_passes_and_just_outside_fails(kvtester, dtype):
     """Each twin flips once per prompt where some token is that far behind (7 prompts x 32 steps: float16's
-    tolerance is a tenth of a logit, so close candidates are rare)."""
-    select = ["--kv-zoo=llama", f"--kv-dtype={dtype}", "--kv-max-new-tokens=32", "-k", "token_identity and not batched"]
-    inside = run_suites(kvtester, P + "FlipJustInside", *select)
-    assert inside.ret == 0, inside.stdout.str()[-4000:]
-    inside.stdout.fnmatch_lines(["*near ties accepted as numerics*", "*FlipJustInside / llama / *near tie at step *"])
-    outside = run_suites(kvtester, P + "FlipJustOutside", *select)
-    assert outside.parseoutcomes().get("failed"), outside.stdout.str()[-4000:]
-    outside.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama'*",
-                                  "*the oracle prefers * by a logit gap of * > *, so this is a real mismatch*"])
+    tolerance is a tenth of a logit, so close candidates are rare); both in one run."""
+    result = run_suites(kvtester, P + "FlipJustInside", P + "FlipJustOutside", "--kv-zoo=llama", f"--kv-dtype={dtype}",
+                        "--kv-max-new-tokens=32", "-k", "token_identity and not batched")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()[-4000:]
+    result.stdout.fnmatch_lines(["PASS  kv_test_engines_precision:FlipJustInside: *"])
+    result.stdout.fnmatch_lines(["FAIL  kv_test_engines_precision:FlipJustOutside: *"])
+    result.stdout.fnmatch_lines(["*near ties accepted as numerics*", "*FlipJustInside / llama / *near tie at step *"])
+    result.stdout.fnmatch_lines(["*engine 'kv_test_engines_precision:FlipJustOutside' diverges from the oracle on "
+                                 "model 'llama'*",
+                                 "*the oracle prefers * by a logit gap of * > *, so this is a real mismatch*"])
 
 
 # --- the eviction near-tie rule: measured per policy, its twins just inside and outside -----------------------------
