@@ -220,15 +220,17 @@ def test_near_tied_evictions_broken_the_other_way_pass_and_a_wrong_policy_fails(
         assert forked.teacher_forced_run(q, got, 1e-3).pruned_at is not None
 
 
-@pytest.mark.parametrize("name", ["H2O", "StreamingLLMShifted"])
-def test_the_suites_pass_on_the_engine(kvtester, name):
-    """Token identity (alone and batched), zero recompiles, stale state, determinism. (All engines:
-    the same run with --kv-engine=kv_test_engines_eviction:{LastRecent,StreamingLLM,TOVA} too.)"""
-    result = run_suites(kvtester, f"--kv-engine=kv_test_engines_eviction:{name}",
+def test_the_suites_pass_on_the_engines(kvtester):
+    """Token identity (alone and batched), zero recompiles, stale state, determinism, both engines in one run. (All
+    engines: the same run with --kv-engine=kv_test_engines_eviction:{LastRecent,StreamingLLM,TOVA} too.)"""
+    names = ("H2O", "StreamingLLMShifted")
+    result = run_suites(kvtester, *(f"--kv-engine=kv_test_engines_eviction:{name}" for name in names),
                         "-k", "token_identity or recompiles or stale_state or determinism")
-    assert result.ret == 0 and result.parseoutcomes()["passed"] >= 9  # the suites' test count changes with them
-    result.stdout.fnmatch_lines([f"kv_test_engines_eviction:{name} / llama: 0 compile(s) while building, "
-                                 "2 warmup compile(s) over 3 call(s), 0 after warmup over * call(s)"])
+    assert result.ret == 0 and result.parseoutcomes()["passed"] >= 18  # the suites' test count changes with them
+    for name in names:
+        result.stdout.fnmatch_lines([f"PASS  kv_test_engines_eviction:{name}: *"])
+        result.stdout.fnmatch_lines([f"kv_test_engines_eviction:{name} / llama: 0 compile(s) while building, "
+                                     "2 warmup compile(s) over 3 call(s), 0 after warmup over * call(s)"])
 
 
 def test_engines_with_a_broken_policy_fail_token_identity(kvtester):

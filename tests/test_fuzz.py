@@ -19,7 +19,7 @@ def test_a_bug_needing_a_combination_of_calls_is_found_by_the_fixed_history_chec
     fixed = run_suites(kvtester, LEAKY, "-p", "no:benchmark", "-k",
                        "not latency and not long_generation and not cold_warm_alone_batched")
     outcomes = fixed.parseoutcomes()
-    assert outcomes.get("failed") == 2 and outcomes.get("passed", 0) > 20, fixed.stdout.str()[-3000:]
+    assert outcomes.get("failed") == 2 and outcomes.get("passed", 0) >= 10, fixed.stdout.str()[-3000:]
     fixed.stdout.fnmatch_lines(["*call * on one engine object: a single prompt right after a batch of size 3 "
                                 "with lengths ?5, 40, 12?, shortest 5*"])
     failed = [line for line in fixed.stdout.lines if line.startswith("FAILED ")]  # the call-history checks only

@@ -12,13 +12,14 @@ E = "--kv-engine=kv_test_engines_verdicts:"
 
 
 # --- correct engines pass -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("engine, dtype", [("Recompute", "float32"), ("Recompute", "bfloat16"),
-                                           ("TinyNoise", "float32")])
-def test_correct_engines_pass_every_token_check(kvtester, engine, dtype):
-    result = run_suites(kvtester, E + engine, f"--kv-dtype={dtype}", "--kv-zoo=llama,gemma3-hybrid,gpt2-abspos",
-                        "-k", TOKEN_CHECKS)
+@pytest.mark.parametrize("engines, dtype", [(("Recompute", "TinyNoise"), "float32"), (("Recompute",), "bfloat16")])
+def test_correct_engines_pass_every_token_check(kvtester, engines, dtype):
+    result = run_suites(kvtester, *(E + engine for engine in engines), f"--kv-dtype={dtype}",
+                        "--kv-zoo=llama,gemma3-hybrid,gpt2-abspos", "-k", TOKEN_CHECKS)
     assert result.ret == 0, result.stdout.str()[-3000:]
     assert "failed" not in result.parseoutcomes()
+    for engine in engines:
+        result.stdout.fnmatch_lines([f"PASS  kv_test_engines_verdicts:{engine}: *"])
 
 
 # --- 1. nothing after a near tie goes unverified ------------------------------------------------------------------
@@ -40,27 +41,33 @@ def test_flipping_at_every_close_call_is_numerics_drift(kvtester):
                                  "ties in one sequence of 16 steps, more than the 2 allowed (--kv-max-near-ties)*"])
 
 
-@pytest.mark.parametrize("engine", ["ScoreOffByOne", "ScoreLogSoftmax"])
-def test_a_declared_score_that_is_not_the_generate_path_fails(kvtester, engine):
-    result = run_suites(kvtester, E + engine, "-k", "token_identity and short7 and not batched")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*score() is not the oracle's logits on model 'llama', prompt 'short7'*",
-                                 "*its logits differ from the oracle's by up to * > score tolerance 0.01*"])
+def test_a_declared_score_that_is_not_the_generate_path_fails(kvtester):
+    engines = ("ScoreOffByOne", "ScoreLogSoftmax")
+    result = run_suites(kvtester, *(E + e for e in engines), "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(failed=2)
+    for engine in engines:
+        result.stdout.fnmatch_lines([f"*engine 'kv_test_engines_verdicts:{engine}': score() is not the oracle's "
+                                     "logits on model 'llama', prompt 'short7'*",
+                                     "*its logits differ from the oracle's by up to * > score tolerance 0.01*"])
 
 
 # --- 2. compiles are observed, not declared -----------------------------------------------------------------------
-@pytest.mark.parametrize("engine, message", [
-    ("CompiledUndeclared", "*: * dynamo compile(s) after warmup, 0 allowed*"),
-    ("EagerOnRecompile", "*frame run(s) after warmup ran EAGERLY after failing their guards*"),
-    ("SwallowsCompileErrors", "*a compile of _item_step * FAILED (*"),
-    ("GraphBreaks", "*graph break(s) in the engine's compiled code, none allowed*"),
-    ("StopsCompiling", "*compiled code stopped running: warmup ran compiled code, but * unseen call(s) entered no "
-                       "compiled frame*"),
-])
-def test_compile_problems_are_observed(kvtester, engine, message):
-    result = run_suites(kvtester, E + engine, "-k", "no_recompiles_after_warmup")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines([message])
+COMPILE_PROBLEMS = {  # engine: its failure's line
+    "CompiledUndeclared": "*: * dynamo compile(s) after warmup, 0 allowed*",
+    "EagerOnRecompile": "*frame run(s) after warmup ran EAGERLY after failing their guards*",
+    "SwallowsCompileErrors": "*a compile of _item_step * FAILED (*",
+    "GraphBreaks": "*graph break(s) in the engine's compiled code, none allowed*",
+    "StopsCompiling": "*compiled code stopped running: warmup ran compiled code, but * unseen call(s) entered no "
+                      "compiled frame*",
+}
+
+
+def test_compile_problems_are_observed(kvtester):
+    result = run_suites(kvtester, *(E + e for e in COMPILE_PROBLEMS), "-k", "no_recompiles_after_warmup")
+    result.assert_outcomes(failed=len(COMPILE_PROBLEMS))
+    for engine, message in COMPILE_PROBLEMS.items():
+        result.stdout.fnmatch_lines([f"FAIL  kv_test_engines_verdicts:{engine}: *"])
+        result.stdout.fnmatch_lines([message])
 
 
 def test_graph_breaks_can_be_allowed(kvtester):
@@ -265,51 +272,52 @@ def test_an_id_the_runtime_never_emits_is_out_of_the_oracles_choice_and_reported
     assert row["excluded_ids"] == [110] and row["excluded_tokens"] > 0, row  # the declaration decided steps
 
 
-def test_the_same_mask_undeclared_fails_where_the_oracle_chose_the_id(kvtester):
-    result = run_suites(kvtester, E + "MasksAnIdUndeclared", "-k", "token_identity and short7 and not batched")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama', prompt 'short7' (length 7), alone: "
-                                 "step 8 of 16*", "*expected token 110, got *"])
-
-
-def test_an_engine_returning_an_id_it_declares_it_never_emits_fails(kvtester):
-    result = run_suites(kvtester, E + "DeclaresAnIdItEmits", "-k", "token_identity and short7 and not batched")
-    result.assert_outcomes(failed=1)
-    result.stdout.fnmatch_lines(["*returned token 110 on model 'llama', prompt 'short7' (length 7), alone: step 8 of "
-                                 "16, an id it declares it never emits (Declaration.never_emits: ids [[]110[]]*",
+def test_the_same_mask_undeclared_fails_where_the_oracle_chose_the_id_and_so_does_emitting_a_declared_one(kvtester):
+    result = run_suites(kvtester, E + "MasksAnIdUndeclared", E + "DeclaresAnIdItEmits",
+                        "-k", "token_identity and short7 and not batched")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*'kv_test_engines_verdicts:MasksAnIdUndeclared' diverges from the oracle on model "
+                                 "'llama', prompt 'short7' (length 7), alone: step 8 of 16*",
+                                 "*expected token 110, got *"])
+    result.stdout.fnmatch_lines(["*'kv_test_engines_verdicts:DeclaresAnIdItEmits' returned token 110 on model 'llama', "
+                                 "prompt 'short7' (length 7), alone: step 8 of 16, an id it declares it never emits "
+                                 "(Declaration.never_emits: ids [[]110[]]*",
                                  "*hint: the engine returned 110, which its Declaration.never_emits rules out*"])
 
 
-def test_declared_shape_bounds_skip_the_calls_outside_them_by_name(kvtester):
-    result = run_suites(kvtester, E + "RefusesLongPrompts", "-k", "token_identity and not batched", "-rs")
-    outcomes = result.parseoutcomes()
-    assert outcomes.get("passed") and outcomes.get("skipped") and "failed" not in outcomes, outcomes
+def test_declared_shape_bounds_skip_the_calls_outside_them_by_name_and_never_excuse_an_answer(kvtester):
+    """One run: the engine refusing prompts past its declared bound skips those calls by name; the same engine
+    undeclared fails them; a bound narrows what must work, never what may be wrong: an engine answering outside it
+    is checked."""
+    report = kvtester.path / "r.json"
+    engines = ("RefusesLongPrompts", "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong")
+    result = run_suites(kvtester, *(E + e for e in engines), "-k", "token_identity and not batched", "-rs",
+                        f"--kv-report-json={report}")
+    tests = {row["engine"].split(":")[1]: row["tests"] for row in json.loads(report.read_text())["rows"]}
+    declared, undeclared, answers = (tests[e] for e in engines)
+    assert declared.get("passed") and declared.get("skipped") and not declared.get("failed"), declared
+    assert undeclared.get("failed") == declared["skipped"], tests
+    assert answers.get("failed"), tests
     result.stdout.fnmatch_lines(["*declares Bounds(max_prompt=32) on model 'llama': this check's call generate(<1 "
                                  "prompt(s) of lengths [[]48[]]>, 16) is outside them (a prompt of 48 tokens > "
                                  "max_prompt=32)*"])
-    undeclared = run_suites(kvtester, E + "RefusesLongPromptsUndeclared", "-k", "token_identity and not batched")
-    assert undeclared.parseoutcomes().get("failed") == outcomes["skipped"]
-    undeclared.stdout.fnmatch_lines(["*ValueError: Prefill length exceeds 32*"])
+    result.stdout.fnmatch_lines(["*ValueError: Prefill length exceeds 32*"])
     result.stdout.fnmatch_lines(["*outside them (a prompt of 48 tokens > max_prompt=32), and the engine refused it "
                                  "(ValueError: Prefill length exceeds 32)*"])
-
-
-def test_a_declared_bound_the_engine_answers_anyway_is_judged(kvtester):
-    """A bound narrows what must work, never what may be wrong: an engine answering outside it is checked."""
-    result = run_suites(kvtester, E + "DeclaresBoundsAnswersWrong", "-k", "token_identity and not batched")
-    assert result.parseoutcomes().get("failed"), result.stdout.str()[-3000:]
-    result.stdout.fnmatch_lines(["*diverges from the oracle on model 'llama', prompt 'long48' (length 48)*"])
+    result.stdout.fnmatch_lines(["*'kv_test_engines_verdicts:DeclaresBoundsAnswersWrong' diverges from the oracle on "
+                                 "model 'llama', prompt 'long48' (length 48)*"])
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_kv_cache_stored_lower_is_held_to_its_measured_noise_and_no_more(kvtester, dtype):
-    checks = "token_identity or batch_consistency"
-    good = run_suites(kvtester, E + "KVInt8", f"--kv-dtype={dtype}", "-k", checks)
-    assert good.ret == 0, good.stdout.str()[-3000:]
-    good.stdout.fnmatch_lines([f"*llama ({dtype}) with K and V stored as int8 (Declaration.kv_dtype): tie tolerance "
+    checks, report = "token_identity or batch_consistency", kvtester.path / "r.json"
+    both = run_suites(kvtester, E + "KVInt8", E + "KVInt4DeclaredInt8", f"--kv-dtype={dtype}", "-k", checks,
+                      f"--kv-report-json={report}")
+    tests = {row["engine"].split(":")[1]: row["tests"] for row in json.loads(report.read_text())["rows"]}
+    assert both.ret == pytest.ExitCode.TESTS_FAILED and not tests["KVInt8"].get("failed"), both.stdout.str()[-3000:]
+    both.stdout.fnmatch_lines([f"*llama ({dtype}) with K and V stored as int8 (Declaration.kv_dtype): tie tolerance "
                                "*, near-tie rate *, score() tolerance *: what storing the cache that way does*"])
-    coarser = run_suites(kvtester, E + "KVInt4DeclaredInt8", f"--kv-dtype={dtype}", "-k", checks)
-    assert coarser.ret == pytest.ExitCode.TESTS_FAILED and coarser.parseoutcomes()["failed"] >= 2
+    assert tests["KVInt4DeclaredInt8"].get("failed", 0) >= 2, tests
 
 
 def test_the_same_int8_cache_undeclared_fails_in_float32(kvtester):

@@ -14,6 +14,7 @@ import pytest
 from pytest_kvcompile.config.options import (
     MAX_NEAR_TIE_RATE,
     MAX_NEAR_TIES,
+    NO_ENGINE,
     TIE_TOLERANCE,
     Settings,
     check_device,
@@ -117,6 +118,8 @@ class Session:
 
     def fresh_engine(self, name: str, model: str) -> EngineUnderTest:
         """A new engine object for the model, not shared with other tests (checks of what a first call leaves)."""
+        if name is None:  # the "no-engine" parameter on an xdist worker (the controller raises the usage error)
+            pytest.fail(NO_ENGINE, pytrace=False)
         ref, spec = self.engines[name], self.spec(model)
         missing = missing_capability(ref.declaration, spec)
         if missing:
