@@ -1,11 +1,14 @@
 """Helpers for the plugin's own tests: real pytest runs (pytester) against tests/kv_test_engines.py."""
 
+import atexit
 import importlib
 import os
 import sys
 from pathlib import Path
 
 import pytest
+
+import prewarmed
 
 TESTS_DIR = Path(__file__).parent
 SUITES_DIR = TESTS_DIR.parent / "suites"
@@ -24,6 +27,24 @@ def assert_matches_oracle(oracle, prompt: list[int], got: list[int], what: str =
     gap = float(logits[step, want[step]] - logits[step, got[step]])
     assert gap <= TIE, (f"{what + ', ' if what else ''}prompt len {len(prompt)}: step {step} got {got[step]}, "
                         f"oracle {want[step]} (gap {gap:.2e})")
+
+
+_ENV = dict(os.environ)  # before any test's monkeypatch: what the prewarmed server imports under
+_SERVER: list[prewarmed.Server] = []
+
+
+def run_pytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    """`pytester.runpytest_subprocess(*args)`, forked from this worker's prewarmed server (tests/prewarmed.py: torch
+    and transformers imported once, not once per run) where the run's environment allows it."""
+    return prewarmed_server().run(pytester, *args)
+
+
+def prewarmed_server() -> prewarmed.Server:
+    """This worker's server, started at its first use."""
+    if not _SERVER:
+        _SERVER.append(prewarmed.Server({**_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR)}))
+        atexit.register(_SERVER[0].close)
+    return _SERVER[0]
 
 
 def pytest_configure(config):
@@ -70,7 +91,7 @@ def run_suites(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
         opts.append("--kv-zoo=llama")
     if not any(a.startswith("--kv-isolate") for a in args):  # the test engines in process, unless they declare it:
         opts.append("--kv-isolate=declared")  # a process each would cost minutes (tests/test_crash_safety.py: auto)
-    return pytester.runpytest_subprocess(*opts, *args)
+    return run_pytest(pytester, *opts, *args)
 
 
 def import_benchmark(name: str):

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import SUITES_DIR
+from conftest import SUITES_DIR, run_pytest
 from pytest_kvcompile.config.options import Settings
 from pytest_kvcompile.reports import json_file
 
@@ -18,7 +18,7 @@ XDIST = {"serial": (), "-n 2": ("-n", "2")}
 
 def suites(kvtester, *args):
     """The README's command, no --kv-isolate (run_suites would add one)."""
-    return kvtester.runpytest_subprocess(str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir",
+    return run_pytest(kvtester, str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir",
                                          str(kvtester.path), "--kv-zoo=llama", "--kv-report-json=r.json", *args)
 
 

@@ -3,7 +3,7 @@ showing the engine's own traceback, never the plugin's internals; undeclared cap
 
 import pytest
 
-from conftest import TOKEN_CHECKS, run_suites
+from conftest import TOKEN_CHECKS, run_pytest, run_suites
 
 ONE_CALL = """
 def test_generate(kv_engine, kv_prompts):
@@ -37,7 +37,7 @@ def test_contract_violations_fail_clearly_and_an_undeclared_device_skips(kvteste
     and beside them an engine declaring only cuda: skipped on cpu, by name."""
     kvtester.makepyfile(ONE_CALL)
     engines = [f"--kv-engine=kv_test_engines:{e}" for e in (*VIOLATIONS, "CudaOnly")]
-    result = kvtester.runpytest_subprocess(*engines, "--kv-zoo=llama", "-rsfE")
+    result = run_pytest(kvtester, *engines, "--kv-zoo=llama", "-rsfE")
     # an engine that cannot be built is an error in the test's setup; a bad call fails the test
     result.assert_outcomes(errors=2, failed=len(VIOLATIONS) - 2, skipped=1)
     result.stdout.fnmatch_lines(["*engine 'kv_test_engines:CudaOnly' does not declare device 'cpu' "
@@ -52,7 +52,7 @@ def test_contract_violations_fail_clearly_and_an_undeclared_device_skips(kvteste
 
 def test_failed_build_fails_later_tests_fast(kvtester):
     kvtester.makepyfile(ONE_CALL + ONE_CALL.replace("test_generate", "test_again"))
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:RaisesInInit", "--kv-zoo=llama")
+    result = run_pytest(kvtester, "--kv-engine=kv_test_engines:RaisesInInit", "--kv-zoo=llama")
     result.assert_outcomes(errors=2)
     result.stdout.fnmatch_lines(["*failed to build for model 'llama' in an earlier test (see its first failure*"])
 

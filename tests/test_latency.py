@@ -5,6 +5,7 @@ No wall-clock absolutes: only side-by-side comparisons of engines whose speed di
 import pytest
 import torch
 
+from conftest import run_pytest
 from pytest_kvcompile.latency import marker as latency
 from pytest_kvcompile.latency import measure
 from pytest_kvcompile.latency.marker import Budget, check, parse_spec, validate
@@ -126,7 +127,7 @@ def test_bad(kv_engine, kv_latency):
 
 def test_relative_budget_fails_the_slow_engine_and_passes_the_fast_one(kvtester):
     kvtester.makepyfile(test_budgets=BUDGETS)
-    result = kvtester.runpytest_subprocess(
+    result = run_pytest(kvtester,
         "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama", f"--kv-engine={INSTANT}",
         f"--kv-engine={SLEEPY}", "--kv-latency-repeats=3", "-rf")
     result.assert_outcomes(passed=5, failed=3)
@@ -149,7 +150,7 @@ def test_relative_budget_fails_the_slow_engine_and_passes_the_fast_one(kvtester)
 def test_a_prompt_cache_is_not_timed_as_speed(kvtester):
     # MemoSleepy answers a repeated prompt at once: every timed call gets a prompt of its own, so it is timed sleeping
     kvtester.makepyfile(test_budgets=BUDGETS)
-    result = kvtester.runpytest_subprocess(
+    result = run_pytest(kvtester,
         "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama",
         "--kv-engine=kv_test_engines_latency:MemoSleepy",
         "--kv-latency-repeats=3", "-k", "test_vs_instant")
@@ -160,7 +161,7 @@ def test_a_prompt_cache_is_not_timed_as_speed(kvtester):
 
 def test_enforced_absolute_budget_and_bad_marker_arguments(kvtester):
     kvtester.makepyfile(test_budgets=BUDGETS, test_bad_markers=BAD_MARKERS)
-    result = kvtester.runpytest_subprocess(
+    result = run_pytest(kvtester,
         "-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama", f"--kv-engine={SLEEPY}",
         "--kv-latency-repeats=1", "--kv-enforce-latency", "-k", "absolute or bad", "--continue-on-collection-errors")
     result.assert_outcomes(failed=1, errors=1)
@@ -172,7 +173,7 @@ def test_enforced_absolute_budget_and_bad_marker_arguments(kvtester):
 
 
 def test_bad_budget_option_is_a_usage_error(kvtester):
-    result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "--kv-latency-budget=factor=2")
+    result = run_pytest(kvtester, "-p", "no:cacheprovider", "--kv-latency-budget=factor=2")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*--kv-latency-budget='factor=2': relative_to and factor go together*"])
 
@@ -189,10 +190,10 @@ def test_benchmarks_compare_across_runs_with_pytest_benchmarks_own_options(kvtes
     common = (str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:xdist", "--rootdir", str(kvtester.path),
               "--kv-zoo=llama",
               "--kv-engine=kv_test_engines:Greedy", "-k", "test_benchmark", f"--benchmark-storage={storage}")
-    first = kvtester.runpytest_subprocess(*common, "--benchmark-autosave")
+    first = run_pytest(kvtester, *common, "--benchmark-autosave")
     first.assert_outcomes(passed=2)
     assert len(list(storage.rglob("*.json"))) == 1
-    second = kvtester.runpytest_subprocess(*common, "--benchmark-compare", "--benchmark-compare-fail=mean:1000%")
+    second = run_pytest(kvtester, *common, "--benchmark-compare", "--benchmark-compare-fail=mean:1000%")
     second.assert_outcomes(passed=2)
     second.stdout.fnmatch_lines(["*benchmark 'llama decode': 2 tests*"])  # this run's and the saved one, side by side
     for run in ("NOW", "0001_*"):

@@ -70,7 +70,9 @@ def test_local_noise_is_the_error_on_the_judged_difference():
 
 
 # --- correct engines pass in both dtypes (one run per dtype, every engine judged in it) ---------------------------
-CORRECT = ("kv_test_engines:Greedy", "kv_test_engines_verdicts:Recompute", "kv_test_engines_precision:ChunkedPrefill",
+# (a plain KV cache in 16-bit: hf-eager and ref-compiled-dynamic on every zoo model, the CI's bfloat16 job; these three
+# reach the same tokens by other computations: no cache, prefill in chunks, left-padded batches)
+CORRECT = ("kv_test_engines_verdicts:Recompute", "kv_test_engines_precision:ChunkedPrefill",
            "kv_test_engines_precision:LeftPaddedBatched")
 
 
