@@ -77,6 +77,13 @@ def test_undeclared_capabilities_skip_with_the_capability_named(kvtester):
     ({"never_emits": 2}, "never_emits=2"),
     ({"bounds": {"max_prompt": 8}}, "write bounds=Bounds(max_prompt=N, ...)"),
     ({"kv_dtype": "q4"}, "kv_dtype='q4': one of float16, bfloat16, int8, int4, int2"),
+    # a typo here made every check a declared skip (issue 45); a str matched by substring ('float16' in 'bfloat16')
+    ({"dtypes": ("fp16",)}, "dtypes=('fp16',): 'fp16' (not a torch floating-point dtype)"),
+    ({"dtypes": ("half",)}, "'half' (write 'float16', the name runs use)"),
+    ({"dtypes": "bfloat16"}, "dtypes='bfloat16': a non-empty tuple of names, e.g. dtypes=('float32', 'bfloat16')"),
+    ({"dtypes": ()}, "dtypes=(): a non-empty tuple"),
+    ({"devices": ("gpu",)}, "devices=('gpu',): 'gpu' (not a torch device type)"),
+    ({"devices": ("cuda:0",)}, "'cuda:0' (a device type, without an index: 'cuda')"),
 ])
 def test_a_bad_declaration_names_the_fix(changes, message):
     from pytest_kvcompile import Declaration
@@ -84,6 +91,13 @@ def test_a_bad_declaration_names_the_fix(changes, message):
     with pytest.raises(ValueError) as caught:
         Declaration(**changes)
     assert message in str(caught.value)
+
+
+def test_torch_names_of_dtypes_and_devices_are_accepted():
+    from pytest_kvcompile import Declaration
+
+    decl = Declaration(dtypes=("float32", "float64", "bfloat16"), devices=("cpu", "cuda", "mps"))
+    assert decl.dtypes == ("float32", "float64", "bfloat16") and decl.devices == ("cpu", "cuda", "mps")
 
 
 def test_bounds_name_the_one_a_call_passes():

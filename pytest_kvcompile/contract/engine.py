@@ -357,6 +357,10 @@ class Declaration:
         if self.speculative is not None and not isinstance(self.speculative, Speculative):
             raise ValueError(f"speculative={self.speculative!r}: write speculative=Speculative(k=N, ...) "
                              "(pytest_kvcompile.Speculative)")
+        for problem in (_bad_names("dtypes", self.dtypes, _dtype_problem, "('float32', 'bfloat16')"),
+                        _bad_names("devices", self.devices, _device_problem, "('cpu', 'cuda')")):
+            if problem:
+                raise ValueError(problem)
         if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"kv_dtype={self.kv_dtype!r}: one of {', '.join(KV_DTYPES)}, or None (the model's dtype)")
 
@@ -371,6 +375,30 @@ class Declaration:
             f"devices={','.join(self.devices)} dtypes={','.join(self.dtypes)}"
             + (f" speculative={self.speculative}" if self.speculative else "")
         )
+
+
+def _bad_names(field: str, value: Any, problem: Callable[[str], str], example: str) -> str:
+    """'' when `value` is a tuple of valid names, else the message: a typo would make every check a declared skip."""
+    if not isinstance(value, tuple) or not value or not all(isinstance(v, str) for v in value):
+        return f"{field}={value!r}: a non-empty tuple of names, e.g. {field}={example}"
+    found = [f"{v!r} ({problem(v)})" for v in value if problem(v)]
+    return f"{field}={value!r}: {', '.join(found)}; e.g. {field}={example}" if found else ""
+
+
+def _dtype_problem(name: str) -> str:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        return "not a torch floating-point dtype"
+    canonical = str(dtype).removeprefix("torch.")
+    return "" if canonical == name else f"write '{canonical}', the name runs use"
+
+
+def _device_problem(name: str) -> str:
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        return "not a torch device type"
+    return "" if device.type == name else f"a device type, without an index: '{device.type}'"
 
 
 class ModelNotSupported(Exception):
