@@ -381,7 +381,7 @@ def _bad_names(field: str, value: Any, problem: Callable[[str], str], example: s
     """'' when `value` is a tuple of valid names, else the message: a typo would make every check a declared skip."""
     if not isinstance(value, tuple) or not value or not all(isinstance(v, str) for v in value):
         return f"{field}={value!r}: a non-empty tuple of names, e.g. {field}={example}"
-    found = [f"{v!r} ({problem(v)})" for v in value if problem(v)]
+    found = [f"{v!r} ({why})" for v in value if (why := problem(v))]
     return f"{field}={value!r}: {', '.join(found)}; e.g. {field}={example}" if found else ""
 
 
