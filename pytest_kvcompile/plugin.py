@@ -135,7 +135,10 @@ class Run:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        _known_findings(config, self.engines, items)
+        stale = _known_findings(config, self.engines, items)
+        found = config.stash.get(reports.PLUGIN, None)
+        if found is not None:
+            found.stale_findings = stale
         if self.settings.fuzz is None:  # fuzzing is opt-in (--kv-fuzz=N): deselect, don't skip
             fuzzing = [i for i in items
                        if getattr(i, "originalname", "") == "test_fuzz" and "kv_engine" in i.fixturenames]
@@ -260,13 +263,26 @@ def expected_failure(pattern: str) -> type[BaseException]:
     return _ExpectedMeta(f"Matching({pattern!r})", (BaseException,), {"pattern": re.compile(pattern)})
 
 
-def _known_findings(config: pytest.Config, engines: dict[str, Any], items: list[pytest.Item]) -> None:
+def _known_findings(config: pytest.Config, engines: dict[str, Any], items: list[pytest.Item]) -> list[str]:
     """Mark known findings as strict xfails that expect the failure they name: the engines' declared ones and
-    the run's ``ENGINE | TEST-GLOB | REASON | EXPECTED`` lines. Another failure stays a failure."""
+    the run's ``ENGINE | TEST-GLOB | REASON | EXPECTED`` lines. Another failure stays a failure. Returns the stale
+    ones: a finding whose check was collected for its engine (before -k deselects) but none of whose tests matched
+    its glob (a renamed test, model or prompt); a finding whose check this run did not collect is not judged."""
     declared = [(name, *finding) for name, ref in engines.items() for finding in ref.declaration.known_findings]
+    stale = []
     for engine, pattern, reason, expected in declared + options.known_findings(config):
+        check = re.split(r"[\[*?]", pattern, maxsplit=1)[0]
+        collected = matched = 0
         for item in items:
             callspec = getattr(item, "callspec", None)
-            if callspec and callspec.params.get("kv_engine_name") == engine and fnmatch(item.name, pattern):
+            if not callspec or callspec.params.get("kv_engine_name") != engine:
+                continue
+            collected += item.name.startswith(check)
+            if fnmatch(item.name, pattern):
+                matched += 1
                 item.add_marker(pytest.mark.xfail(reason=f"known finding on {engine}: {reason}", strict=True,
                                                   raises=expected_failure(expected)))
+        if collected and not matched:
+            stale.append(f"{engine}: '{pattern}' matches none of the {collected} collected test(s) of {check} on it "
+                         f"(renamed test, model or prompt?): {reason}")
+    return stale

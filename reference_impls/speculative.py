@@ -16,7 +16,9 @@ longest no padding: KVLayout("dynamic"), as compiled_dynamic.py. Rows keeping di
 left-padded batch.
 
 Drafters (`use_drafter`): a `Drafter` (contract/speculative.py) the caller gives, or a draft model (`DraftModel`: a
-`ModelSpec` the caller gives, or by default the target with its weights perturbed, models/drafts.py: `perturb`). A
+`ModelSpec` the caller gives, or by default the target with its weights perturbed, models/drafts.py: `perturb`).
+``ref-speculative-lookup`` (`SpeculativePromptLookup`) drafts by prompt lookup instead (`PromptLookup`: the tokens
+that followed the latest earlier occurrence of the context's last n-gram). A
 draft model keeps its own growing cache per row between the steps of a call; before drafting it crops that cache to
 what the new context shares with it (its rollback: the drafts the target rejected go) and runs the rest of the
 context.
@@ -29,6 +31,7 @@ length): two compiles, then none, whatever k and the acceptance lengths.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +48,7 @@ K = 4  # drafts per step
 DRAFT_NOISE, DRAFT_SEED = 0.03, 42  # the default draft: the target perturbed (hf-assisted's noise: mixed acceptance)
 PAD_ID = 0
 KEPT_ROWS = 8  # draft caches a DraftModel keeps (one per row of the last calls)
+NGRAM = 3  # the longest n-gram a PromptLookup matches
 
 
 def prefill(model, tokens, valid):
@@ -114,6 +118,23 @@ class DraftModel:
         valid = torch.ones(1, past + tokens.size(1), dtype=torch.bool, device=tokens.device)
         logits, cache = self.compiled(self.model, tokens, valid, cache)
         return int(logits.reshape(-1, logits.size(-1))[-1].argmax()), cache
+
+
+class PromptLookup:
+    """A `Drafter` by n-gram lookup in the context itself (prompt lookup): the up to k tokens that followed the latest
+    earlier occurrence of the context's last n tokens, n from `ngram` down to 1; no occurrence: no draft."""
+
+    def __init__(self, ngram: int = NGRAM):
+        self.ngram = ngram
+
+    def propose(self, context: Sequence[int], k: int) -> list[int]:
+        context = [int(t) for t in context]
+        for n in range(min(self.ngram, len(context) - 1), 0, -1):
+            tail = context[-n:]
+            for start in range(len(context) - n - 1, -1, -1):
+                if context[start:start + n] == tail:
+                    return context[start + n:start + n + k]
+        return []
 
 
 def common(a: Sequence[int], b: Sequence[int]) -> int:
@@ -236,3 +257,19 @@ class SpeculativeDecoding(Engine):
         fed = torch.tensor([continuation[:-1]], device=self.spec.device)
         rest, _ = self.compiled(self.model, fed, torch.cat((valid, torch.ones_like(fed, dtype=torch.bool)), 1), cache)
         return torch.cat((logits, rest[0]))
+
+
+class SpeculativePromptLookup(SpeculativeDecoding):
+    """`SpeculativeDecoding` drafting by prompt lookup (`PromptLookup`), k drafts per step at most: the same verify
+    step and rollback, drafts from the sequence instead of a model."""
+
+    kv_declaration = dataclasses.replace(
+        SpeculativeDecoding.kv_declaration,
+        speculative=Speculative(k=K, drafters=(), acceptance=True, lookup=True),
+        description=f"reference: speculative decoding by prompt lookup ({NGRAM}- to 1-gram, latest occurrence), up to "
+                    f"{K} drafts per step, verify in one forward, rejected K/V dropped per row, dynamic cache, "
+                    "torch.compile",
+    )
+
+    def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor", k: int = K):
+        super().__init__(spec, compile_backend=compile_backend, k=k, draft=PromptLookup())

@@ -13,6 +13,9 @@ all; reject first at position j for every j < k (j = 0: reject all); alternate (
 - with a draft model (`test_speculative_draft_model`, engines taking one): the target with two rows of its output head
   swapped (pytest_kvcompile/models/drafts.py), chosen from the oracle's continuations, so it proposes the target's own
   choice except where that is one of the two tokens, through the engine's own draft cache and its rollback;
+- with prompt lookup forced (`test_speculative_lookup`, engines declaring ``Speculative(lookup=True)``): prompts whose
+  last tokens occur once before, followed by a continuation the target keeps for exactly j tokens, j = 0 .. k + 1
+  (oracles/speculation.py: lookup_prompt), one per call and, with batching, all in one call;
 - with the engine's own drafts (`test_speculative_own_draft`: a draft model, prompt lookup), what they are.
 
 Every token is judged by the oracle (kv_check_tokens). An engine reporting ``acceptance()`` must have kept, at every
@@ -32,12 +35,16 @@ from pytest_kvcompile.contract.speculative import DRAFT_MODEL, DRAFTER
 from pytest_kvcompile.memory.measure import expected_kv_bytes, format_bytes
 from pytest_kvcompile.models.checkpoints import OwnConfig
 from pytest_kvcompile.models.drafts import head_swapped
+from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.speculation import (
     DraftRow,
+    LookupPrompt,
     ScheduledDrafter,
     choose_swap,
     exercised,
     judge,
+    judge_lookup,
+    lookup_prompt,
     near_ties,
     schedule_rejects,
     swap_rejects,
@@ -82,11 +89,11 @@ class Calls:
     def row(self, prompt, rejects) -> DraftRow:
         return DraftRow.of(self.reference(prompt), rejects, self.engine.spec.vocab_size)
 
-    def __call__(self, prompts, rows: list[DraftRow] | None, drafter, what: list[str], calls: int,
+    def __call__(self, prompts, rows: list[DraftRow | LookupPrompt] | None, drafter, what: list[str], calls: int,
                  ties: list | None = None) -> None:
-        """generate(prompts) with `drafter` (None: the engine's own), `rows` the drafts each prompt gets (None: unknown,
-        the engine's own), `what` each row's drafts, for messages; `ties`: per row, where a draft model may propose
-        the runner-up (oracles/speculation.py: judge)."""
+        """generate(prompts) with `drafter` (None: the engine's own), `rows` the drafts each prompt gets (a
+        LookupPrompt: what its lookup proposes first; None: unknown, the engine's own), `what` each row's drafts, for
+        messages; `ties`: per row, where a draft model may propose the runner-up (oracles/speculation.py: judge)."""
         engine, lengths = self.engine, tuple(len(p) for p in prompts)
         number = len(self.served) + 1
         with engine.drafting(drafter) if drafter is not None else contextlib.nullcontext():
@@ -102,6 +109,11 @@ class Calls:
             self.steps += steps[i]
             if rows is None:  # the engine's own drafts: its steps must still account for its tokens
                 found = unaccounted(steps[i], len(tokens))
+            elif isinstance(rows[i], LookupPrompt):
+                reference = self.reference(prompt)
+                verdict = judge_lookup(rows[i], steps[i], tokens, reference.tokens,
+                                       near_ties(reference, engine.tie_tolerance))
+                self.judged, found = self.judged + verdict.checked, verdict.wrong
             else:
                 verdict = judge(rows[i], steps[i], tokens, ties[i] if ties else None)
                 self.judged, found = self.judged + verdict.checked, verdict.wrong
@@ -199,6 +211,41 @@ def test_speculative_draft_model(kv_engine, kv_oracle, kv_prompts, kv_batch, kv_
         ties = [near_ties(calls.reference(p), kv_engine.tie_tolerance) for p in call]
         calls(call, rows, draft, [what] * len(call), len(prompts) + len(batched), ties)
     calls.finish(f"draft model with output rows {a} and {b} swapped")
+
+
+def test_speculative_lookup(kv_engine, kv_oracle, kv_check_tokens, kv_record):
+    """Prompt lookup forced: per j = 0 .. k + 1 a prompt whose lookup proposes a continuation the target keeps for
+    exactly j tokens (k + 1: all of a step after the prefill's token), one per call, the calls one after another, then
+    all in one call (engines declaring batching): rows keeping different lengths in one step."""
+    declared = _declared(kv_engine)
+    if not declared.lookup:
+        pytest.skip(f"engine '{kv_engine.name}' declares no prompt lookup (its {declared}): declare "
+                    "Speculative(lookup=True) if its own drafts are looked up in the sequence, to have them forced")
+    n, spec = kv_engine.max_new_tokens, kv_engine.spec
+    if n < declared.k + 2:
+        pytest.skip(f"forcing every acceptance length of {declared.k} drafts needs --kv-max-new-tokens >= "
+                    f"{declared.k + 2} (got {n})")
+    calls = Calls(kv_engine, kv_oracle, kv_check_tokens, kv_record)
+    built, missing = [], []
+    for j in range(declared.k + 2):
+        found = lookup_prompt(lambda ids: kv_oracle.cached_reference(ids, n), j, declared.k, spec.vocab_size,
+                              kv_engine.tie_tolerance)
+        if found is None:
+            missing.append(j)
+        else:
+            built.append((Prompt(f"lookup keeps {j}", found.ids), found))
+    if not built:
+        pytest.skip(f"no prompt found on model '{spec.name}' whose lookup the target keeps for exactly j tokens, for "
+                    f"any j: the oracle's continuation moved with every proposal planted in the prompt")
+    if missing:
+        kv_record("speculative decoding", f"{kv_engine.name} / {spec.name}: no lookup prompt found for j = {missing} "
+                  "(the oracle's continuation moved with the planted proposal): those lengths were not forced")
+    what = [f"its lookup, proposing {list(found.proposal)} (the target keeps {found.accepts})" for _, found in built]
+    batched = [list(range(len(built)))] if kv_engine.ref.declaration.batching and len(built) > 1 else []
+    plan = [[i] for i in range(len(built))] + batched
+    for call in plan:
+        calls([built[i][0] for i in call], [built[i][1] for i in call], None, [what[i] for i in call], len(plan))
+    calls.finish(f"prompt lookup forced to keep {sorted(found.accepts for _, found in built)}")
 
 
 def test_speculative_own_draft(kv_engine, kv_oracle, kv_prompts, kv_batch, kv_check_tokens, kv_record):

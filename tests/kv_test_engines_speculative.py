@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from pytest_kvcompile.contract.speculative import Speculative
-from reference_impls.speculative import DraftModel, SpeculativeDecoding
+from reference_impls.speculative import DraftModel, SpeculativeDecoding, SpeculativePromptLookup
 
 
 class SpeculativeK2(SpeculativeDecoding):
@@ -78,3 +78,26 @@ class NeverDrafts(SpeculativeDecoding):
 
     def __init__(self, spec, *, compile_backend: str = "inductor"):
         super().__init__(spec, compile_backend=compile_backend, k=0)
+
+
+class LookupOffByOneAtLast(SpeculativePromptLookup):
+    """Bug (prompt lookup): when the first rejected draft is the last one (j = k - 1), its K/V is kept. A lookup
+    rarely proposes k - 1 right tokens on its own: only the forced lookup prompts reach it."""
+
+    def _kept(self, drafts, accepted):
+        return [k + (d is not None and a == len(d) - 1 == self.k - 1) for k, d, a in
+                zip(super()._kept(drafts, accepted), drafts, accepted)]
+
+
+class LookupNeverDrafts(SpeculativePromptLookup):
+    """Declares prompt lookup but its lookup never proposes anything: every step a plain decode, reported honestly as
+    (0, 0)."""
+
+    def __init__(self, spec, *, compile_backend: str = "inductor"):
+        super().__init__(spec, compile_backend=compile_backend)
+        self.own = self.drafter = _NoMatch()
+
+
+class _NoMatch:
+    def propose(self, context, k):
+        return []

@@ -158,6 +158,36 @@ def test_known_findings_select_only_their_tests(factory, test_id, known):
     assert any(fnmatch(test_id, glob) for glob in globs) == known, (test_id, globs)
 
 
+def test_prompt_lookup_declares_lookup_and_pairs_its_drafts_with_the_tokens():
+    decl = declaration_of(adapter.LlamaCppPromptLookup)
+    assert decl.speculative.lookup and decl.speculative.acceptance and decl.speculative.drafters == ()
+    assert decl.speculative.k == adapter.LOOKUP_TOKENS and "LlamaPromptLookupDecoding" in decl.description
+    assert BUILTIN_ENGINES["llama-cpp-prompt-lookup"] == "pytest_kvcompile.engines.llamacpp:LlamaCppPromptLookup"
+    # tokens[0] from the prompt; drafts [5, 6, 9] keep 2 (bonus 7), [1] keeps 1 (bonus 2), [] none (bonus 3)
+    assert adapter.lookup_steps([[5, 6, 9], [1], [], [9]], [4, 5, 6, 7, 1, 2, 3]) == [(3, 2), (1, 1), (0, 0)]
+    # drafts past the end are cut to the room left for them and a bonus: the steps account for every token after
+    # the first, never one more (which would read as a first token from a step: suites' unaccounted/judge_lookup)
+    assert adapter.lookup_steps([[], [6, 7, 8]], [4, 5, 6, 7]) == [(0, 0), (1, 1)]
+    assert adapter.lookup_steps([[5, 6, 7, 8]], [4, 5, 6, 7]) == [(2, 2)]
+
+
+def test_the_server_gguf_has_a_vocabulary_of_placeholders(zoo_dir, tmp_path):
+    """llama-server detokenizes every token it generates, and aborts on a vocabulary of type none."""
+    import gguf
+
+    spec = _zoo_spec("llama", zoo_dir)
+    path = adapter.convert(spec, tmp_path, vocabulary=True)
+    assert path != adapter.convert(spec, tmp_path) and path.name.endswith("-f32-vocab.gguf")
+    reader = gguf.GGUFReader(path)
+    field = reader.fields["tokenizer.ggml.model"]
+    assert bytes(field.parts[field.data[0]]).decode() == "rwkv"  # no special tokens: none banned by ignore_eos
+    tokens = reader.fields["tokenizer.ggml.tokens"]
+    assert len(tokens.data) == spec.vocab_size and bytes(tokens.parts[tokens.data[7]]).decode() == "<t7>"
+    assert not any(key.startswith("tokenizer.ggml.") and key.endswith("_token_id") for key in reader.fields)
+    bos = reader.fields["tokenizer.ggml.add_bos_token"]
+    assert not bool(bos.parts[bos.data[0]][0])
+
+
 def _zoo_spec(name, root):
     return ModelSpec(name, zoo.checkpoint(name, root), zoo.ZOO[name].build_config())
 

@@ -12,7 +12,7 @@ from conftest import run_suites
 from pytest_kvcompile import cli
 from pytest_kvcompile.reports import baseline, html, json_file, markdown
 from pytest_kvcompile.reports.json_file import SCHEMA_VERSION, ResultsFileError
-from pytest_kvcompile.verdicts.rows import Collector, merge
+from pytest_kvcompile.verdicts.rows import COMPILES_MERGE, Collector, Compiles, MergeError, merge
 
 GREEDY = "kv_test_engines:Greedy"
 INSTANT = "kv_test_engines_latency:Instant"
@@ -299,3 +299,22 @@ def test_a_row_has_exactly_the_typed_fields():
 
     assert list(new_row("e", "m", "cpu", "float32")) == list(Row.__annotations__)
     assert set(FailureEntry.__annotations__) == {"test", "kind", "message", "failure"}
+
+
+def test_every_compiles_key_has_a_merge_rule_and_survives_a_merge():
+    """A key a suite writes into a row's compiles but the merge does not know was dropped (cuda_graph_captures was)."""
+    assert set(COMPILES_MERGE) == set(Compiles.__annotations__)
+    full = {"build": 1, "warmup": 2, "after_warmup": 0, "reasons": ["a"], "graph_breaks": ["b"], "eager_runs": 1,
+            "cuda_graph_captures": {"build": 1, "warmup": 2, "after_warmup": 0},
+            "timeline": [{"phase": "build", "compiles": 1}]}
+    assert set(full) == set(Compiles.__annotations__)
+    other = {**full, "after_warmup": 3, "reasons": ["c"], "cuda_graph_captures": {"build": 0, "warmup": 1,
+                                                                                  "after_warmup": 2}}
+    found = Collector("cuda", "bfloat16")
+    found.add("e", "m", compiles=full)
+    found.add("e", "m", compiles=other)
+    merged = found.row("e", "m")["compiles"]
+    assert set(merged) == set(full) and merged["after_warmup"] == 3 and merged["reasons"] == ["a", "c"]
+    assert merged["cuda_graph_captures"] == {"build": 1, "warmup": 2, "after_warmup": 2}
+    with pytest.raises(MergeError, match="no merge rule: .'cuda_graphs'."):
+        found.add("e", "m", compiles={**full, "cuda_graphs": 1})

@@ -15,31 +15,37 @@ from pytest_kvcompile.contract.speculative import Speculative
 from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.oracles.speculation import (
     DraftRow,
+    LookupPrompt,
     ScheduledDrafter,
     UnknownContext,
     choose_swap,
     judge,
+    judge_lookup,
+    lookup_prompt,
     schedule_rejects,
     simulate,
     swap_rejects,
 )
 from pytest_kvcompile.verdicts.rows import new_row, run_problems, speculation_line
+from reference_impls.speculative import PromptLookup
 
 T = "kv_test_engines_speculative:"
 TWINS = ("KeepsRejectedKV", "BonusFromTheWrongPosition", "RollbackOffByOneAtLast", "OneRowsRollbackForAll",
-         "DraftCacheNotRolledBack", "NeverDrafts")
+         "DraftCacheNotRolledBack", "NeverDrafts", "LookupOffByOneAtLast", "LookupNeverDrafts")
 
 
 #: -k: every check on the correct variant; on each twin the checks that must catch it (the rest would only cost time)
 SELECT = ("test_speculative and (SpeculativeK2 or (schedules and not batched and (KeepsRejectedKV or "
           "BonusFromTheWrongPosition or RollbackOffByOneAtLast)) or (OneRowsRollbackForAll and schedules) or "
-          "(DraftCacheNotRolledBack and (draft_model or schedules)) or (NeverDrafts and own_draft))")
+          "(DraftCacheNotRolledBack and (draft_model or schedules)) or (NeverDrafts and own_draft and not Lookup)) or "
+          "(test_speculative_lookup and (ref-speculative-lookup or LookupOffByOneAtLast or LookupNeverDrafts))")
 
 
 # --- the suite against a correct variant and every twin: one pytester run (ref-speculative: the suites' own runs) ---
 def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester):
     report = kvtester.path / "r.json"
-    result = run_suites(kvtester, f"--kv-engine={T}SpeculativeK2", *(f"--kv-engine={T}{twin}" for twin in TWINS),
+    result = run_suites(kvtester, f"--kv-engine={T}SpeculativeK2", "--kv-engine=ref-speculative-lookup",
+                        *(f"--kv-engine={T}{twin}" for twin in TWINS),
                         "--kv-compile-backend=aot_eager", "-k", SELECT, f"--kv-report-json={report}", "-p", "no:xdist")
     rows = {row["engine"]: row for row in json.loads(report.read_text())["rows"]}
 
@@ -66,6 +72,17 @@ def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester
     assert rows[T + "DraftCacheNotRolledBack"]["tests"]["passed"] == 2
     # drafting nothing passes every check and fails the run: no draft was accepted or rejected
     assert not failures("NeverDrafts")
+    # prompt lookup: every forced length kept, on the reference; the rollback off by one at j = k - 1, which a lookup
+    # of the tiny model's own text rarely reaches, caught by the prompt that forces it; a lookup finding nothing on a
+    # prompt built to match, named
+    lookup = rows["ref-speculative-lookup"]
+    assert lookup["tests"]["passed"] == 1 and not lookup["failures"] and lookup["speculation"]["lengths"].keys() \
+        >= {"0/4", "1/4", "2/4", "3/4", "4/4"}, lookup
+    off = failures("LookupOffByOneAtLast")["test_speculative_lookup"]
+    assert off["kind"] in ("mismatch", "memory") and "lookup keeps 4" in off["message"], off["message"]
+    never = failures("LookupNeverDrafts")["test_speculative_lookup"]
+    assert never["kind"] == "speculation" and "drafted nothing, but the sequence's last 4 tokens occur once before" \
+        in never["message"], never["message"]
     problems = {p["engine"]: p for p in json.loads(report.read_text())["problems"]}
     assert set(problems) == {T + "NeverDrafts"} and problems[T + "NeverDrafts"]["kind"] == "vacuous"
     result.stdout.fnmatch_lines([  # in the order of the output: a failure, the reports' steps, the run rules
@@ -75,7 +92,7 @@ def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester
         f"{T}SpeculativeK2 / llama: * verify step(s) of up to 2 drafts: * drafted tokens accepted *; accepted/drafted "
         "per step: * 1/2 x*, 2/2 x*",
         f"*engine '{T}NeverDrafts' on model 'llama' (cpu, float32): it declares speculative decoding, but over its * "
-        "reported verify step(s) nothing was drafted and none accepted*",
+        "reported verify step(s) nothing was drafted: *",
     ])
 
 
@@ -117,6 +134,38 @@ def test_judge_names_the_step_that_kept_another_number():
     assert "generate() returned 6" in judge(row, [(3, 1)], tokens).wrong  # steps that cannot have made the tokens
     diverged = judge(row, [(3, 1), (3, 0), (0, 0), (0, 0)], [5, 6, 7, 3, 1, 2])  # a near tie at position 3
     assert diverged.wrong is None and diverged.unjudged >= 1
+
+
+def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_ngram():
+    lookup = PromptLookup(ngram=3)
+    assert lookup.propose([1, 2, 3, 9, 8, 1, 2, 3, 7, 6, 1, 2, 3], 2) == [7, 6]  # the latest 3-gram match
+    assert lookup.propose([5, 2, 3, 9, 8, 4, 3], 4) == [9, 8, 4, 3]  # no 3- or 2-gram: the 1-gram
+    assert lookup.propose([1, 2, 3], 4) == [] and lookup.propose([1, 2, 3, 4, 3], 0) == []
+
+
+def test_a_lookup_prompt_plants_a_continuation_the_target_keeps_for_exactly_j_tokens():
+    def target(ids):  # greedy continuation: (the last token + 1) over and over; logits rank it first, it + 3 last
+        tokens = [(ids[-1] + 1 + i) % 64 for i in range(8)]
+        return _reference(tokens, 64)
+
+    for j in range(6):
+        found = lookup_prompt(target, j, 4, 64, tolerance=0.1)
+        marker = found.ids[-4:]
+        assert found.ids.count(marker[0]) == 2 and found.ids[found.ids.index(marker[0]) + 4:][:5] == found.proposal
+        tokens = target(found.ids).tokens
+        assert list(found.proposal[:j]) == list(tokens[:j]) and (j == 5 or found.proposal[j] != tokens[j]), found
+    assert lookup_prompt(lambda ids: _reference([1], 64), 3, 4, 64, 0.1) is None  # the oracle ran too few tokens
+
+
+def test_judge_lookup_holds_the_first_step_to_the_planted_continuation():
+    lookup, tokens = LookupPrompt((1, 2), (5, 6, 7, 9, 9), accepts=3), [5, 6, 7, 0, 1, 2]
+    assert judge_lookup(lookup, [(4, 3), (2, 1)], tokens, tokens).checked == 1  # prompt's own lookup: keeps 3
+    assert judge_lookup(lookup, [(4, 2), (3, 1)], tokens, tokens).checked == 1  # after the prefill's token: 2
+    wrong = judge_lookup(lookup, [(4, 4), (0, 0)], tokens, tokens).wrong
+    assert "drafted 4 and kept 4, but the lookup proposes [5, 6, 7, 9]" in wrong and "the first 3" in wrong
+    assert "drafted nothing" in judge_lookup(lookup, [(0, 0)] * 6, tokens, tokens).wrong
+    rejected_first = LookupPrompt((1, 2), (5, 6, 7, 9, 9), accepts=0)
+    assert judge_lookup(rejected_first, [(4, 1), (1, 0), (4, 1)], tokens, tokens).unjudged == 1  # start 1: not forced
 
 
 def test_a_swapped_draft_is_rejected_where_the_continuation_holds_a_swapped_token():

@@ -170,10 +170,18 @@ def test_engines_running_no_compiled_code_skip_the_recompile_check(kvtester):
 def test_a_known_finding_is_a_strict_xfail(kvtester):
     finding = ("kv_test_engines:RecompilingGreedy | test_no_recompiles_after_warmup* | recompiles per length "
                "(dynamic=False) | compile\\(s\\) after warmup")
+    # a finding whose model scope matches no collected test is stale; one on a check -k deselected is still matched
+    stale = ("kv_test_engines:RecompilingGreedy | test_no_recompiles_after_warmup[[]*-mistral-sw] | renamed | x")
+    elsewhere = "kv_test_engines:RecompilingGreedy | test_token_identity* | another check | x"
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:RecompilingGreedy", "-k", "recompiles",
-                        f"--kv-known-finding={finding}", "-rx")
+                        f"--kv-known-finding={finding}", f"--kv-known-finding={stale}",
+                        f"--kv-known-finding={elsewhere}", "-rx")
     result.assert_outcomes(xfailed=1, passed=1)  # the finding absorbs only the test its glob names
-    result.stdout.fnmatch_lines(["XFAIL *known finding on kv_test_engines:RecompilingGreedy: recompiles per length*"])
+    result.stdout.fnmatch_lines(["*kvcompile: stale known findings: they match no test (1)*",
+                                 "kv_test_engines:RecompilingGreedy: 'test_no_recompiles_after_warmup[[]*-mistral-sw]'"
+                                 " matches none of the 1 collected test(s) of test_no_recompiles_after_warmup on it "
+                                 "(renamed test, model or prompt?): renamed",
+                                 "XFAIL *known finding on kv_test_engines:RecompilingGreedy: recompiles per length*"])
     fixed = run_suites(kvtester, "--kv-engine=kv_test_engines:CompiledGreedy", "-k", "recompiles",
                        f"--kv-known-finding={finding.replace('Recompiling', 'Compiled')}")
     fixed.assert_outcomes(failed=1, passed=1)

@@ -46,11 +46,14 @@ class Speculative:
       draft checkpoint); empty: the engine drafts on its own only (prompt lookup).
     - `acceptance`: the engine has ``acceptance()``, so the suite checks how many drafted tokens each step kept and the
       reports show it; without it only the tokens are judged.
+    - `lookup`: its own drafts come from n-gram lookup in the sequence so far (prompt lookup, vLLM's n-gram): the
+      suite builds prompts whose lookup proposes a continuation the target accepts for exactly j tokens.
     """
 
     k: int
     drafters: tuple[str, ...] = (DRAFTER,)
     acceptance: bool = False
+    lookup: bool = False
 
     def __post_init__(self) -> None:
         usage = 'e.g. Speculative(k=4, drafters=("drafter", "draft_model"), acceptance=True)'
@@ -60,9 +63,11 @@ class Speculative:
             kinds = ", ".join(map(repr, DRAFTER_KINDS))
             raise ValueError(f"Speculative(drafters={self.drafters!r}): a tuple of {kinds} (what use_drafter() "
                              f"takes), or () for none; {usage}")
-        if type(self.acceptance) is not bool:
-            raise ValueError(f"Speculative(acceptance={self.acceptance!r}) must be True or False; {usage}")
+        for name in ("acceptance", "lookup"):
+            if type(getattr(self, name)) is not bool:
+                raise ValueError(f"Speculative({name}={getattr(self, name)!r}) must be True or False; {usage}")
 
     def __str__(self) -> str:
         drafters = ",".join(self.drafters) or "own only"
-        return f"Speculative(k={self.k}, drafters={drafters}{', acceptance' if self.acceptance else ''})"
+        return (f"Speculative(k={self.k}, drafters={drafters}{', acceptance' if self.acceptance else ''}"
+                f"{', lookup' if self.lookup else ''})")

@@ -8,6 +8,8 @@
   prefill as well as the decode step. The path of transformers #46421 (docs/released-bugs.md).
 - ``hf-assisted``: assisted (speculative) greedy decoding, ``generate(assistant_model=<draft>)``: the draft's and
   the target's caches are cropped after every rejected draft token. The path of transformers #48280.
+- ``hf-prompt-lookup``: prompt-lookup decoding, ``generate(prompt_lookup_num_tokens=4)``: drafts looked up in the
+  sequence itself, the target's cache cropped after a rejection.
 
 They are measured, not tuned: whatever the suite finds is what transformers does.
 Every call builds a fresh cache; greedy decoding runs with a clean GenerationConfig
@@ -356,6 +358,51 @@ class HFAssisted(HFEager):
 
     def _cache_kwargs(self) -> dict:
         return {"assistant_model": self.draft}
+
+
+class HFPromptLookup(HFAssisted):
+    """Prompt-lookup decoding: greedy ``generate(prompt_lookup_num_tokens=4)``. transformers'
+    PromptLookupCandidateGenerator drafts, each round, the up to 4 tokens that followed the first earlier occurrence
+    (left to right) of the sequence's last 2-gram, else of its last token (``max_matching_ngram_size=2``); no match: a
+    round drafting nothing. The target checks them in one forward and its cache is cropped past the first rejected
+    one, as in assisted generation (HFAssisted: same rounds, same ``acceptance()`` read from the target's forwards). The
+    first round drafts from the prompt itself, before any token is generated. Batch size 1 (transformers' assisted
+    generation); no scoring; nothing to take from the caller: the suite forces acceptance lengths through prompts whose
+    lookup proposes a continuation it chose (suites/test_speculative.py: test_speculative_lookup).
+    """
+
+    kv_declaration = Declaration(
+        kv_released=True,
+        speculative=Speculative(k=NUM_ASSISTANT_TOKENS, drafters=(), acceptance=True, lookup=True),
+        description=f"transformers generate(prompt_lookup_num_tokens={NUM_ASSISTANT_TOKENS}), greedy prompt-lookup "
+                    "decoding (2-gram, then 1-gram lookup), DynamicCache",
+        known_findings=((
+            "test_long_generation[[]hf-prompt-lookup-gpt2-abspos]",
+            "transformers 5.24: prompt lookup drafts past max_length (PromptLookupCandidateGenerator caps the drafts' "
+            "slice of the input, not the room left: up to 4 drafts one position before the end), so the verify forward "
+            "runs positions beyond it; GPT-2's 512 absolute positions end there: IndexError in the position embedding "
+            "on a generation to position 512 (docs/released-bugs.md)",
+            r"raised IndexError in generate\(.*\): index out of range in self",
+        ),),
+    )
+
+    def __init__(self, spec: ModelSpec, num_tokens: int = NUM_ASSISTANT_TOKENS):
+        HFEager.__init__(self, spec)
+        self.num_tokens = num_tokens
+        self.steps: list[list[tuple[int, int]]] = []
+        self._forwards: list[tuple[int, int]] = []
+        self.model.register_forward_pre_hook(self._record_forward, with_kwargs=True)
+
+    def use_drafter(self, drafter: ModelSpec | None) -> None:
+        raise TypeError("hf-prompt-lookup drafts by prompt lookup only: it takes no drafter (Speculative(drafters=()))")
+
+    def _generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        config = super()._generation_config(max_new_tokens)
+        config.prompt_lookup_num_tokens = self.num_tokens
+        return config
+
+    def _cache_kwargs(self) -> dict:
+        return {}
 
 
 def _rounds(forwards: list[tuple[int, int]], prompt: int, final: int) -> list[tuple[int, int]]:

@@ -40,6 +40,11 @@ Rules:
   the ids it sampled from the ``Llama.generate`` it iterates. ``kv_cache_bytes()`` is what the cache holds, counted
   from its states (the state bytes, and the logits and ids arrays each state copies), so the memory suite holds the
   cache to its capacity; the capacity the declaration gives is the one the cache is built with.
+- ``llama-cpp-prompt-lookup``: llama-cpp-python's prompt-lookup decoding, ``Llama(draft_model=
+  LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=LOOKUP_TOKENS))``: after each token ``Llama.generate``
+  evaluates it with the drafts in one batch, samples at each position and, at the first draft the target does not
+  choose, cuts the KV cache there (``kv_cache_seq_rm``). ``acceptance()`` pairs the drafts its draft model proposed
+  (observed by a wrapper around it) with the tokens generated after each.
 """
 
 from __future__ import annotations
@@ -60,13 +65,15 @@ from pytest_kvcompile.contract.engine import (
     PrefixCache,
     require_config,
 )
+from pytest_kvcompile.contract.speculative import Speculative
 from pytest_kvcompile.engines.recipe import Recipe
 
 N_CTX = 512  # positions of the one sequence (prompt + new tokens; the long generations reach 512)
 PROMPT_CACHE_BYTES = 512 * 1024  # llama-cpp-prompt-cache: LlamaRAMCache(capacity_bytes=...)
 PROMPT_CACHE_TOKENS = 2048  # at most what that holds of a zoo model by its own count (llama: ~1,900 positions)
 Q8_0_BLOCK = 32  # values per ggml q8_0 block (ggml's QK8_0)
-CONVERTER_VERSION = 1  # bump when `convert` writes something else: cached GGUFs are keyed by it
+LOOKUP_TOKENS = 4  # llama-cpp-prompt-lookup: tokens drafted per step at most (num_pred_tokens)
+CONVERTER_VERSION = 2  # bump when `convert` writes something else: cached GGUFs are keyed by it
 RECIPE = Recipe(
     packages=("llama-cpp-python==0.3.36", "gguf==0.19.0"),
     note="llama-cpp-python 0.3.36 is an sdist: pip compiles llama.cpp with CMake (a CPU build unless CMAKE_ARGS says "
@@ -141,10 +148,19 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _write_parameters(writer: Any, arch: str, config: Any) -> None:
+def _write_parameters(writer: Any, arch: str, config: Any, vocabulary: bool = False) -> None:
     """The GGUF metadata llama.cpp's loader reads for `arch` (convert_hf_to_gguf.py's, plus what it would drop)."""
     gguf = _import_gguf()
-    writer.add_tokenizer_model("none")  # LLAMA_VOCAB_TYPE_NONE: dummy tokens, ids only
+    if vocabulary:  # placeholder pieces for programs that detokenize what they generate (llama-server)
+        # llama.cpp's RWKV vocabulary type: plain pieces and no special token at all (an SPM one has EOS = 2 whatever
+        # the GGUF says, and ignore_eos bans it: token 2 would never be generated); it needs a newline piece.
+        writer.add_tokenizer_model("rwkv")
+        writer.add_token_list(["\\n" if i == 0 else f"<t{i}>" for i in range(config.vocab_size)])
+        writer.add_token_types([gguf.TokenType.NORMAL] * config.vocab_size)
+        writer.add_add_bos_token(False)
+        writer.add_add_eos_token(False)
+    else:
+        writer.add_tokenizer_model("none")  # LLAMA_VOCAB_TYPE_NONE: dummy tokens, ids only
     writer.add_vocab_size(config.vocab_size)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
     if arch == "gpt2":
@@ -221,15 +237,17 @@ def cache_root() -> Path:
     return Path(os.environ.get("KVCOMPILE_CACHE_DIR") or Path.home() / ".cache" / "pytest-kvcompile") / "gguf"
 
 
-def convert(spec: ModelSpec, root: Path | None = None) -> Path:
+def convert(spec: ModelSpec, root: Path | None = None, vocabulary: bool = False) -> Path:
     """The float32 GGUF of `spec`'s checkpoint, written once under `root` (default `cache_root()`), named by the
     checkpoint's hash; written to a temporary sibling and renamed into place (concurrent builders: last rename wins,
-    same bytes). ModelNotSupported when llama.cpp or this converter cannot represent the model."""
+    same bytes). ModelNotSupported when llama.cpp or this converter cannot represent the model. `vocabulary`: with a
+    vocabulary of placeholder pieces (``<t1>``, ..., token 0 a newline; no special tokens) instead of none, for
+    ``llama-server``, which detokenizes every token it generates and aborts on a vocabulary of type none."""
 
     gguf = _import_gguf()
     arch = _architecture(spec.config)
     root = Path(root) if root is not None else cache_root()
-    final = root / f"{spec.path.name}-{_digest(spec.path)}-f32.gguf"
+    final = root / f"{spec.path.name}-{_digest(spec.path)}-f32{'-vocab' if vocabulary else ''}.gguf"
     if final.is_file():
         return final
     weights = spec.weights()
@@ -239,7 +257,7 @@ def convert(spec: ModelSpec, root: Path | None = None) -> Path:
     try:
         writer = gguf.GGUFWriter(tmp, arch)
         writer.add_name(f"kvcompile-{spec.name}")
-        _write_parameters(writer, arch, spec.config)
+        _write_parameters(writer, arch, spec.config, vocabulary)
         for name, array in _tensors(arch, spec.config, weights):
             writer.add_tensor(name, array)
         writer.write_header_to_file()
@@ -434,3 +452,61 @@ def state_bytes(state: Any) -> int:
 
 __all__ = ["CONVERTER_VERSION", "N_CTX", "RECIPE", "REQUIRES", "LlamaCpp", "LlamaCppPromptCache", "LlamaCppQ8KV",
            "convert"]
+
+
+class LlamaCppPromptLookup(LlamaCpp):
+    """``llama-cpp`` with llama-cpp-python's prompt-lookup decoding: ``Llama(draft_model=LlamaPromptLookupDecoding(
+    max_ngram_size=2, num_pred_tokens=LOOKUP_TOKENS))``. After each token, the tokens that followed the first earlier
+    occurrence of the sequence's last 2-gram (else 1-gram) are evaluated with it in one batch; at the first the target
+    does not choose, the KV cache is cut there. ``acceptance()``: per verify step, the drafts the draft model proposed
+    (observed by a wrapper) and how many the generated tokens then kept; the first token comes from the prompt."""
+
+    kv_declaration = dataclasses.replace(
+        LlamaCpp.kv_declaration,
+        speculative=Speculative(k=LOOKUP_TOKENS, drafters=(), acceptance=True, lookup=True),
+        description=_DESCRIPTION.format(kv=f"KV cache f16, prompt-lookup decoding (LlamaPromptLookupDecoding, "
+                                        f"max_ngram_size=2, num_pred_tokens={LOOKUP_TOKENS})"),
+        known_findings=(),  # llama-cpp's finding 1 does not show: a draft model makes Llama keep every position's
+    )                       # logits (logits_all), and score()'s rows then stay within an f16 cache's noise on long48
+
+    def _kwargs(self) -> dict[str, Any]:
+        from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
+
+        self.proposals: list[list[int]] = []  # each draft of the current call, in order
+        self.steps: list[list[tuple[int, int]]] = []
+        lookup = LlamaPromptLookupDecoding(max_ngram_size=2, num_pred_tokens=LOOKUP_TOKENS)
+        proposals = self.proposals
+
+        class Observed(LlamaDraftModel):  # the lookup, keeping what it proposes
+            def __call__(self, input_ids, /, **kwargs):
+                found = lookup(input_ids, **kwargs)
+                proposals.append([int(t) for t in found])
+                return found
+
+        return {**super()._kwargs(), "draft_model": Observed()}
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        out, self.steps = [], []
+        for prompt in prompts:
+            self.proposals.clear()
+            out += super().generate([prompt], max_new_tokens)
+            self.steps.append(lookup_steps(self.proposals, out[-1]))
+        return out
+
+    def acceptance(self) -> list[list[tuple[int, int]]]:
+        return self.steps
+
+
+def lookup_steps(proposals: list[list[int]], tokens: list[int]) -> list[tuple[int, int]]:
+    """(drafted, accepted) per verify step of a greedy decoder that drafts `proposals` in turn, the first after the
+    prompt's token (tokens[0]): a step keeps the drafts equal to the tokens that follow, then its bonus token; a draft
+    is counted only where the output has room for it and the step's bonus (the generator is stopped at the end)."""
+    steps, i = [], 1
+    for drafts in proposals:
+        if i >= len(tokens):
+            break
+        drafts = drafts[:len(tokens) - i - 1]  # what the output still has room for with the step's bonus token
+        kept = next((j for j, t in enumerate(drafts) if t != tokens[i + j]), len(drafts))
+        steps.append((len(drafts), kept))
+        i += kept + 1
+    return steps

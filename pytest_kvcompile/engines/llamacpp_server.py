@@ -52,7 +52,7 @@ class LlamaCppServer(ManagedServer):
         if not binary:
             raise FileNotFoundError(f"llama-server not found (${BINARY_ENV} is unset and it is not on PATH): "
                                     f"{RECIPE.note}")
-        gguf = convert(spec)
+        gguf = convert(spec, vocabulary=True)  # the server detokenizes what it generates: a vocabulary of none aborts
         threads = str(max(1, torch.get_num_threads()))
         return Launch([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "--parallel",
                        str(SLOTS), "-c", str(SLOTS * N_CTX), "-t", threads, "-tb", threads, "--no-webui"], "llamacpp",

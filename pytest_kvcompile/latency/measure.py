@@ -23,7 +23,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 import torch
@@ -32,7 +32,18 @@ from pytest_kvcompile.models.prompts import Prompt, of_length, variant
 from pytest_kvcompile.verdicts.rows import stats
 
 if TYPE_CHECKING:
-    from pytest_kvcompile.run.harness import EngineUnderTest
+    from pytest_kvcompile.contract.engine import ModelSpec
+
+
+class Measured(Protocol):
+    """What `measure` needs of an engine under test (run/harness.py: EngineUnderTest, which the run layer passes)."""
+
+    name: str
+    spec: ModelSpec
+    isolated: bool
+    engine: Any  # the engine object: its generate() is what is timed; an isolated one's proxy has last_ms
+
+    def generate(self, prompts: list[Prompt], max_new_tokens: int) -> list[list[int]]: ...
 
 PROMPT_LEN = 32
 DECODE_TOKENS = 8
@@ -95,7 +106,7 @@ def fresh(prompt_len: int, vocab_size: int) -> Iterator[Prompt]:
     return (variant(base, vocab_size, salt=5000 + i) for i in itertools.count())
 
 
-def _timed(eut: EngineUnderTest, time_ms: Callable[[Callable[[], object]], float], call: Callable[[], object]) -> float:
+def _timed(eut: Measured, time_ms: Callable[[Callable[[], object]], float], call: Callable[[], object]) -> float:
     """`call`'s time in ms; an isolated engine's as its own process measured it (run/isolation.py), without the pipe."""
     if eut.isolated:
         call()
@@ -103,7 +114,7 @@ def _timed(eut: EngineUnderTest, time_ms: Callable[[Callable[[], object]], float
     return time_ms(call)
 
 
-def measure(engines: Sequence[EngineUnderTest], repeats: int, prompt_len: int = PROMPT_LEN,
+def measure(engines: Sequence[Measured], repeats: int, prompt_len: int = PROMPT_LEN,
             decode_tokens: int = DECODE_TOKENS) -> list[Latency]:
     """Latency of each engine (same model) per the module's rule, measured side by side."""
     spec = engines[0].spec

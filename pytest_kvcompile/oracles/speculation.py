@@ -9,6 +9,8 @@ after m generated tokens and drafts d must then keep exactly the drafts before t
 - A schedule (`schedule_rejects`) turns acceptance lengths per step into rejected positions: step r, starting after m
   tokens, keeps lengths[r % len(lengths)] drafts (k: all of them) and takes the bonus token, so the next step starts
   after m + length + 1.
+- A prompt *lookup* (n-gram drafting from the sequence itself) is forced through the prompt (`lookup_prompt`): its last
+  tokens occur once before, followed by a continuation that agrees with the target's own for exactly j tokens.
 - A draft *model* with two rows of the target's output head swapped (models/drafts.py: `head_swapped`) proposes the
   target's own choice except where that is one of the two tokens: its rejects are where the oracle's continuation
   holds one of them (`swap_rejects`, `choose_swap`).
@@ -16,6 +18,7 @@ after m generated tokens and drafts d must then keep exactly the drafts before t
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -180,3 +183,108 @@ def exercised(steps: Iterable[tuple[int, int]], k: int) -> Speculation:
     steps = list(steps)
     return {"k": k, "steps": len(steps), "drafted": sum(d for d, _ in steps), "accepted": sum(a for _, a in steps),
             "lengths": dict(Counter(f"{a}/{d}" for d, a in steps))}
+
+
+MARKER = 4  # tokens a lookup prompt repeats: longer than the n-grams prompt lookups match (2-3), so every one matches
+FILL = 6  # tokens before the first marker, and after the planted continuation (twice that every other layout)
+TRIES, ROUNDS = 60, 8  # random layouts tried per acceptance length, fixed-point rounds per layout
+
+
+@dataclass(frozen=True)
+class LookupPrompt:
+    """A prompt ``fill + marker + proposal + fill + marker``: an n-gram lookup of its last tokens (any n up to
+    MARKER) finds their one earlier occurrence and proposes `proposal`, whose first `accepts` tokens are the target's
+    greedy continuation and whose next is not (the token the oracle ranks last there, or, without logits, another).
+    An engine whose first verify step starts after `start` generated tokens (0: the prompt's own lookup; 1: after the
+    prefill's token, which is the proposal's first when accepts >= 1) must keep min(accepts - start, drafted)."""
+
+    ids: tuple[int, ...]
+    proposal: tuple[int, ...]
+    accepts: int
+
+    def expected(self, start: int, drafted: int) -> int | None:
+        """Drafts the first verify step keeps, or None: not forced (a rejected first token changes the lookup)."""
+        if start > self.accepts:
+            return None
+        return min(self.accepts - start, drafted)
+
+
+def lookup_prompt(reference: Callable[[tuple[int, ...]], Reference], accepts: int, k: int, vocab_size: int,
+                  tolerance: float, seed: int = 0) -> LookupPrompt | None:
+    """A `LookupPrompt` whose proposal (k + 1 tokens, so a lookup after the prefill's token still has k) the target
+    accepts for exactly `accepts` tokens, or None if none was found. The proposal sits inside the prompt, so it changes
+    the continuation it must predict: a fixed point is searched, the proposal set to the oracle's continuation of the
+    prompt holding the previous one (the rejected token: the one it ranks last), until the continuation agrees. The
+    marker's tokens are distinct and nowhere else, so each n-gram ending the prompt (or, after the prefill's token,
+    ending in the proposal's first) has one earlier occurrence; the rejected token is more than `tolerance` below the
+    target's choice (never a near tie)."""
+    length = k + 1
+    for attempt in range(TRIES):
+        rng = random.Random(f"lookup {seed} {accepts} {attempt}")
+        marker = rng.sample(range(vocab_size), MARKER)
+        rest = [t for t in range(vocab_size) if t not in marker]
+        fill = FILL * (1 + attempt % 2)  # a longer fill between proposal and end: the proposal moves the end less
+        before, after = [rng.choice(rest) for _ in range(FILL)], [rng.choice(rest) for _ in range(fill)]
+        proposal = rng.sample(rest, length)
+        for _ in range(ROUNDS):
+            ids = tuple(before + marker + proposal + after + marker)
+            found = reference(ids)
+            tokens = list(found.tokens)
+            if len(tokens) < min(accepts + 1, length):
+                return None
+            wrong = (int(found.logits[accepts].argmin()) if found.logits is not None and accepts < len(tokens)
+                     else None)
+            if _planted(proposal, tokens, accepts, found, tolerance, set(marker)):
+                return LookupPrompt(ids, tuple(proposal), accepts)
+            planted = tokens[:min(accepts, length)]
+            if accepts < length:
+                planted.append(wrong if wrong is not None else (tokens[accepts] + 1) % vocab_size)
+            proposal = planted + rng.sample(rest, length - len(planted))
+    return None
+
+
+def _planted(proposal: list[int], tokens: list[int], accepts: int, found: Reference, tolerance: float,
+             elsewhere: set[int]) -> bool:
+    """Whether the target keeps exactly `accepts` tokens of `proposal` along its continuation `tokens`, the rejected
+    one not a near tie, no proposal token one of the marker's (`elsewhere`)."""
+    if elsewhere & set(proposal):
+        return False
+    if proposal[:accepts] != tokens[:accepts]:
+        return False
+    if accepts == len(proposal):
+        return True
+    if proposal[accepts] == tokens[accepts]:
+        return False
+    if found.logits is None:
+        return True
+    row = found.logits[accepts]
+    return float(row[tokens[accepts]] - row[proposal[accepts]]) > tolerance
+
+
+def judge_lookup(lookup: LookupPrompt, steps: Sequence[tuple[int, int]], got: Sequence[int], oracle: Sequence[int],
+                 tie: Callable[[int], bool] | None = None) -> Judged:
+    """The first verify step an engine reports on a `LookupPrompt`, against the drafts it must keep; later steps (its
+    own lookups of the text generated since) only have to account for its tokens (`unaccounted`). Not judged: a
+    first token that rejected the proposal (start 1, accepts 0), tokens that left the oracle's (`oracle`) at a near
+    tie before the kept drafts end, fewer kept at a near tie (`tie(q)`)."""
+    wrong = unaccounted(steps, len(got))
+    if wrong:
+        return Judged(0, 0, wrong)
+    start = len(got) - sum(a + 1 for _, a in steps)
+    if not steps:
+        return Judged(0, 1)
+    drafted, accepted = steps[0]
+    expected = lookup.expected(start, drafted)
+    diverged = next((i for i, (a, b) in enumerate(zip(got, oracle)) if a != b), len(got))
+    if expected is None or start + expected > diverged or (accepted < expected and tie and tie(start + accepted)):
+        return Judged(0, 1)
+    if drafted == 0:
+        return Judged(0, 0, f"its first verify step, after {start} generated token(s), drafted nothing, but the "
+                            f"sequence's last {MARKER} tokens occur once before, followed by {list(lookup.proposal)}: "
+                            "a prompt lookup proposes them")
+    if accepted != expected:
+        return Judged(0, 0, f"its first verify step, after {start} generated token(s), drafted {drafted} and kept "
+                            f"{accepted}, but the lookup proposes {list(lookup.proposal[start:start + drafted])} "
+                            f"(what followed the prompt's earlier occurrence of its last {MARKER} tokens), of which "
+                            f"the target's own greedy choices are the first {expected}")
+    return Judged(1, 0)

@@ -82,6 +82,7 @@ WRITERS: dict[str, Callable[[dict[str, Any], Any], str]] = {
 }
 ORACLE_FIXTURES = {"kv_oracle", "kv_oracle_or_none"}  # a test using one is a token check
 _FORMAT = {REPORT_JSON: ".json", REPORT_MD: ".md", REPORT_HTML: ".html"}
+STALE_KEY = "kvcompile_stale_findings"  # config.workeroutput key: a worker's stale known findings
 PLUGIN = pytest.StashKey["ResultsPlugin"]()
 
 
@@ -114,6 +115,7 @@ class ResultsPlugin:
         self.results: dict[str, Any] | None = None
         self.problems: list[Problem] = []
         self.skipped_everywhere: list[str] = []
+        self.stale_findings: list[str] = []  # known findings whose check ran but whose glob matched no test (plugin)
         if hasattr(config, "workerinput"):
             return  # workers only collect: the controller validates, compares and writes
         path, spec = _value(config, BASELINE), _value(config, FAIL_ON)
@@ -249,11 +251,14 @@ class ResultsPlugin:
         found = getattr(node, "workeroutput", {}).get(WORKER_KEY)
         if found:
             self.workers.append(found)
+        stale = getattr(node, "workeroutput", {}).get(STALE_KEY, [])  # each worker collects the whole run
+        self.stale_findings += [line for line in stale if line not in self.stale_findings]
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         config = self.config
         if hasattr(config, "workerinput"):
             config.workeroutput[WORKER_KEY] = self.collector.drain()  # what no test's report carried
+            config.workeroutput[STALE_KEY] = self.stale_findings
             return
         self.results = self._results()
         self.results["status"] = self._status(complete=True)
@@ -325,6 +330,11 @@ class ResultsPlugin:
                          yellow=True)
             for line in self.skipped_everywhere:
                 tr.write_line(line)
+        if self.stale_findings:
+            tr.write_sep("-", f"kvcompile: stale known findings: they match no test ({len(self.stale_findings)})",
+                         yellow=True)
+            for line in self.stale_findings:
+                tr.write_line(line, yellow=True)
         if self.problems:
             tr.write_sep("=", f"kvcompile: the run FAILS on {len(self.problems)} verdict rule(s)", red=True, bold=True)
             for problem in self.problems:

@@ -16,7 +16,9 @@ Schema (``schema_version`` 2)::
                                                            steps where the oracle's best was one of them)
                "checks": {test function: {"ran": n, "failed": n, "xfailed": n, "skipped": n, "reason": str}},
                "versions": ["dist==version"],  (the engine's distributions as built: the conformance matrix)
-               "compiles": null | {"build": n, "warmup": n, "after_warmup": n, "reasons": [line]},
+               "compiles": null | {"build": n, "warmup": n, "after_warmup": n, "reasons": [line],
+                                   "graph_breaks": [line], "eager_runs": n, "cuda_graph_captures": {phase: n},
+                                   "timeline": [entry]},
                "kv_bytes": null | {"expected": n | null, "measured": n},
                "latency": null | {"prompt_len": n, "decode_tokens": n, "timer": str,
                                   "prefill_ms": [sample], "decode_ms_per_token": [sample],

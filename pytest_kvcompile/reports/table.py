@@ -54,6 +54,10 @@ def cells(row: dict[str, Any], rows: list[dict[str, Any]]) -> tuple[str, ...]:
     near = str(row.get("near_tie_tokens", tokens["near_tie"])) if checked else "-"
     comp = row["compiles"]
     compiles = f"{comp.get('build', 0)} / {comp['warmup']} / {comp['after_warmup']}" if comp else "-"
+    captured = (comp or {}).get("cuda_graph_captures") or {}
+    if any(captured.values()):
+        compiles += (f"; CUDA graphs {captured.get('build', 0)} / {captured.get('warmup', 0)} / "
+                     f"{captured.get('after_warmup', 0)}")
     kv = row["kv_bytes"]
     kv_cell = f"{human_bytes(kv['expected'])} / {human_bytes(kv['measured'])}" if kv else "-"
     lat = latency_stats(row)

@@ -49,12 +49,15 @@ class FailureEntry(TypedDict):
 
 
 class Compiles(TypedDict, total=False):
+    """A compiled engine's compiles per phase (suites/test_recompiles.py), each key merged by `COMPILES_MERGE`."""
+
     build: int
     warmup: int
     after_warmup: int
     reasons: list[str]
     graph_breaks: list[str]
     eager_runs: int
+    cuda_graph_captures: dict[str, int]  # phase ("build", "warmup", "after_warmup") -> CUDA graphs captured
     timeline: list[dict[str, Any]]
 
 
@@ -165,13 +168,28 @@ def row_key(row: Row) -> tuple[str, str, str, str]:
     return row["engine"], row["model"], row["device"], row["dtype"]
 
 
+def _union(a: list, b: list) -> list:
+    return list(dict.fromkeys(a + b))
+
+
+#: How two records of one engine x model's compiles merge, per key of `Compiles` (every key has a rule: a key
+#: written by a suite but missing here would be dropped, tests/test_reports.py checks it): counts keep the worst,
+#: lists join, the timeline of the first run that drew one stays.
+COMPILES_MERGE = {
+    "build": max, "warmup": max, "after_warmup": max, "eager_runs": max,
+    "reasons": _union, "graph_breaks": _union,
+    "cuda_graph_captures": lambda a, b: {p: max(a.get(p, 0), b.get(p, 0)) for p in {**a, **b}},
+    "timeline": lambda a, b: a or b,
+}
+
+
 def _merge_compiles(a, b):
-    return {"build": max(a.get("build", 0), b.get("build", 0)),
-            "warmup": max(a["warmup"], b["warmup"]), "after_warmup": max(a["after_warmup"], b["after_warmup"]),
-            "reasons": list(dict.fromkeys(a["reasons"] + b["reasons"])),
-            "graph_breaks": list(dict.fromkeys(a.get("graph_breaks", []) + b.get("graph_breaks", []))),
-            "eager_runs": max(a.get("eager_runs", 0), b.get("eager_runs", 0)),
-            **({"timeline": a.get("timeline") or b["timeline"]} if a.get("timeline") or b.get("timeline") else {})}
+    unknown = (set(a) | set(b)) - set(COMPILES_MERGE)
+    if unknown:
+        raise MergeError(f"compiles record has keys with no merge rule: {sorted(unknown)} (verdicts/rows.py: "
+                         "COMPILES_MERGE)")
+    return {key: rule(a[key], b[key]) if key in a and key in b else a.get(key, b.get(key))
+            for key, rule in COMPILES_MERGE.items() if key in a or key in b}
 
 
 def _merge_kv_bytes(a, b):
@@ -440,11 +458,11 @@ def run_problems(rows: list[Row], max_near_tie_rate: float | None) -> list[Probl
                 "position limit: a larger budget cannot be exercised on this model)"), **at))
         spec = row.get("speculation")
         if spec and not 0 < spec["accepted"] < spec["drafted"]:
+            missing = ("nothing was drafted" if not spec["drafted"] else "no draft was accepted"
+                       if not spec["accepted"] else "no draft was rejected")
             problems.append(Problem(Kind.VACUOUS, message=(
-                f"it declares speculative decoding, but over its {spec['steps']} reported verify step(s) "
-                f"{'no draft was rejected' if spec['drafted'] else 'nothing was drafted'}"
-                f"{' and none accepted' if not spec['accepted'] else ''}: the steps proved nothing about keeping "
-                "accepted drafts and rolling back rejected ones"), **at))
+                f"it declares speculative decoding, but over its {spec['steps']} reported verify step(s) {missing}: "
+                "the steps proved nothing about keeping accepted drafts and rolling back rejected ones"), **at))
     by_engine: dict[tuple, list[int]] = {}
     for row in rows:
         at = dict(engine=row["engine"], model=row["model"], device=row["device"], dtype=row["dtype"])
