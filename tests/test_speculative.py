@@ -1,6 +1,7 @@
-"""Speculative decoding (issue 42): suites/test_speculative.py passes ref-speculative and a correct variant, and
-fails each twin of tests/kv_test_engines_speculative.py naming the check that caught it; the schedule, the judge of
-reported steps and the vacuous-run rule as functions."""
+"""Speculative decoding (issue 42): suites/test_speculative.py passes ref-speculative, a correct variant and the prompt
+lookups of the reference and of transformers (hf-prompt-lookup), and fails each twin of
+tests/kv_test_engines_speculative.py naming the check that caught it; the schedule, the judge of reported steps, the
+lookup prompts and the vacuous-run rule as functions."""
 
 from __future__ import annotations
 
@@ -38,13 +39,15 @@ TWINS = ("KeepsRejectedKV", "BonusFromTheWrongPosition", "RollbackOffByOneAtLast
 SELECT = ("test_speculative and (SpeculativeK2 or (schedules and not batched and (KeepsRejectedKV or "
           "BonusFromTheWrongPosition or RollbackOffByOneAtLast)) or (OneRowsRollbackForAll and schedules) or "
           "(DraftCacheNotRolledBack and (draft_model or schedules)) or (NeverDrafts and own_draft and not Lookup)) or "
-          "(test_speculative_lookup and (ref-speculative-lookup or LookupOffByOneAtLast or LookupNeverDrafts))")
+          "(test_speculative_lookup and (ref-speculative-lookup or hf-prompt-lookup or LookupOffByOneAtLast or "
+          "LookupNeverDrafts))")
 
 
 # --- the suite against a correct variant and every twin: one pytester run (ref-speculative: the suites' own runs) ---
 def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester):
     report = kvtester.path / "r.json"
     result = run_suites(kvtester, f"--kv-engine={T}SpeculativeK2", "--kv-engine=ref-speculative-lookup",
+                        "--kv-engine=hf-prompt-lookup",
                         *(f"--kv-engine={T}{twin}" for twin in TWINS),
                         "--kv-compile-backend=aot_eager", "-k", SELECT, f"--kv-report-json={report}", "-p", "no:xdist")
     rows = {row["engine"]: row for row in json.loads(report.read_text())["rows"]}
@@ -75,9 +78,10 @@ def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester
     # prompt lookup: every forced length kept, on the reference; the rollback off by one at j = k - 1, which a lookup
     # of the tiny model's own text rarely reaches, caught by the prompt that forces it; a lookup finding nothing on a
     # prompt built to match, named
-    lookup = rows["ref-speculative-lookup"]
-    assert lookup["tests"]["passed"] == 1 and not lookup["failures"] and lookup["speculation"]["lengths"].keys() \
-        >= {"0/4", "1/4", "2/4", "3/4", "4/4"}, lookup
+    for name in ("ref-speculative-lookup", "hf-prompt-lookup"):  # transformers' prompt lookup: its first step is the
+        lookup = rows[name]  # prompt's own lookup (before any token), the reference's after the prefill's token
+        assert lookup["tests"]["passed"] == 1 and not lookup["failures"] and lookup["speculation"]["lengths"].keys() \
+            >= {"0/4", "1/4", "2/4", "3/4", "4/4"}, lookup
     off = failures("LookupOffByOneAtLast")["test_speculative_lookup"]
     assert off["kind"] in ("mismatch", "memory") and "lookup keeps 4" in off["message"], off["message"]
     never = failures("LookupNeverDrafts")["test_speculative_lookup"]
