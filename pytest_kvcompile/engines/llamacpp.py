@@ -450,8 +450,6 @@ def state_bytes(state: Any) -> int:
     return len(state.llama_state) + state.scores.nbytes + state.input_ids.nbytes
 
 
-__all__ = ["CONVERTER_VERSION", "N_CTX", "RECIPE", "REQUIRES", "LlamaCpp", "LlamaCppPromptCache", "LlamaCppQ8KV",
-           "convert"]
 
 
 class LlamaCppPromptLookup(LlamaCpp):
@@ -466,8 +464,10 @@ class LlamaCppPromptLookup(LlamaCpp):
         speculative=Speculative(k=LOOKUP_TOKENS, drafters=(), acceptance=True, lookup=True),
         description=_DESCRIPTION.format(kv=f"KV cache f16, prompt-lookup decoding (LlamaPromptLookupDecoding, "
                                         f"max_ngram_size=2, num_pred_tokens={LOOKUP_TOKENS})"),
-        known_findings=(),  # llama-cpp's finding 1 does not show: a draft model makes Llama keep every position's
-    )                       # logits (logits_all), and score()'s rows then stay within an f16 cache's noise on long48
+        # llama-cpp's finding 1 does not show here: with a draft model Llama keeps every position's logits
+        # (logits_all), and score()'s rows then stay within an f16 cache's noise on long48
+        known_findings=(),
+    )
 
     def _kwargs(self) -> dict[str, Any]:
         from llama_cpp.llama_speculative import LlamaDraftModel, LlamaPromptLookupDecoding
@@ -510,3 +510,7 @@ def lookup_steps(proposals: list[list[int]], tokens: list[int]) -> list[tuple[in
         steps.append((len(drafts), kept))
         i += kept + 1
     return steps
+
+
+__all__ = ["CONVERTER_VERSION", "N_CTX", "RECIPE", "REQUIRES", "LlamaCpp", "LlamaCppPromptCache",
+           "LlamaCppPromptLookup", "LlamaCppQ8KV", "convert", "lookup_steps"]
