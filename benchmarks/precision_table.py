@@ -80,7 +80,7 @@ def markdown(runs: list[dict]) -> str:
 def power_table(runs: list[dict]) -> list[str]:
     """Per model, dtype and engine: the run-level rates (RunRate) over the positions its run verified."""
     from pytest_kvcompile.verdicts.failures import Kind
-    from pytest_kvcompile.verdicts.rows import run_rates
+    from pytest_kvcompile.verdicts.rows import Row, run_rates
 
     lines = ["| model | dtype | calibration: positions, flips | flip rate (bound) | positions the check adds | engine "
              "| positions verified | its near-tie rate, p | a 5x engine fails | score() beyond the noise: engine vs "
@@ -90,7 +90,7 @@ def power_table(runs: list[dict]) -> list[str]:
                    if row.get("noise") and not row["noise"].get("kv_dtype"))
     for (dtype, model, engine), row in found:
         n = row["noise"]
-        rates = {rate.kind: rate for rate in run_rates(row)}
+        rates = {rate.kind: rate for rate in run_rates(Row.from_json(row, f"{engine} / {model}"))}
         ties, scored = rates.get(Kind.RUN_DRIFT), rates.get(Kind.LOGIT_DRIFT)
         if ties is None or not ties.positions:
             continue

@@ -1,7 +1,7 @@
 """pytest-kvcompile: check that a KV-cache + compile engine is right and stays fast.
 
 Public API: the engine contract (`ModelSpec`, `Engine`, `Declaration`, `Strategy`, `KVLayout`, `Bounds`,
-`PrefixCache`; speculative decoders: `Speculative`, `Drafter`), the token
+`PrefixCache`, `KnownFinding`; speculative decoders: `Speculative`, `Drafter`), the token
 oracle's assertion (`check_tokens`; `assert_tokens_match` is its deprecated spelling), typed verdicts (`Where`,
 `Failure`, `Kind`), the compile recorder (`CompileRecorder`, `expect_no_recompiles`), and for adapters that call a
 transformers model, its cache keyword in the installed release (`with_cache`, `returned_cache`). Each name loads
@@ -22,6 +22,7 @@ _PUBLIC = {  # name -> module that defines it
                      "ScoringEngine", "Strategy"],
                     "pytest_kvcompile.contract.engine"),
     **dict.fromkeys(["DRAFTER", "DRAFT_MODEL", "Drafter", "Speculative"], "pytest_kvcompile.contract.speculative"),
+    "KnownFinding": "pytest_kvcompile.contract.findings",
     **dict.fromkeys(["cache_tensors", "held_bytes"], "pytest_kvcompile.memory.measure"),
     **dict.fromkeys(["returned_cache", "with_cache"], "pytest_kvcompile.models.checkpoints"),
     "HFEagerOracle": "pytest_kvcompile.oracles.hf",

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ResultsFileError, MergeError) as exc:
         parser.error(str(exc))
     write(merged, output)
-    print(f"kvcompile: merged {len(args.inputs)} file(s), {len(merged['rows'])} row(s) -> {output}")
+    print(f"kvcompile: merged {len(args.inputs)} file(s), {len(merged.rows)} row(s) -> {output}")
     return 0
 
 
@@ -95,7 +95,7 @@ def _matrix(parser: argparse.ArgumentParser, inputs: list[str], output: Path, pa
 
     expected = tuple(BUILTIN_ENGINES)  # every engine the project adapts gets a row, reported or not
     atomic_write(output, matrix.WRITERS[output.suffix.lower()](merged, inputs, pages, output, expected))
-    engines = {row["engine"] for row in merged["rows"]}
+    engines = {row.engine for row in merged.rows}
     missing = [name for name in expected if name not in engines]
     print(f"kvcompile: matrix of {len(engines)} engine(s) from {len(inputs)} file(s) -> {output}"
           + (f"; no report of {len(missing)} built-in engine(s): {', '.join(missing)}" if missing else ""))

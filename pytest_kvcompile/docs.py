@@ -45,7 +45,7 @@ def all_options() -> list:
 
 def options_table() -> str:
     def default(option) -> str:
-        if option.kind == "bool":
+        if option.ini_type == "bool":
             return "off"
         value = option.default
         return f"`{value}`" if value not in ("", None, []) else "none"
@@ -103,21 +103,65 @@ def _field_docs(cls: type) -> dict[str, str]:
     return found
 
 
-def dataclass_table(cls: type) -> str:
-    """Fields of a contract dataclass: name, type, default and the description its docstring gives."""
+FIELD_HEADER = ("field", "type", "default", "meaning")
+
+
+def _field_rows(cls: type) -> dict[str, tuple[object, ...]]:
+    """field -> its row: name, type, default and the description its docstring gives."""
     docs, hints = _field_docs(cls), typing.get_type_hints(cls)
-    rows = []
+    rows = {}
     for f in dataclasses.fields(cls):
         if f.name.startswith("_"):
             continue
         default = ("required" if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
                    else f"`{f.default!r}`" if f.default is not dataclasses.MISSING else "`" + repr(f.default_factory())
                    + "`")
-        kind = _type_name(hints.get(f.name, f.type))
-        rows.append((f"`{f.name}`", f"`{kind}`", default, docs.get(f.name, "")))
+        type_name = _type_name(hints.get(f.name, f.type))
+        rows[f.name] = (f"`{f.name}`", f"`{type_name}`", default, docs.get(f.name, ""))
+    return rows
+
+
+def _renamed_note(cls: type) -> str:
+    """The deprecated spellings `cls` still accepts (contract/engine.py: renamed_keywords), or ''."""
+    renamed = getattr(cls, "RENAMED", {})
+    spelled = ", ".join(f"`{old}=` (write `{new}=`)" for old, new in renamed.items())
+    return f"\n\nDeprecated spellings, still accepted with a warning: {spelled}." if renamed else ""
+
+
+def dataclass_table(cls: type) -> str:
+    """Fields of a contract dataclass: name, type, default and the description its docstring gives."""
     summary = " ".join((inspect.getdoc(cls) or "").split("\n\n")[0].split())
-    return f"### `{cls.__name__}`\n\n{summary}\n\n" + _table(
-        ("field", "type", "default", "meaning"), rows)
+    return (f"### `{cls.__name__}`\n\n{summary}\n\n" + _table(FIELD_HEADER, list(_field_rows(cls).values()))
+            + _renamed_note(cls))
+
+
+def group_problems(cls: type, groups: tuple[tuple[str, tuple[str, ...]], ...]) -> list[str]:
+    """What keeps `groups` from naming each field of `cls` exactly once: a field in no group, a name no field has, a
+    field in two groups."""
+    fields = [f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")]
+    named = [name for _, names in groups for name in names]
+    return ([f"field '{name}' is in no group" for name in fields if name not in named]
+            + [f"group '{title}' names '{name}', not a field" for title, names in groups for name in names
+               if name not in fields]
+            + [f"field '{name}' is in {named.count(name)} groups" for name in dict.fromkeys(named)
+               if named.count(name) > 1])
+
+
+def grouped_table(cls: type, groups: tuple[tuple[str, tuple[str, ...]], ...]) -> str:
+    """`cls`'s fields as one table per group (Declaration: contract/engine.py's DECLARATION_GROUPS), each under its
+    heading and the lead its docstring gives the group (a paragraph ``**Title.** lead``)."""
+    problems = group_problems(cls, groups)
+    if problems:
+        raise ValueError(f"{cls.__name__}'s field groups: {'; '.join(problems)}")
+    doc, rows = inspect.getdoc(cls) or "", _field_rows(cls)
+    paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+    parts = [f"### `{cls.__name__}`", " ".join(paragraphs[0].split())]
+    parts += [p for p in paragraphs[1:] if p and not p.startswith(("- ", "**"))][:1]  # the paragraph after it
+    for title, names in groups:
+        lead = next((p.removeprefix(f"**{title}.**").strip() for p in paragraphs if p.startswith(f"**{title}.**")),
+                    "")
+        parts += [f"#### {title}", *([lead] if lead else []), _table(FIELD_HEADER, [rows[n] for n in names])]
+    return "\n\n".join(parts) + _renamed_note(cls)
 
 
 def contract_tables() -> str:
@@ -125,7 +169,8 @@ def contract_tables() -> str:
 
     classes = [getattr(engine, name) for name in ("Declaration", "KVLayout", "Bounds", "PrefixCache", "Strategy")
                if hasattr(engine, name)]
-    return "\n\n".join(dataclass_table(cls) for cls in classes)
+    return "\n\n".join(grouped_table(cls, engine.DECLARATION_GROUPS) if cls is engine.Declaration
+                       else dataclass_table(cls) for cls in classes)
 
 
 def engines_table() -> str:
@@ -178,23 +223,28 @@ def ci_table(run: str | None = None, timings: str | None = None) -> str:
 
 
 def schema_table() -> str:
-    """The results JSON (``--kv-report-json``): its version, the versions read back, and a row's fields."""
+    """The results JSON (``--kv-report-json``): its version, the versions read back, and every record's fields with
+    their types and merge rules (the dataclasses of verdicts/rows.py, which write and read the file)."""
     from pytest_kvcompile.reports import json_file
     from pytest_kvcompile.verdicts import rows as row_module
 
-    row = getattr(row_module, "Row", None)
-    fields: list[tuple[object, ...]] = []
-    if row is not None and dataclasses.is_dataclass(row):
-        hints = typing.get_type_hints(row)
-        fields = [(f"`{f.name}`", f"`{_type_name(hints.get(f.name, f.type))}`") for f in dataclasses.fields(row)
-                  if not f.name.startswith("_")]
-    elif row is not None:
-        fields = [(f"`{name}`", f"`{_type_name(kind)}`") for name, kind in typing.get_type_hints(row).items()]
-    reads = ", ".join(str(v) for v in getattr(json_file, "READS", ()))
+    reads = ", ".join(str(v) for v in json_file.READS)
     doc = (inspect.getdoc(json_file) or "").replace("::\n", ":\n")
     head = (f"`schema_version` **{json_file.SCHEMA_VERSION}** (files of versions {reads} are read back), "
             f"`kind` `{json_file.KIND}`.")
-    return "\n\n".join([head, doc, "A row's fields (`verdicts/rows.py`):", _table(("field", "type"), fields)])
+    parts, todo, seen = [head, doc], [row_module.Row], set()
+    while todo:
+        kind = todo.pop(0)
+        if kind in seen:
+            continue
+        seen.add(kind)
+        hints = typing.get_type_hints(kind)
+        fields = [(f"`{f.name}`", f"`{_type_name(hints.get(f.name, f.type))}`",
+                   row_module.rule_name(f.metadata["merge"])) for f in dataclasses.fields(kind)]
+        todo += [f.metadata["record"] for f in dataclasses.fields(kind) if f.metadata["record"] is not None]
+        summary = (inspect.getdoc(kind) or "").split("\n\n")[0].replace("\n", " ")
+        parts += [f"**`{kind.__name__}`**: {summary}", _table(("field", "type", "merge"), fields)]
+    return "\n\n".join(parts)
 
 
 def _type_name(kind: object) -> str:

@@ -11,9 +11,8 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
-import re
 import types
-from fnmatch import fnmatch
+import warnings
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ import pytest
 from pytest_kvcompile import reports
 from pytest_kvcompile.config import markers, options
 from pytest_kvcompile.config.tolerances import MEASURED_DTYPES
+from pytest_kvcompile.contract.findings import ENGINE_PARAM, LINE_EXAMPLE, KnownFinding, legacy_line
 from pytest_kvcompile.latency import marker as latency_marker
 from pytest_kvcompile.memory import marker as memory_marker
 from pytest_kvcompile.recompiles import marker as recompile_marker
@@ -94,6 +94,8 @@ class Run:
                                     f"{'is' if len(unknown) == 1 else 'are'} not an engine of this run (engines: "
                                     f"{', '.join(self.engines) or 'none'}); name engines given to {options.ENGINE}, or "
                                     "use 'declared', 'all' or 'none'")
+        self.findings, self.deprecated_findings = run_findings(config, self.engines)
+        self.finding_runs: dict[str, list[bool]] = {}  # stale-line -> absorbed? per test of it that ran (controller)
 
     @cached_property
     def session(self):
@@ -135,7 +137,9 @@ class Run:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
-        stale = _known_findings(config, self.engines, items)
+        for message in self.deprecated_findings:  # in collection's warning capture: shown in the warnings summary
+            warnings.warn(pytest.PytestDeprecationWarning(message), stacklevel=1)
+        stale = _known_findings(self.findings, items)
         found = config.stash.get(reports.PLUGIN, None)
         if found is not None:
             found.stale_findings = stale
@@ -147,7 +151,7 @@ class Run:
                 items[:] = [i for i in items if i not in fuzzing]
         if self.settings.dtype not in MEASURED_DTYPES:  # constant rules (float32): no measured rate to power
             constant = [i for i in items if getattr(i, "originalname", "") == "test_near_tie_rate"
-                        and "kv_engine" in i.fixturenames and not getattr(self.declaration(i), "kv_dtype", None)]
+                        and "kv_engine" in i.fixturenames and not getattr(self.declaration(i), "kv_cache_dtype", None)]
             if constant:
                 config.hook.pytest_deselected(items=constant)
                 items[:] = [i for i in items if i not in constant]
@@ -156,6 +160,36 @@ class Run:
             if hasattr(config, "workerinput"):  # a UsageError here would crash the xdist worker: the fixtures error
                 return
             raise pytest.UsageError(NO_ENGINE + f" ({len(engine_tests)} collected test(s) need one)")
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
+        """Tell the report which known findings of the test absorbed its failure (the outermost wrapper: it sees
+        the strict xfail's verdict), for the stale rule (b), judged where every report arrives."""
+        report = yield
+        found = item.stash.get(FINDINGS_KEY, None)
+        ran = call.when == "call" or (call.when == "setup" and (report.failed or hasattr(report, "wasxfail")))
+        if found and ran:
+            error = call.excinfo.value if call.excinfo else None
+            params = item.callspec.params
+            report.kvcompile_findings = [[line, bool(hasattr(report, "wasxfail") and error is not None
+                                                     and finding.matches(error, params))]
+                                         for line, finding in found]
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for line, absorbed in getattr(report, "kvcompile_findings", None) or ():
+            self.finding_runs.setdefault(line, []).append(absorbed)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        """Stale rule (b): a known finding whose tests ran and none failed the way it names (each also shows as
+        XPASS(strict) or as its own failure). In a worker: nothing (the controller gets every report)."""
+        found = self.config.stash.get(reports.PLUGIN, None)
+        if hasattr(self.config, "workerinput") or found is None:
+            return
+        for line, absorbed in self.finding_runs.items():
+            stale = f"{line}: its {len(absorbed)} test(s) ran and none failed the way it names"
+            if not any(absorbed) and stale not in found.stale_findings:
+                found.stale_findings.append(stale)
 
     def declaration(self, item: pytest.Item):
         """The Declaration of the item's engine, or None when the item is not parametrized by one."""
@@ -252,37 +286,70 @@ def _share_cores(config: pytest.Config) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(workers)))
 
 
-class _ExpectedMeta(type):
+FINDINGS_KEY = pytest.StashKey[list]()  # item -> [(its stale-rule name, KnownFinding)] of the findings covering it
+
+
+def run_findings(config: pytest.Config,
+                 engines: dict[str, Any]) -> tuple[list[tuple[str, KnownFinding]], list[str]]:
+    """The run's known findings, (engine NAME, KnownFinding): the engines' declared ones and the run's
+    ``--kv-known-finding`` lines (a bad line: a usage error naming the fix), and the deprecation message of each line
+    in the deprecated form (warned at collection)."""
+    found = [(name, finding) for name, ref in engines.items() for finding in ref.declaration.known_findings]
+    deprecated = []
+    for line in options.known_findings(config):
+        given = f"{options.KNOWN_FINDING}='{line.engine} | {line.check} | {line.kind or line.reason} | " \
+                f"{line.reason if line.kind else line.expected}'"
+        if line.deprecated:
+            deprecated.append(f"{given}: 'ENGINE | TEST-GLOB | REASON | EXPECTED' (a regex over the failure's "
+                              f"message) is deprecated: write '{options.KNOWN_FINDING_FORM}', e.g. '{LINE_EXAMPLE}'")
+            found.append((line.engine, legacy_line(line.check, line.reason, line.expected)))
+            continue
+        try:
+            found.append((line.engine, KnownFinding.from_line(line.check, line.kind, line.reason)))
+        except ValueError as exc:
+            raise pytest.UsageError(f"{given}: {exc} (the form: '{options.KNOWN_FINDING_FORM}'; the deprecated "
+                                    "'ENGINE | TEST-GLOB | REASON | EXPECTED' has a REASON of words)") from None
+    return found, deprecated
+
+
+class _AbsorbsMeta(type):
     def __instancecheck__(cls, exc: object) -> bool:
-        return bool(cls.pattern.search(f"{type(exc).__name__}: {exc}"))
+        return isinstance(exc, BaseException) and any(f.matches(exc, cls.params) for f in cls.findings)
 
 
-def expected_failure(pattern: str) -> type[BaseException]:
-    """An exception "type" for ``pytest.mark.xfail(raises=...)`` that matches any exception whose
-    ``"<type name>: <message>"`` contains the regex `pattern`: a known finding absorbs only the failure it names."""
-    return _ExpectedMeta(f"Matching({pattern!r})", (BaseException,), {"pattern": re.compile(pattern)})
+def expected_failure(findings: list[KnownFinding], params: dict[str, Any]) -> type[BaseException]:
+    """An exception "type" for ``pytest.mark.xfail(raises=...)`` that matches the failure one of `findings` names,
+    by its typed data (contract/findings.py: `KnownFinding.matches`), for a test of parameters `params`."""
+    return _AbsorbsMeta("KnownFailure", (BaseException,), {"findings": tuple(findings), "params": dict(params)})
 
 
-def _known_findings(config: pytest.Config, engines: dict[str, Any], items: list[pytest.Item]) -> list[str]:
-    """Mark known findings as strict xfails that expect the failure they name: the engines' declared ones and
-    the run's ``ENGINE | TEST-GLOB | REASON | EXPECTED`` lines. Another failure stays a failure. Returns the stale
-    ones: a finding whose check was collected for its engine (before -k deselects) but none of whose tests matched
-    its glob (a renamed test, model or prompt); a finding whose check this run did not collect is not judged."""
-    declared = [(name, *finding) for name, ref in engines.items() for finding in ref.declaration.known_findings]
-    stale = []
-    for engine, pattern, reason, expected in declared + options.known_findings(config):
-        check = re.split(r"[\[*?]", pattern, maxsplit=1)[0]
+def _known_findings(findings: list[tuple[str, KnownFinding]], items: list[pytest.Item]) -> list[str]:
+    """Mark each test covered by known findings as one strict xfail that absorbs only a failure one of them names
+    (any other failure still fails; a pass is XPASS(strict)). Returns the stale ones by rule (a): a finding whose
+    check was collected for its engine and models (before -k deselects) but none of whose tests is in its scope (a
+    renamed test or prompt); a finding whose check or models this run did not collect is not judged. Rule (b),
+    tests that ran and none failed its way: `Run.pytest_sessionfinish`."""
+    stale, covering = [], {}
+    for engine, finding in findings:
+        name = f"{engine}: {finding.label}: {finding.reason}"
         collected = matched = 0
         for item in items:
             callspec = getattr(item, "callspec", None)
-            if not callspec or callspec.params.get("kv_engine_name") != engine:
+            if not callspec or callspec.params.get(ENGINE_PARAM) != engine:
                 continue
-            collected += item.name.startswith(check)
-            if fnmatch(item.name, pattern):
+            original = getattr(item, "originalname", "") or item.name.split("[")[0]
+            on_its_models = not finding.models or callspec.params.get("kv_model_name") in finding.models
+            collected += on_its_models and finding.covers_check(item.name, original)  # a model not run: not judged
+            if finding.in_scope(item.name, original, callspec.params):
                 matched += 1
-                item.add_marker(pytest.mark.xfail(reason=f"known finding on {engine}: {reason}", strict=True,
-                                                  raises=expected_failure(expected)))
+                covering.setdefault(item, []).append((engine, name, finding))
         if collected and not matched:
-            stale.append(f"{engine}: '{pattern}' matches none of the {collected} collected test(s) of {check} on it "
-                         f"(renamed test, model or prompt?): {reason}")
+            what = finding.check if finding.check and finding.check != "*" else "its check"
+            stale.append(f"{engine}: {finding.label} matches none of the {collected} collected test(s) of {what} on "
+                         f"it (renamed test, model or prompt?): {finding.reason}")
+    for item, found in covering.items():
+        reason = "; ".join(dict.fromkeys(f"known finding on {engine}: {f.reason}" for engine, _, f in found))
+        item.add_marker(pytest.mark.xfail(reason=reason, strict=True, raises=expected_failure(
+            [f for _, _, f in found], item.callspec.params)))
+        item.stash[FINDINGS_KEY] = [(name, f) for _, name, f in found]
     return stale

@@ -17,7 +17,7 @@ from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.models.prompts import Prompt, of_length
 from pytest_kvcompile.oracles.token_match import TokenMismatch
 from pytest_kvcompile.verdicts.failures import Where
-from pytest_kvcompile.verdicts.rows import concurrency_line
+from pytest_kvcompile.verdicts.rows import Round, concurrency_line
 
 ROUNDS = (2, 4, 8)  # concurrent requests per round, the target among them; the last again once the cache is warm
 TARGET, SHARED, TAIL = 23, 16, 8
@@ -42,9 +42,8 @@ def _others(vocab: int, longest: int, count: int) -> list[Prompt]:
 @pytest.fixture
 def concurrent_engine(kv_engine):
     """kv_engine, or a named skip before the oracle is asked for anything: concurrent calls cannot reach it."""
-    if kv_engine.isolated:
-        pytest.skip(f"engine '{kv_engine.name}' runs isolated (one pipe to its process, --kv-isolate): concurrent "
-                    "calls cannot reach it; run it in process to check it under concurrent callers")
+    if kv_engine.host.why_not_concurrent:  # an isolated engine: one pipe to its process
+        pytest.skip(f"engine '{kv_engine.name}' {kv_engine.host.why_not_concurrent}")
     if not (kv_engine.server or kv_engine.ref.declaration.thread_safe):
         pytest.skip(f"engine '{kv_engine.name}' is neither a server nor declares thread_safe=True: concurrent callers "
                     "would race on its state; declare Declaration(thread_safe=True) if generate() may be called "
@@ -61,13 +60,13 @@ def test_concurrent_requests(concurrent_engine, kv_oracle, kv_check_tokens, kv_r
     others = _others(spec.vocab_size, longest, max(ROUNDS) - 1)
     rounds = [("alone", [target])] + [(f"N={size}", [target, *others[:size - 1]]) for size in ROUNDS]
     rounds.append((f"warm N={max(ROUNDS)}", rounds[-1][1]))
-    counts: dict[str, dict[str, int]] = {}
+    counts: dict[str, Round] = {}
     first: TokenMismatch | None = None
     alone = None
     for number, (label, prompts) in enumerate(rounds, 1):
         outputs = kv_engine.concurrently([[p] for p in prompts]) if len(prompts) > 1 else [kv_engine.generate(prompts)]
         lengths = tuple(len(p) for p in prompts)
-        tally = counts.setdefault(label, {"identical": 0, "near_tie": 0, "wrong": 0})
+        tally = counts.setdefault(label, Round())
         for i, (prompt, out) in enumerate(zip(prompts, outputs)):
             got = out[0]
             alone = got if alone is None else alone
@@ -78,10 +77,13 @@ def test_concurrent_requests(concurrent_engine, kv_oracle, kv_check_tokens, kv_r
             try:
                 verdict = kv_check_tokens(reference, got, prompt, where)
             except TokenMismatch as exc:
-                tally["wrong"] += 1
+                tally.wrong += 1
                 first = first or exc
                 continue
-            tally["near_tie" if verdict.near_ties else "identical"] += 1
+            if verdict.near_ties:
+                tally.near_tie += 1
+            else:
+                tally.identical += 1
     table = concurrency_line(counts)
     kv_record("concurrency (responses per round: identical, within near ties, wrong)",
               f"{kv_engine.name} / {spec.name}: {table}", concurrency=counts)

@@ -30,6 +30,7 @@ from pytest_kvcompile.memory.measure import (
 from pytest_kvcompile.models.checkpoints import OwnConfig
 from pytest_kvcompile.models.prompts import variant
 from pytest_kvcompile.verdicts.failures import Kind, fail
+from pytest_kvcompile.verdicts.rows import KVBytes, LayerBytes
 
 WARMUP_CALLS, REPEATS = 1, 3
 MAX_CALLS = 64  # calls to offer a declared PrefixCache more than its capacity
@@ -61,10 +62,10 @@ def _hint(footprint, got: int, footprint_of) -> str:
     written = footprint.width + footprint.new_tokens - 1
     unbounded = sum((dataclasses.replace(t, positions=written) if t.kind == "sliding" else t).bytes(
         footprint.rows, footprint.itemsize) for t in footprint.layers)
-    if footprint.layout.kind == "dynamic" and got == unbounded != footprint.total:
+    if footprint.layout.allocation == "dynamic" and got == unbounded != footprint.total:
         return (f"the count matches sliding layers holding all T={written} positions: the engine keeps keys that "
                 "left the window (masked, never read again); drop them to bound memory by the window")
-    if footprint.layout.kind == "static":
+    if footprint.layout.allocation == "static":
         for positions in (written, written + 1):
             if got == footprint_of(
                     dataclasses.replace(footprint.layout, max_cache_len=positions)).total != footprint.total:
@@ -83,9 +84,9 @@ def _hint(footprint, got: int, footprint_of) -> str:
 
 
 def kv_stored(kv_engine):
-    """The dtype the engine's KV cache stores: Declaration.kv_dtype when a float one, else the model's; None for a
-    quantized one (int8/int4/int2: the model's dtype bounds what it holds)."""
-    declared = kv_engine.ref.declaration.kv_dtype
+    """The dtype the engine's KV cache stores: Declaration.kv_cache_dtype when a float one, else the model's; None for
+    a quantized one (int8/int4/int2: the model's dtype bounds what it holds)."""
+    declared = kv_engine.ref.declaration.kv_cache_dtype
     if declared is None:
         return kv_engine.spec.dtype
     return getattr(torch, declared) if declared.startswith(("float", "bfloat")) else None
@@ -102,9 +103,9 @@ def _check_footprint(kv_engine, prompts, what: str) -> None:
     if isinstance(kv_engine.spec.config, OwnConfig):
         pytest.skip(OWN_MODEL.format(kv_engine.spec.name))
     if kv_stored(kv_engine) is None:
-        pytest.skip(f"engine '{kv_engine.name}' stores K and V as {kv_engine.ref.declaration.kv_dtype} "
-                    "(Declaration.kv_dtype): a quantized cache's scales and zero points have no declared layout, so "
-                    "its exact footprint cannot be computed (test_memory_held still bounds what it holds)")
+        pytest.skip(f"engine '{kv_engine.name}' stores K and V as {kv_engine.ref.declaration.kv_cache_dtype} "
+                    "(Declaration.kv_cache_dtype): a quantized cache's scales and zero points have no declared "
+                    "layout, so its exact footprint cannot be computed (test_memory_held still bounds what it holds)")
     kv_engine.generate(prompts)
     got = _reported(kv_engine)
     spec = kv_engine.spec
@@ -134,7 +135,7 @@ def _measures(kv_engine, census) -> dict[str, int]:
     """Memory after a call: bytes of tensors the garbage collector sees (in the engine's process), CUDA bytes
     allocated (in-process engines on CUDA), kv_cache_bytes() (engines declaring it)."""
     found = {"live tensor bytes": census()}
-    if torch.device(kv_engine.spec.device).type == "cuda" and not kv_engine.isolated:
+    if torch.device(kv_engine.spec.device).type == "cuda" and kv_engine.host.cuda_here:
         torch.cuda.synchronize()
         found["CUDA bytes allocated"] = torch.cuda.memory_allocated()
     if kv_engine.ref.declaration.kv_cache_bytes:
@@ -167,11 +168,11 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
                                                          max(map(len, call)), kv_engine.max_new_tokens)
     expected = footprint and footprint.total
     reported = _reported(kv_engine) if declared.kv_cache_bytes else None
-    layers = [{"layer": t.layer, "kind": t.kind, "positions": t.positions, "why": t.why,
-               "bytes": t.bytes(footprint.rows, footprint.itemsize)} for t in footprint.layers] if footprint else []
-    kv_record.metric(kv_bytes={"expected": expected, "measured": reported if reported is not None else held.state,
-                               "held": held.state, "layout": str(declared.kv_layout or ""), "layers": layers,
-                               "call": _describe(call, kv_engine)})
+    layers = [LayerBytes(t.layer, t.kind, t.positions, t.why, t.bytes(footprint.rows, footprint.itemsize))
+              for t in footprint.layers] if footprint else []
+    kv_record.metric(kv_bytes=KVBytes(expected,
+                                      reported if reported is not None else held.state, held.state,
+                                      str(declared.kv_layout or ""), layers, _describe(call, kv_engine)))
     claims = {f"kv_cache_bytes() = {format_bytes(reported)}": reported} if reported is not None else {}
     if expected:
         claims[f"its declared {declared.kv_layout} = {format_bytes(expected)}"] = expected

@@ -31,6 +31,7 @@ from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.models.prompts import Prompt, of_length
 from pytest_kvcompile.recompiles.recorder import CAPTURE_HINT, explain
 from pytest_kvcompile.verdicts.failures import Kind, fail
+from pytest_kvcompile.verdicts.rows import Compile, Compiles, TimelineCall
 
 DECODE_STEPS = 32
 UNSEEN_LENGTHS = (1, 2, 3, 13, 33, 100)
@@ -69,16 +70,15 @@ def _reason(event) -> str:
     return event.describe().splitlines()[0] + (f": guards failed: {failed}" if failed else "")
 
 
-def _timeline(build, warm_calls, after_calls) -> list[dict]:
-    """The compiles of the check's calls in order, as plain data for the HTML report's compile timeline."""
+def _timeline(build, warm_calls, after_calls) -> list[TimelineCall]:
+    """The compiles of the check's calls in order, for the HTML report's compile timeline."""
     def compiles(events):
-        return [{"id": e.compile_id, "frame": e.frame, "recompile": e.is_recompile,
-                 "guards": [g[:300] for g in e.guard_failures[:3]], "graph_breaks": len(e.graph_breaks)}
-                for e in events]
+        return [Compile(e.compile_id, e.frame, e.is_recompile, [g[:300] for g in e.guard_failures[:3]],
+                        len(e.graph_breaks)) for e in events]
 
-    return ([{"phase": "build", "call": "the factory", "compiles": compiles(build)}]
-            + [{"phase": "warmup", "call": str(c), "compiles": compiles(c.compiles)} for c in warm_calls]
-            + [{"phase": "after warmup", "call": str(c), "compiles": compiles(c.compiles)} for c in after_calls])
+    return ([TimelineCall("build", "the factory", compiles(build))]
+            + [TimelineCall("warmup", str(c), compiles(c.compiles)) for c in warm_calls]
+            + [TimelineCall("after warmup", str(c), compiles(c.compiles)) for c in after_calls])
 
 
 def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_settings):
@@ -123,14 +123,14 @@ def test_no_recompiles_after_warmup(kv_engine, kv_prompts, kv_record, kv_setting
         line += (" -- no compiled code seen running during generate(): the engine runs what it compiled while "
                  "building outside dynamo's frame evaluation (an exported or AOT-compiled program); a re-export "
                  "would be seen (torch.export calls are recorded), a recompile inside a native runtime would not")
-    kv_record("compiles", line, compiles={
-        "build": len(build), "warmup": len(warm), "after_warmup": len(after),
-        "reasons": [f"{c}: {_reason(e)}" for c in after_calls for e in c.compiles],
-        "graph_breaks": list(dict.fromkeys(breaks)),
-        "eager_runs": sum(c.eager_runs for c in after_calls),
-        "cuda_graph_captures": {"build": captured[0], "warmup": captured[1], "after_warmup": captured[2]},
-        "timeline": _timeline(build, warm_calls, after_calls),
-    })
+    kv_record("compiles", line, compiles=Compiles(
+        build=len(build), warmup=len(warm), after_warmup=len(after),
+        reasons=[f"{c}: {_reason(e)}" for c in after_calls for e in c.compiles],
+        graph_breaks=list(dict.fromkeys(breaks)),
+        eager_runs=sum(c.eager_runs for c in after_calls),
+        cuda_graph_captures=dict(zip(("build", "warmup", "after_warmup"), captured)),
+        timeline=_timeline(build, warm_calls, after_calls),
+    ))
 
     problems = []
     culprits = [f"  {c} [new: {what}]: {len(c.compiles)} compile(s)" for c, what in zip(after_calls, new) if c.compiles]
@@ -190,9 +190,8 @@ def test_identical_calls_compile_nothing(kv_session, kv_engine_name, kv_model_na
         pytest.skip(f"{at}: no torch.compile code observed in three identical calls, so there are no recompiles "
                     "to check")
     again = [(i + 2, c) for i, c in enumerate(repeats) if c.compiles or c.captures]
-    kv_record.metric(compiles={"build": len(fresh.build_compiles), "warmup": len(first.compiles),
-                               "after_warmup": 0, "reasons": [f"repeat {n}: {_reason(e)}" for n, c in again
-                                                              for e in c.compiles]})
+    kv_record.metric(compiles=Compiles(build=len(fresh.build_compiles), warmup=len(first.compiles), after_warmup=0,
+                                       reasons=[f"repeat {n}: {_reason(e)}" for n, c in again for e in c.compiles]))
     if again:
         lines = [f"  call {n} of 3, {c}: {_reason(e)}" for n, c in again for e in c.compiles]
         lines += [f"  call {n} of 3, {c}: CUDA graph capture: {site}" for n, c in again for site in c.captures]

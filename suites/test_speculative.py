@@ -134,7 +134,7 @@ class Calls:
     def _kv_bytes(self, prompts, what) -> None:
         """After rollback the cache holds the declared layout's bytes (engines declaring kv_cache_bytes + kv_layout)."""
         engine, declared = self.engine, self.engine.ref.declaration
-        if not (declared.kv_cache_bytes and declared.kv_layout) or declared.kv_dtype \
+        if not (declared.kv_cache_bytes and declared.kv_layout) or declared.kv_cache_dtype \
                 or isinstance(engine.spec.config, OwnConfig):
             return
         got = engine.engine.kv_cache_bytes()
@@ -157,7 +157,7 @@ class Calls:
             return
         found = exercised(self.steps, self.declared.k)
         kept = sorted({a for d, a in self.steps if a < d}) + (["all"] if any(a == d > 0 for d, a in self.steps) else [])
-        self.record("speculative decoding", f"{self.engine.name} / {self.engine.spec.name}: {kind}: {found['steps']} "
+        self.record("speculative decoding", f"{self.engine.name} / {self.engine.spec.name}: {kind}: {found.steps} "
                     f"verify step(s), {self.judged} judged; rejected first at {kept or 'none'}", speculation=found)
 
 

@@ -411,9 +411,9 @@ class _MinMaxKV(DynamicCache):
 
 
 class KVInt8(Greedy):
-    """Correct under its declaration: K and V stored as int8 (per vector, min-max), declared kv_dtype='int8'."""
+    """Correct under its declaration: K and V stored as int8 (per vector, min-max), declared kv_cache_dtype='int8'."""
 
-    kv_declaration = Declaration(batching=True, kv_dtype="int8", description="test engine: KV in int8, declared")
+    kv_declaration = Declaration(batching=True, kv_cache_dtype="int8", description="test engine: KV in int8, declared")
     bits = 8
 
     @torch.inference_mode()
@@ -431,12 +431,13 @@ class KVInt8Undeclared(KVInt8):
 class KVInt4DeclaredInt8(KVInt8):
     """Bug twin: stores int4 while declaring int8: held to int8's measured noise, it must fail."""
 
-    kv_declaration = Declaration(batching=True, kv_dtype="int8", description="test engine: KV in int4, declares int8")
+    kv_declaration = Declaration(batching=True, kv_cache_dtype="int8",
+                                 description="test engine: KV in int4, declares int8")
     bits = 4
 
 
 class KVInt2(KVInt8):
     """Declares what it does, K and V in int2: so coarse on the zoo that no token check can tell a bug from it."""
 
-    kv_declaration = Declaration(batching=True, kv_dtype="int2", description="test engine: KV in int2, declared")
+    kv_declaration = Declaration(batching=True, kv_cache_dtype="int2", description="test engine: KV in int2, declared")
     bits = 2

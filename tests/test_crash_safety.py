@@ -23,7 +23,8 @@ def suites(kvtester, *args):
 
 
 def rows(kvtester) -> dict:
-    return {r["engine"]: r for r in json_file.load(kvtester.path / "r.json")["rows"]}
+    json_file.load(kvtester.path / "r.json")  # a valid results file, then its rows as written
+    return {r["engine"]: r for r in json.loads((kvtester.path / "r.json").read_text())["rows"]}
 
 
 def status(kvtester) -> dict:
@@ -107,14 +108,21 @@ def test_which_engines_are_isolated():
 
 def test_an_isolated_engine_is_timed_in_its_own_process():
     from pytest_kvcompile.latency.measure import _timed
+    from pytest_kvcompile.run.host import InProcess, Subprocess
 
-    class Engine:
-        last_ms = 12.5
+    class Engine:  # the isolated engine's proxy (run/isolation.py): its process timed the last generate()
+        last_ms, build_compiles, build_captures = 12.5, (), ()
 
         def generate(self, prompts, n):
             return [[0] * n]
 
     class Isolated:
-        isolated, engine = True, Engine()
+        engine = Engine()
+        host = Subprocess(engine)
+
+    class InProcessEngine:
+        engine = Engine()
+        host = InProcess(engine)
 
     assert _timed(Isolated(), lambda call: 999.0, lambda: Isolated.engine.generate([[1]], 1)) == 12.5
+    assert _timed(InProcessEngine(), lambda call: 999.0, lambda: InProcessEngine.engine.generate([[1]], 1)) == 999.0

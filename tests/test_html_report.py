@@ -31,7 +31,7 @@ def _baseline(path: Path) -> None:
                                         "prefill_ms": [1e-6], "decode_ms_per_token": [1e-6]})
     found.add(BYTES, "llama", kv_bytes={"expected": None, "measured": 1})
     found.add(RECOMPILING, "llama", compiles={"warmup": 1, "after_warmup": 40, "reasons": []})
-    path.write_text(json_file.dumps({"runs": [], "rows": found.as_dict()["rows"]}))
+    path.write_text(json_file.dumps(found.results()))
 
 
 @pytest.fixture(scope="module")

@@ -121,3 +121,14 @@ def test_deadline_leaves_an_outer_timer_armed():
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+
+
+def test_concurrent_calls_skip_an_isolated_engine_by_name(kvtester):
+    # one pipe to the engine's process (run/host.py: Subprocess.why_not_concurrent); in process it is checked
+    engine = "kv_test_engines:ThreadSafeGreedy"
+    result = run_suites(kvtester, f"--kv-engine={engine}", "--kv-isolate=all", "-k", "test_concurrent_requests",
+                        "-rs")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines([f"*engine '{engine}' runs isolated (one pipe to its process, --kv-isolate): "
+                                 "concurrent calls cannot reach it; run it in process to check it under concurrent "
+                                 "callers*"])

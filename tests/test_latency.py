@@ -10,7 +10,7 @@ from pytest_kvcompile.latency import marker as latency
 from pytest_kvcompile.latency import measure
 from pytest_kvcompile.latency.marker import Budget, check, parse_spec, validate
 from pytest_kvcompile.latency.measure import Latency
-from pytest_kvcompile.verdicts.rows import stats
+from pytest_kvcompile.verdicts.rows import Stats, stats
 
 INSTANT = "kv_test_engines_latency:Instant"
 SLEEPY = "kv_test_engines_latency:Sleepy"
@@ -21,8 +21,8 @@ def _latency(engine, prefill, decode):
 
 
 def test_stats_median_and_nearest_rank_p90():
-    assert stats([5, 1, 3, 2, 4]) == {"median": 3, "p90": 5}
-    assert stats(list(range(1, 21))) == {"median": 10.5, "p90": 18}
+    assert stats([5, 1, 3, 2, 4]) == Stats(median=3, p90=5)
+    assert stats(list(range(1, 21))) == Stats(median=10.5, p90=18)
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -8,7 +8,7 @@ import pytest
 from pytest_kvcompile import cli
 from pytest_kvcompile.reports import json_file, matrix
 from pytest_kvcompile.verdicts.failures import Kind, Problem
-from pytest_kvcompile.verdicts.rows import Collector, merge
+from pytest_kvcompile.verdicts.rows import Check, Collector, RunInfo, merge
 
 RUN = {"started": "2026-11-24T10:00:00+00:00", "torch": "2.13.0", "pytest_kvcompile": "0.1.0"}
 
@@ -28,10 +28,9 @@ def _results():
     found.add("eng-compile", "llama", tests={"xfailed": 1, "skipped": 1},
               checks={"test_token_identity": _check(ran=1, xfailed=1),
                       "test_kv_memory": _check(skipped=1, reason="declares no kv_cache_bytes")})
-    results = found.as_dict()
-    results["runs"] = [{**RUN, "engines": ["eng", "eng-compile"]}]
-    rule = Problem(Kind.VACUOUS, "eng-compile", "cpu", "float32", "no token verified", "llama")
-    results["problems"] = [rule.to_dict()]
+    results = found.results()
+    results.runs = [RunInfo(**{**RUN, "engines": ["eng", "eng-compile"]})]
+    results.problems = [Problem(Kind.VACUOUS, "eng-compile", "cpu", "float32", "no token verified", "llama")]
     return results
 
 
@@ -94,6 +93,6 @@ def test_kvcompile_matrix_reads_result_files_old_and_new(tmp_path, capsys):
 
 def test_merge_sums_the_per_check_outcomes():
     a, b = _results(), _results()
-    row = next(r for r in merge([a, b])["rows"] if r["engine"] == "eng" and r["model"] == "llama")
-    assert row["checks"]["test_recompiles"] == _check(ran=2, failed=2)
-    assert row["versions"] == ["eng==1.2", "transformers==5.23.0"]
+    row = next(r for r in merge([a, b]).rows if r.engine == "eng" and r.model == "llama")
+    assert row.checks["test_recompiles"] == Check(**_check(ran=2, failed=2))
+    assert row.versions == ["eng==1.2", "transformers==5.23.0"]

@@ -47,10 +47,10 @@ def test_live_tensor_bytes_sees_new_tensors():
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [
-    (dict(kind="paged"), "KVLayout kind 'paged' is unknown; write KVLayout(\"dynamic\"), *"),
-    (dict(kind="static"), "*max_cache_len is required for kind 'static' and only there*"),
-    (dict(kind="dynamic", budget=8), "*budget is required for kind 'budget' and only there*"),
-    (dict(kind="budget", budget=0), "*budget must be an int >= 1, got 0"),
+    (dict(allocation="paged"), "KVLayout allocation 'paged' is unknown; write KVLayout(\"dynamic\"), *"),
+    (dict(allocation="static"), "*max_cache_len is required for allocation 'static' and only there*"),
+    (dict(allocation="dynamic", budget=8), "*budget is required for allocation 'budget' and only there*"),
+    (dict(allocation="budget", budget=0), "*budget must be an int >= 1, got 0"),
     (dict(window_offset=1), "*window_offset must be -1 (W-1 positions) or 0 (W), got 1"),
     (dict(rows=0), "*rows must be an int >= 1, got 0"),
 ])

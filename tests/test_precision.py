@@ -203,7 +203,7 @@ def test_a_16_bit_eviction_run_prints_its_measured_eviction_rule(kvtester):
                                  " at * calibration cuts; it kept another set at *)"])
 
 
-# --- a KV cache stored lower (Declaration.kv_dtype) ----------------------------------------------------------------
+# --- a KV cache stored lower (Declaration.kv_cache_dtype) ----------------------------------------------------------
 def test_kv_round_is_the_format_it_names():
     import torch
 

@@ -4,6 +4,7 @@ baseline comparison, corrupt result files, rendering, and ``kvcompile merge``.
 Engines: kv_test_engines:Greedy (correct, runs the tiny Llama), and kv_test_engines_latency:Instant
 (answers zeros at once: token identity fails on it) and Sleepy (sleeps per token)."""
 
+import dataclasses
 import json
 
 import pytest
@@ -12,7 +13,19 @@ from conftest import run_suites
 from pytest_kvcompile import cli
 from pytest_kvcompile.reports import baseline, html, json_file, markdown
 from pytest_kvcompile.reports.json_file import SCHEMA_VERSION, ResultsFileError
-from pytest_kvcompile.verdicts.rows import COMPILES_MERGE, Collector, Compiles, MergeError, merge
+from pytest_kvcompile.verdicts.failures import Kind, Problem
+from pytest_kvcompile.verdicts.rows import (
+    SHOWN,
+    Collector,
+    Compiles,
+    FailureEntry,
+    MergeError,
+    Record,
+    Results,
+    Row,
+    RunInfo,
+    merge,
+)
 
 GREEDY = "kv_test_engines:Greedy"
 INSTANT = "kv_test_engines_latency:Instant"
@@ -55,7 +68,8 @@ def test_reports_are_written(kvtester):
     assert f"| {GREEDY} | PASS |" in table and f"| {INSTANT} | FAIL |" in table
     note = next(line for line in table.splitlines() if f"{INSTANT} / token_identity (llama): " in line)
     assert f"engine '{INSTANT}' diverges from the oracle" in note
-    assert instant["kv_bytes"] == {"expected": None, "measured": (32 + 1 + 8) * 64}
+    kv = instant["kv_bytes"]  # the latency probe records what kv_cache_bytes() reported, nothing expected
+    assert (kv["expected"], kv["measured"], kv["layers"]) == (None, (32 + 1 + 8) * 64, [])
     for row in (greedy, instant):
         assert len(row["latency"]["prefill_ms"]) == 3 and set(row["latency"]["decode"]) == {"median", "p90"}
     result.stdout.fnmatch_lines(["*kvcompile: verdict per engine*", f"FAIL  {INSTANT}: 1 passed, 1 failed (1 model)",
@@ -80,7 +94,7 @@ def test_reports_are_written(kvtester):
 def test_progress_lines_are_quiet_under_q_and_known_findings_show_in_the_verdict(kvtester):
     result = run_suites(kvtester, f"--kv-engine={INSTANT}", "-q", "-k",
                         "test_token_identity and short7 and not batched",
-                        f"--kv-known-finding={INSTANT} | test_token_identity* | answers zeros | TokenMismatch")
+                        f"--kv-known-finding={INSTANT} | test_token_identity | mismatch | answers zeros")
     result.assert_outcomes(xfailed=1)
     assert "built in" not in result.stdout.str()
     result.stdout.fnmatch_lines([f"PASS with known findings  {INSTANT}: 1 xfailed (1 model)"])
@@ -131,7 +145,7 @@ def _collector(device="cpu", scale=1.0):
                         "reasons": ["recompile 0/1 of forward: guard failed: L['x'].size()[1] == 7"]},
               kv_bytes={"expected": 4096, "measured": 8192},
               latency={**latency, "prefill_ms": [3.0 * scale], "decode_ms_per_token": [0.5 * scale]})
-    return {"runs": [{"device": device, "engines": ["hf-eager", "my-engine"]}], "rows": found.as_dict()["rows"]}
+    return Results([RunInfo(device=device, engines=["hf-eager", "my-engine"])], found.results().rows)
 
 
 def _hand_made_baseline():
@@ -141,7 +155,7 @@ def _hand_made_baseline():
                                         "prefill_ms": [1e-6], "decode_ms_per_token": [1e-6]})
     found.add(INSTANT, "llama", kv_bytes={"expected": None, "measured": 1})
     found.add("gone-engine", "llama", compiles={"warmup": 1, "after_warmup": 0, "reasons": []})
-    return {"runs": [], "rows": found.as_dict()["rows"]}
+    return found.results()
 
 
 def test_markdown_and_html_show_every_column():
@@ -164,7 +178,7 @@ def test_bad_fail_on_names_the_syntax(spec):
 
 def test_baseline_compare_lists_moved_numbers():
     old, new = _collector(), _collector(scale=1.2)
-    new["rows"][1]["compiles"] = {**new["rows"][1]["compiles"], "after_warmup": 3}
+    new.rows[1].compiles.after_warmup = 3
     changes, notes = baseline.compare(old, new, baseline.parse_fail_on("latency:25%,recompiles:1"))
     assert [c.line() for c in changes if c.regressed] == [
         "recompiles: my-engine / llama / cpu / float32: compiles after warmup 1 -> 3 (+2, allowed +1)"]
@@ -201,9 +215,9 @@ def test_merge_cli_joins_a_cpu_and_a_gpu_job(tmp_path, capsys):
     for name in ("report.html", "report.md", "report.json"):
         assert cli.main(["merge", str(cpu), str(gpu), str(again), "-o", str(tmp_path / name)]) == 0
     merged = json_file.load(tmp_path / "report.json")
-    assert len(merged["runs"]) == 3 and len(merged["rows"]) == 4  # 2 engines x (cpu, cuda:0)
-    cpu_row = next(r for r in merged["rows"] if r["engine"] == "my-engine" and r["device"] == "cpu")
-    assert cpu_row["tests"]["passed"] == 4 and cpu_row["latency"]["prefill_ms"] == [3.0, 9.0]  # samples pooled
+    assert len(merged.runs) == 3 and len(merged.rows) == 4  # 2 engines x (cpu, cuda:0)
+    cpu_row = next(r for r in merged.rows if r.engine == "my-engine" and r.device == "cpu")
+    assert cpu_row.tests.passed == 4 and cpu_row.latency.prefill_ms == [3.0, 9.0]  # samples pooled
     assert "| my-engine | llama | cuda:0 float32 |" in (tmp_path / "report.md").read_text()
     assert (tmp_path / "report.html").read_text().count('<section class="engine"') == 2
     with pytest.raises(SystemExit) as exc:
@@ -216,23 +230,21 @@ def test_merge_cli_joins_a_cpu_and_a_gpu_job(tmp_path, capsys):
 
 def test_merging_different_latency_protocols_is_refused():
     a, b = _collector(), _collector()
-    b["rows"][0]["latency"]["prompt_len"] = 64
+    b.rows[0].latency.prompt_len = 64
     with pytest.raises(ValueError, match="hf-eager / llama / cpu / float32: latency measured with different protocols"):
         merge([a, b])
 
 
 def test_markdown_fits_a_github_summary_and_says_what_was_cut():
     row = Collector("cpu", "float32").row("engine", "llama")
-    row["tests"]["failed"] = 5000
-    row["failures"] = [{"test": f"test_x[{i}]", "kind": "mismatch", "message": "TokenMismatch: " + "x" * 80,
-                        "failure": None}
-                      for i in range(5000)]
-    text = markdown.render({"runs": [], "rows": [row]})
+    row.tests.failed = 5000
+    row.failures = [FailureEntry(f"test_x[{i}]", Kind.MISMATCH, "TokenMismatch: " + "x" * 80) for i in range(5000)]
+    text = markdown.render(Results(rows=[row]))
     assert len(text) <= markdown.LIMIT
     assert "**FAIL** `engine`: 5000 failed (1 model)" in text
     assert "<summary>failures (5000)</summary>" in text
     assert "more not shown (the report is kept under 65,000 characters for GitHub" in text
-    small = markdown.render({"runs": [], "rows": [Collector("cpu", "float32").row("engine", "llama")]})
+    small = markdown.render(Results(rows=[Collector("cpu", "float32").row("engine", "llama")]))
     assert "more not shown" not in small
 
 
@@ -253,15 +265,15 @@ def test_a_schema_1_file_is_read_and_upgraded_to_typed_verdicts(tmp_path):
     old = tmp_path / "v1.json"
     old.write_text(json.dumps({"schema_version": 1, "kind": json_file.KIND, "runs": [], "rows": [V1_ROW]}))
     found = json_file.load(old)
-    plain, token = found["rows"][0]["failures"]
-    assert (plain["kind"], plain["failure"]) == ("other", None) and found["problems"] == []
-    assert token["kind"] == "mismatch" and token["failure"]["hint"] == "prefill was right; ..."
-    assert (token["failure"]["step"], token["failure"]["gap"], token["failure"]["tokens"]) == (1, 2.5, [1, 9, 3])
-    assert token["failure"]["where"]["note"] == "index 1 of a batch of lengths [7, 48]"
-    again = tmp_path / "v2.json"
+    plain, token = found.rows[0].failures
+    assert (plain.kind, plain.failure) == (Kind.OTHER, None) and found.problems == []
+    assert token.kind == Kind.MISMATCH and token.failure.hint.startswith("prefill was right; decode step 1")
+    assert (token.failure.step, token.failure.gap, token.failure.tokens) == (1, 2.5, (1, 9, 3))
+    assert token.failure.where.note == "index 1 of a batch of lengths [7, 48]"
+    again = tmp_path / "v3.json"
     again.write_text(json_file.dumps(found))
-    assert json.loads(again.read_text())["schema_version"] == SCHEMA_VERSION == 2
-    assert json_file.load(again)["rows"][0]["failures"] == found["rows"][0]["failures"]
+    assert json.loads(again.read_text())["schema_version"] == SCHEMA_VERSION == 3
+    assert json_file.load(again).rows[0].failures == found.rows[0].failures
     assert "token-diff" in html.render(found, None)  # the old diff still draws
     changes, notes = baseline.compare(found, found, {"recompiles": 0})
     assert notes == [] and not any(c.regressed for c in changes)
@@ -278,43 +290,131 @@ def test_an_unknown_failure_kind_is_refused_naming_the_kinds(tmp_path):
 
 def test_a_run_rule_fails_the_engine_it_names_in_its_field_not_in_its_words():
     from pytest_kvcompile.reports.table import verdict_lines
-    from pytest_kvcompile.verdicts.failures import Kind, Problem
 
     found = Collector("cpu", "float32")
     for engine in ("a", "b"):
         found.add(engine, "llama", tests={"passed": 1})
     rule = Problem(Kind.VACUOUS, "a", "cpu", "float32", "no token verified (compare engine 'b')", "llama")
-    lines = verdict_lines(found.as_dict()["rows"], [rule.to_dict()])
+    lines = verdict_lines(found.results().rows, [rule])
     assert lines == ["FAIL  a: 1 passed, 1 run rule(s) failed (1 model)", "PASS  b: 1 passed (1 model)"]
     assert rule.line == "engine 'a' on model 'llama' (cpu, float32): no token verified (compare engine 'b')"
     assert Problem.from_dict(rule.to_dict()) == rule
-    results = {**found.as_dict(), "problems": [rule.to_dict()]}
+    results = Results(rows=found.results().rows, problems=[rule])
     assert f"- :x: run rule (vacuous): {rule.line}" in markdown.render(results)
     assert "run rule (vacuous): engine &#x27;a&#x27; on model" in html.render(results, None)
 
 
-def test_a_row_has_exactly_the_typed_fields():
-    """`Row` types every field a row holds (the JSON schema's rows): a new field is added to both or neither."""
-    from pytest_kvcompile.verdicts.rows import FailureEntry, Row, new_row
+def _records(kind=Row, seen=None):
+    """Every Record type reachable from `kind` through its fields."""
+    seen = seen if seen is not None else {}
+    seen[kind.__name__] = kind
+    for f in dataclasses.fields(kind):
+        nested = f.metadata.get("record")
+        if nested is not None and nested.__name__ not in seen:
+            _records(nested, seen)
+    return seen
 
-    assert list(new_row("e", "m", "cpu", "float32")) == list(Row.__annotations__)
-    assert set(FailureEntry.__annotations__) == {"test", "kind", "message", "failure"}
+
+def test_every_field_of_every_record_has_a_merge_rule_and_survives_json():
+    """A field declared without its rule (verdicts/rows.py: rule) would be dropped by a merge or the JSON."""
+    kinds = _records()
+    assert {"Row", "Compiles", "TimelineCall", "Compile", "KVBytes", "LayerBytes", "Timings", "Speculation",
+            "OracleFacts", "Round", "Check", "FailureEntry", "Outcomes", "Tokens"} <= set(kinds)
+    for name, kind in kinds.items():
+        assert issubclass(kind, Record), name
+        for f in dataclasses.fields(kind):
+            assert "merge" in f.metadata, f"{name}.{f.name} has no merge rule"
 
 
-def test_every_compiles_key_has_a_merge_rule_and_survives_a_merge():
-    """A key a suite writes into a row's compiles but the merge does not know was dropped (cuda_graph_captures was)."""
-    assert set(COMPILES_MERGE) == set(Compiles.__annotations__)
-    full = {"build": 1, "warmup": 2, "after_warmup": 0, "reasons": ["a"], "graph_breaks": ["b"], "eager_runs": 1,
-            "cuda_graph_captures": {"build": 1, "warmup": 2, "after_warmup": 0},
-            "timeline": [{"phase": "build", "compiles": 1}]}
-    assert set(full) == set(Compiles.__annotations__)
-    other = {**full, "after_warmup": 3, "reasons": ["c"], "cuda_graph_captures": {"build": 0, "warmup": 1,
-                                                                                  "after_warmup": 2}}
+def _full_row(scale=1):
+    """A row with every field set away from its default."""
+    return Row(
+        "e", "m", "cpu", "float32", tests={"passed": 2 * scale, "failed": 1}, tokens={"identical": scale},
+        near_ties=[f"tie {scale}"], verified_tokens=5, near_tie_tokens=1, token_checks=1, evicting=1, evictions=3,
+        builds=1, build_s=0.5, declared_skips=[f"why {scale}"], excluded_ids=[2], excluded_tokens=1,
+        oracle_errors=["bad"], checks={"test_x": {"ran": 1, "reason": ""}}, versions=["x==1"],
+        failures=[FailureEntry(f"t{scale}", Kind.MEMORY, "grew")],
+        compiles={"build": 1, "warmup": 2, "after_warmup": scale, "reasons": [f"r{scale}"], "graph_breaks": ["b"],
+                  "eager_runs": 1, "cuda_graph_captures": {"build": scale},
+                  "timeline": [{"phase": "build", "call": "the factory",
+                                "compiles": [{"id": "0/0", "frame": "f", "recompile": False, "guards": ["g"],
+                                              "graph_breaks": 0}]}]},
+        kv_bytes={"expected": 8, "measured": 8 * scale, "held": 8, "layout": "static", "call": "c",
+                  "layers": [{"layer": 0, "kind": "full", "positions": 4, "why": "w", "bytes": 8}]},
+        latency={"prompt_len": 32, "decode_tokens": 8, "timer": "t", "prefill_ms": [1.0 * scale],
+                 "decode_ms_per_token": [0.5]},
+        noise={"flip_rate": 0.1}, eviction_noise={"policy": "h2o"}, fuzz_coverage={"covered": scale, "calls": 3},
+        speculation={"k": 4, "steps": 2, "drafted": 8, "accepted": 3, "lengths": {"1/4": 1, "2/4": 1}},
+        oracle={"source": "s", "engine": True, "limitations": [f"l{scale}"]}, sequences={f"s{scale}": [4, 1]},
+        scored={f"c{scale}": [3, 0]}, concurrency={"alone": {"identical": 1}})
+
+
+def test_a_row_reads_back_field_by_field_and_merges_every_field():
+    """The JSON schema is the dataclasses (verdicts/rows.py): what is written reads back equal; a merge keeps every
+    field (a field written but never merged is a failure here)."""
+    from pytest_kvcompile.verdicts.rows import _typed
+
+    row = Row(**{f.name: _typed(f.name, getattr(_full_row(), f.name)) for f in dataclasses.fields(Row)})
+    default = Row("e", "m", "cpu", "float32")
+    assert [f.name for f in dataclasses.fields(Row)[4:] if getattr(row, f.name) == getattr(default, f.name)] == []
+    text = json_file.dumps(Results(rows=[row]))
+    assert json_file.loads(text).rows == [row]
+    other = Row(**{f.name: _typed(f.name, getattr(_full_row(2), f.name)) for f in dataclasses.fields(Row)})
+    merged = merge([Results(rows=[row]), Results(rows=[other])]).rows[0]
+    assert merged.tests.passed == 6 and merged.compiles.after_warmup == 2 and merged.compiles.reasons == ["r1", "r2"]
+    assert merged.latency.prefill_ms == [1.0, 2.0] and merged.speculation.steps == 4
+    assert merged.concurrency["alone"].identical == 2 and merged.checks["test_x"].ran == 2
+    assert merged.kv_bytes.measured == 16 and merged.oracle.limitations == ["l1", "l2"]
+    assert set(merged.sequences) == {"s1", "s2"} and len(merged.failures) == 2
+
+
+def test_every_row_field_is_shown_by_the_renderer_named_for_it():
+    """SHOWN names, per field, the functions that read it: each must read it (a field nobody shows is a failure)."""
+    import importlib
+    import inspect
+
+    assert set(SHOWN) == {f.name for f in dataclasses.fields(Row)}
+    for name, places in SHOWN.items():
+        for place in places:
+            module, _, function = place.partition(":")
+            target = importlib.import_module(f"pytest_kvcompile.{module}")
+            for part in function.split("."):
+                target = getattr(target, part)
+            assert f".{name}" in inspect.getsource(target), f"{place} does not read row field {name!r}"
+
+
+def test_a_record_given_as_a_dict_to_kv_record_names_a_wrong_key():
+    """Downstream kv_record.metric calls may pass a dict for a record: its keys must be the record's fields."""
     found = Collector("cuda", "bfloat16")
-    found.add("e", "m", compiles=full)
-    found.add("e", "m", compiles=other)
-    merged = found.row("e", "m")["compiles"]
-    assert set(merged) == set(full) and merged["after_warmup"] == 3 and merged["reasons"] == ["a", "c"]
-    assert merged["cuda_graph_captures"] == {"build": 1, "warmup": 2, "after_warmup": 2}
-    with pytest.raises(MergeError, match="no merge rule: .'cuda_graphs'."):
-        found.add("e", "m", compiles={**full, "cuda_graphs": 1})
+    found.add("e", "m", compiles={"warmup": 1, "after_warmup": 0, "reasons": []})
+    assert found.row("e", "m").compiles == Compiles(warmup=1)
+    with pytest.raises(TypeError, match=r"compiles has keys \['cuda_graphs'\] that are no fields of Compiles"):
+        found.add("e", "m", compiles={"warmup": 1, "cuda_graphs": 1})
+    with pytest.raises(TypeError, match="'kv_byte' is not a field of a results row"):
+        found.add("e", "m", kv_byte=1)
+    with pytest.raises(MergeError, match="latency measured with different protocols"):
+        found.add("e", "m", latency={"prompt_len": 1, "decode_tokens": 1, "timer": "t", "prefill_ms": [1.0],
+                                     "decode_ms_per_token": [1.0]})
+        found.add("e", "m", latency={"prompt_len": 2, "decode_tokens": 1, "timer": "t", "prefill_ms": [1.0],
+                                     "decode_ms_per_token": [1.0]})
+
+
+def test_no_report_field_is_read_or_written_by_string_key_outside_the_row_module():
+    """The reports, the suites, the fixtures and the commands use the records' attributes (issue 45): a row field
+    spelled as a string key outside verdicts/rows.py would be a field the dataclasses do not check."""
+    import re
+    from pathlib import Path
+
+    import pytest_kvcompile
+
+    names = {f.name for kind in _records().values() for f in dataclasses.fields(kind)}
+    names |= {f.name for kind in (Results, RunInfo) for f in dataclasses.fields(kind)}
+    package = Path(pytest_kvcompile.__file__).parent
+    files = [*package.glob("reports/*.py"), package / "run" / "fixtures.py", package / "latency" / "marker.py",
+             package / "cli.py", package / "check_engine.py", package / "plugin.py",
+             *(package.parent / "suites").glob("*.py")]
+    pattern = re.compile(r"""(?:\[|\.get\(|\.setdefault\()\s*["']([a-z_0-9]+)["']""")
+    found = [f"{path.relative_to(package.parent)}:{n}: {m.group(0)}" for path in files
+             for n, line in enumerate(path.read_text().splitlines(), 1) for m in pattern.finditer(line)
+             if m.group(1) in names]
+    assert found == []

@@ -13,7 +13,7 @@ from conftest import run_suites
 from pytest_kvcompile.config.tolerances import FALSE_ALARM, POWER, POWER_MULTIPLE, binomial_tail, critical, power
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.verdicts.failures import Kind
-from pytest_kvcompile.verdicts.rows import merge, new_row, run_problems, run_rates
+from pytest_kvcompile.verdicts.rows import Results, Row, merge, new_row, run_problems, run_rates
 
 P = "--kv-engine=kv_test_engines_precision:"
 
@@ -64,11 +64,11 @@ def test_logit_errors_are_the_calibrations_statistic():
 
 
 # --- the run-level rules from the rows ----------------------------------------------------------------------------
-def _row(engine: str, ties: list[int], beyond: list[int], steps: int = 32) -> dict:
+def _row(engine: str, ties: list[int], beyond: list[int], steps: int = 32) -> Row:
     row = new_row(engine, "llama", "cpu", "float16")
-    row["noise"] = _noise(15, 1536, beyond=806).to_dict()  # llama float16's calibration: 1.0% flips, 52% beyond
-    row["sequences"] = {f"s{i}": [steps, t] for i, t in enumerate(ties)}
-    row["scored"] = {f"s{i}": [steps, b] for i, b in enumerate(beyond)}
+    row.noise = _noise(15, 1536, beyond=806).to_dict()  # llama float16's calibration: 1.0% flips, 52% beyond
+    row.sequences = {f"s{i}": [steps, t] for i, t in enumerate(ties)}
+    row.scored = {f"s{i}": [steps, b] for i, b in enumerate(beyond)}
     return row
 
 
@@ -76,7 +76,7 @@ def test_the_rates_count_distinct_positions_against_the_computations_bounds():
     quiet = _row("quiet", ties=[0] * 60 + [1] * 5, beyond=[9] * 65)  # 0.24% near ties, 28% beyond
     noisy = _row("noisy", ties=[0] * 55 + [1] * 10, beyond=[9] * 65)
     drifting = _row("drifting", ties=[0] * 65, beyond=[22] * 65)  # no flip, 69% of its rows beyond the median
-    rates = {row["engine"]: run_rates(row) for row in (quiet, noisy, drifting)}
+    rates = {row.engine: run_rates(row) for row in (quiet, noisy, drifting)}
     ties, scored = rates["quiet"]
     assert (ties.kind, ties.events, ties.positions, ties.sequences) == (Kind.RUN_DRIFT, 5, 65 * 32, 65)
     assert ties.p_value == binomial_tail(65 * 32, ties.bound, 5) and not ties.failed and not scored.failed
@@ -109,11 +109,11 @@ def test_workers_merge_to_the_serial_verdict(split):
     parts = []
     for w in range(split):
         part = copy.deepcopy(serial)
-        keys = [k for i, k in enumerate(serial["sequences"]) if i % split == w or i == 0]  # s0 in every worker
-        part["sequences"] = {k: serial["sequences"][k] for k in keys}
-        part["scored"] = {k: serial["scored"][k] for k in keys}
-        parts.append({"runs": [], "rows": [part]})
-    merged = merge(parts)["rows"]
+        keys = [k for i, k in enumerate(serial.sequences) if i % split == w or i == 0]  # s0 in every worker
+        part.sequences = {k: serial.sequences[k] for k in keys}
+        part.scored = {k: serial.scored[k] for k in keys}
+        parts.append(Results(rows=[part]))
+    merged = merge(parts).rows
     assert [p.to_dict() for p in run_problems(merged, None)] == [p.to_dict() for p in run_problems([serial], None)]
     assert len(run_problems(merged, None)) == 2
 
@@ -154,7 +154,7 @@ def test_numerics_coarser_than_the_model_fail_and_correct_engines_pass(kvtester,
 
 
 def test_the_check_runs_where_a_rate_is_measured_and_is_deselected_elsewhere(kvtester):
-    """float32 has constant rules, unless the engine declares kv_dtype (its stored KV's noise is measured)."""
+    """float32 has constant rules, unless the engine declares kv_cache_dtype (its stored KV's noise is measured)."""
     engines = ("--kv-engine=kv_test_engines:Greedy", "--kv-engine=kv_test_engines_verdicts:KVInt8")
     for dtype, selected in (("float32", ["kv_test_engines_verdicts:KVInt8"]),
                             ("bfloat16", ["kv_test_engines:Greedy", "kv_test_engines_verdicts:KVInt8"])):

@@ -27,7 +27,7 @@ from pytest_kvcompile.oracles.speculation import (
     simulate,
     swap_rejects,
 )
-from pytest_kvcompile.verdicts.rows import new_row, run_problems, speculation_line
+from pytest_kvcompile.verdicts.rows import Speculation, new_row, run_problems, speculation_line
 from reference_impls.speculative import PromptLookup
 
 T = "kv_test_engines_speculative:"
@@ -181,12 +181,12 @@ def test_a_swapped_draft_is_rejected_where_the_continuation_holds_a_swapped_toke
 def test_a_speculative_run_that_never_accepted_and_rejected_is_vacuous():
     def row(drafted, accepted):
         found = new_row("e", "m", "cpu", "float32")
-        found["speculation"] = {"k": 4, "steps": 5, "drafted": drafted, "accepted": accepted, "lengths": {"0/4": 5}}
+        found.speculation = Speculation(4, 5, drafted, accepted, {"0/4": 5})
         return found
 
     assert [p.kind.value for p in run_problems([row(20, 0), row(20, 20), row(0, 0)], 0.01)] == ["vacuous"] * 3
     assert run_problems([row(20, 7)], 0.01) == []
-    assert speculation_line(row(20, 7)["speculation"]) == ("5 verify step(s) of up to 4 drafts: 7 of 20 drafted "
+    assert speculation_line(row(20, 7).speculation) == ("5 verify step(s) of up to 4 drafts: 7 of 20 drafted "
                                                            "tokens accepted (35%); accepted/drafted per step: 0/4 x5")
 
 

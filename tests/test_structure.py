@@ -34,9 +34,10 @@ def test_the_entry_point_imports_neither_torch_nor_transformers():
 
 def test_kvcompile_merge_never_imports_torch(tmp_path):
     from pytest_kvcompile.reports import json_file
+    from pytest_kvcompile.verdicts.rows import Results
 
     for name in ("a", "b"):
-        (tmp_path / f"{name}.json").write_text(json_file.dumps({"runs": [], "rows": []}))
+        (tmp_path / f"{name}.json").write_text(json_file.dumps(Results()))
     code = (f"from pytest_kvcompile import cli\nassert cli.main(['merge', {str(tmp_path / 'a.json')!r}, "
             f"{str(tmp_path / 'b.json')!r}, '-o', {str(tmp_path / 'm.md')!r}]) == 0")
     assert _loaded_after(code) == set()

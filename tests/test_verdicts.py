@@ -156,12 +156,16 @@ def test_cuda_without_cuda_is_one_usage_error(kvtester):
 
 
 def test_a_known_finding_absorbs_only_the_failure_it_names(kvtester):
-    other = ("kv_test_engines_verdicts:KeepsLast256 | test_token_identity* | cache too short | "
-             "raised ValueError")  # expects an exception, but the engine gives wrong tokens
+    engine = "kv_test_engines_verdicts:KeepsLast256"
+    # twins that must not absorb the mismatch: another kind (an engine error), and the right kind on another model
+    other = f"{engine} | test_token_identity | other(raised=ValueError) | cache too short"
+    elsewhere = f"{engine} | test_token_identity[gpt2-abspos] | mismatch | cache too short"
     result = run_suites(kvtester, E + "KeepsLast256", f"--kv-known-finding={other}",
-                        "-k", "token_identity and long250 and not batched")
+                        f"--kv-known-finding={elsewhere}", "-k", "token_identity and long250 and not batched")
     result.assert_outcomes(failed=1)
-    named = other.replace("raised ValueError", "TokenMismatch: .*diverges from the oracle")
+    result.stdout.fnmatch_lines([f"{engine}: test_token_identity other(raised=ValueError): cache too short: its 1 "
+                                 "test(s) ran and none failed the way it names"])
+    named = f"{engine} | test_token_identity[llama/long250] | mismatch | cache too short"
     result = run_suites(kvtester, E + "KeepsLast256", f"--kv-known-finding={named}",
                         "-k", "token_identity and long250 and not batched")
     result.assert_outcomes(xfailed=1)
@@ -317,8 +321,9 @@ def test_a_kv_cache_stored_lower_is_held_to_its_measured_noise_and_no_more(kvtes
                       f"--kv-report-json={report}")
     tests = {row["engine"].split(":")[1]: row["tests"] for row in json.loads(report.read_text())["rows"]}
     assert both.ret == pytest.ExitCode.TESTS_FAILED and not tests["KVInt8"].get("failed"), both.stdout.str()[-3000:]
-    both.stdout.fnmatch_lines([f"*llama ({dtype}) with K and V stored as int8 (Declaration.kv_dtype): tie tolerance "
-                               "*, near-tie rate *, score() tolerance *: what storing the cache that way does*"])
+    both.stdout.fnmatch_lines([f"*llama ({dtype}) with K and V stored as int8 (Declaration.kv_cache_dtype): tie "
+                               "tolerance *, near-tie rate *, score() tolerance *: what storing the cache that way "
+                               "does*"])
     assert tests["KVInt4DeclaredInt8"].get("failed", 0) >= 2, tests
 
 
@@ -334,6 +339,6 @@ def test_a_kv_format_that_flips_most_choices_skips_the_token_checks_by_name_and_
     result.assert_outcomes(skipped=4)
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # declaring int2 is no way out of every token check
     result.stdout.fnmatch_lines(["*4 token check(s) ran but no token was verified*"])
-    result.stdout.fnmatch_lines(["*stores K and V as int2 (Declaration.kv_dtype): on model 'llama' that alone changes "
-                                 "the model's greedy choice at *% of positions (bound *%), so no token check can tell "
-                                 "a bug from it*"])
+    result.stdout.fnmatch_lines(["*stores K and V as int2 (Declaration.kv_cache_dtype): on model 'llama' that alone "
+                                 "changes the model's greedy choice at *% of positions (bound *%), so no token check "
+                                 "can tell a bug from it*"])

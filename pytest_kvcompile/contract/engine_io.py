@@ -35,7 +35,10 @@ def _engine_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_list(frames) + traceback.format_exception_only(type(exc), exc))
 
 
-def _fail_raised(ref: EngineRef, what: str, exc: Exception) -> None:
+def _fail_raised(ref: EngineRef, what: str, exc: Exception, lengths: Sequence[int] = ()) -> None:
+    """Fail the test naming the engine's exception; the failure carries it as data (known findings match these,
+    contract/findings.py): ``raised``, the exception's type name, and ``lengths``, a generate() call's prompt
+    lengths (() for other calls)."""
     __tracebackhide__ = True
     if isinstance(exc, EngineProcessDied):  # its message is the whole failure (a process died, a server failed)
         from pytest_kvcompile.verdicts.failures import Kind
@@ -44,11 +47,10 @@ def _fail_raised(ref: EngineRef, what: str, exc: Exception) -> None:
         error.kind = Kind(getattr(exc, "kind", Kind.CRASH.value)).value
         raise error from None  # the message says it all: not the exception it replaces again
     kind = exc.remote_type if isinstance(exc, RemoteError) else type(exc).__name__
-    pytest.fail(
-        f"engine '{ref.name}' raised {kind} in {what}: {exc}\n"
-        f"The engine's traceback:\n{_engine_traceback(exc)}",
-        pytrace=False,
-    )
+    error = pytest.fail.Exception(f"engine '{ref.name}' raised {kind} in {what}: {exc}\n"
+                                  f"The engine's traceback:\n{_engine_traceback(exc)}", pytrace=False)
+    error.raised, error.lengths = kind, tuple(lengths)
+    raise error
 
 
 def build(ref: EngineRef, spec: ModelSpec, compile_backend: str) -> Any:
@@ -128,7 +130,7 @@ def generate(ref: EngineRef, engine: Any, prompts: Sequence[Sequence[int]], max_
             first = (str(exc).strip().splitlines() or [""])[0][:200]
             pytest.skip(f"{outside}, and the engine refused it ({kind}: {first})")
         _fail_raised(ref, f"generate(<{len(prompts)} prompt(s) of lengths {lengths}>, "
-                          f"max_new_tokens={max_new_tokens})", exc)
+                          f"max_new_tokens={max_new_tokens})", exc, lengths)
     try:
         return validate_generate(out, len(prompts), max_new_tokens, vocab_size)
     except MalformedOutput as exc:

@@ -11,7 +11,6 @@ import functools
 import importlib
 import importlib.util
 import inspect
-import re
 import sys
 import traceback
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from pytest_kvcompile.contract.engine import (
     ModelSpec,
     declaration_of,
 )
+from pytest_kvcompile.contract.findings import KnownFinding
 from pytest_kvcompile.errors import EngineResolutionError
 
 ENTRY_POINT_GROUP = "pytest_kvcompile.engines"
@@ -294,19 +294,14 @@ def resolve(name: str) -> EngineRef:
 
 
 def _check_known_findings(name: str, declaration: Declaration) -> None:
-    """Each declared known finding is (test-id glob, reason, expected-failure regex): it absorbs only that failure."""
+    """Each declared known finding is a KnownFinding (Declaration converts the deprecated triples): it absorbs only
+    the failure it names, by its typed kind and scope (contract/findings.py)."""
     for finding in declaration.known_findings:
-        ok = isinstance(finding, tuple) and len(finding) == 3 and all(isinstance(x, str) and x for x in finding)
-        if ok:
-            try:
-                re.compile(finding[2])
-            except re.error:
-                ok = False
-        if not ok:
+        if not isinstance(finding, KnownFinding):
             raise EngineResolutionError(
-                f"engine '{name}': known finding {finding!r} must be (test-id glob, reason, expected failure), the "
-                "last a regex searched in '<exception type>: <message>' of the failure it names, e.g. "
-                "('test_no_recompiles_after_warmup*', 'recompiles per length', 'recompiled after warmup')"
+                f"engine '{name}': known finding {finding!r} must be a KnownFinding(check, kind, reason, models=..., "
+                "prompts=...) (pytest_kvcompile.KnownFinding), e.g. KnownFinding('test_no_recompiles_after_warmup', "
+                "Kind.RECOMPILE, 'recompiles per length')"
             )
 
 

@@ -22,12 +22,14 @@ import torch
 from transformers import GenerationConfig, LogitsProcessor
 
 from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
+from pytest_kvcompile.contract.findings import KnownFinding
 from pytest_kvcompile.contract.speculative import DRAFT_MODEL, Speculative
 from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
 from pytest_kvcompile.models.checkpoints import cache_keyword, pretrained, returned_cache, with_cache
 from pytest_kvcompile.models.drafts import perturb
 from pytest_kvcompile.recompiles.hooks import compile_on_every_device, forced_eager
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
+from pytest_kvcompile.verdicts.failures import Kind
 
 _PAD_ID = 0  # left padding value; padded positions are masked, so any id works
 MAX_CACHE_LEN = 512  # hf-static-compile's fixed StaticCache length (the suites' prompts reach 266 positions)
@@ -148,13 +150,11 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN, rows=MAX_BATCH_SIZE),
         description="transformers generate(), one StaticCache (fixed max_cache_len, batch padded to 4 rows) reset per "
                     "call, compiled decode step",
-        known_findings=tuple(
-            (f"test_no_recompiles_after_warmup*-{model}]",
-             "transformers 5.23: the sliding-window cache layer guards on its Python int cumulative_length_int "
-             "(cache_utils.py:550/554), so a 1-token prompt recompiles the decode step (docs/findings.md)",
-             r"dynamo compile\(s\) after warmup")
-            for model in ("mistral-sw", "gemma3-hybrid", "gemma4-kvshared")
-        ),
+        known_findings=(KnownFinding(
+            "test_no_recompiles_after_warmup", Kind.RECOMPILE,
+            "transformers 5.23: the sliding-window cache layer guards on its Python int cumulative_length_int "
+            "(cache_utils.py:550/554), so a 1-token prompt recompiles the decode step (docs/findings.md)",
+            models=("mistral-sw", "gemma3-hybrid", "gemma4-kvshared")),),
     )
 
     def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN,
@@ -220,16 +220,13 @@ class HFStaticChunkedCompile(HFStaticCompile):
         kv_released=True,
         description="transformers generate(), cache_implementation='static', max_cache_len, prefill_chunk_size=16, "
                     "compiled",
-        known_findings=((
-            "test_no_recompiles_after_warmup*",
+        known_findings=(KnownFinding(
+            "test_no_recompiles_after_warmup", Kind.RECOMPILE,
             "transformers 5.13-5.23: chunked prefill recompiles the compiled forward for new last-chunk lengths "
             "(prompt length mod 16: 1, then others) and new batch sizes; on sliding-window models also the "
             "cache layer's int guard of hf-static-compile (docs/released-bugs.md)",
-            r"dynamo compile\(s\) after warmup",
-        ), (
-            "test_fuzz*",
-            "the same finding, met by the fuzzer (docs/released-bugs.md)",
-            r"compiled \d+ frame\(s\) during (fuzz|covering-walk) call",
+        ), KnownFinding(
+            "test_fuzz", Kind.RECOMPILE, "the same finding, met by the fuzzer (docs/released-bugs.md)",
         )),
     )
 
@@ -262,17 +259,15 @@ class HFDynamicCompile(_CompiledMixin, HFEager):
         kv_layout=KVLayout("dynamic"),
         kv_released=True,
         description="transformers generate(), DynamicCache, torch.compile'd forward",
-        known_findings=((
-            "test_no_recompiles_after_warmup*",
+        known_findings=(KnownFinding(
+            "test_no_recompiles_after_warmup", Kind.RECOMPILE,
             "transformers 5.23: the compiled forward guards on cache state (is_initialized, keys None vs tensor, "
             "len(kwargs), sizes 0/1), recompiles on new lengths and batch sizes and hits dynamo's recompile "
             "limit (8), falling back to eager (docs/findings.md)",
-            r"after warmup|recompile_limit",
-        ), (
-            "test_fuzz*",
+        ), KnownFinding(
+            "test_fuzz", Kind.RECOMPILE,
             "the same finding, met by the fuzzer: a 1-token prompt after the warmup recompiles the forward, which "
             "has hit dynamo's recompile limit (docs/findings.md)",
-            r"compiled \d+ frame\(s\) during (fuzz|covering-walk) call",
         )),
     )
 
@@ -319,6 +314,10 @@ class HFAssisted(HFEager):
         self.num_assistant_tokens = num_assistant_tokens
         self.own = self._assistant(pretrained(spec.path, spec.dtype), draft_noise)
         self.draft = self.own
+        self._watch_rounds()
+
+    def _watch_rounds(self) -> None:
+        """Read each round from the target's forwards (a forward pre-hook): `acceptance()`'s steps per prompt."""
         self.steps: list[list[tuple[int, int]]] = []
         self._forwards: list[tuple[int, int]] = []  # (cached positions, tokens run) per target forward of a call
         self.model.register_forward_pre_hook(self._record_forward, with_kwargs=True)
@@ -376,22 +375,20 @@ class HFPromptLookup(HFAssisted):
         speculative=Speculative(k=NUM_ASSISTANT_TOKENS, drafters=(), acceptance=True, lookup=True),
         description=f"transformers generate(prompt_lookup_num_tokens={NUM_ASSISTANT_TOKENS}), greedy prompt-lookup "
                     "decoding (2-gram, then 1-gram lookup), DynamicCache",
-        known_findings=((
-            "test_long_generation[[]hf-prompt-lookup-gpt2-abspos]",
+        known_findings=(KnownFinding(
+            "test_long_generation", Kind.OTHER,
             "transformers 5.24: prompt lookup drafts past max_length (PromptLookupCandidateGenerator caps the drafts' "
             "slice of the input, not the room left: up to 4 drafts one position before the end), so the verify forward "
             "runs positions beyond it; GPT-2's 512 absolute positions end there: IndexError in the position embedding "
             "on a generation to position 512 (docs/released-bugs.md)",
-            r"raised IndexError in generate\(.*\): index out of range in self",
+            models=("gpt2-abspos",), raised="IndexError",
         ),),
     )
 
     def __init__(self, spec: ModelSpec, num_tokens: int = NUM_ASSISTANT_TOKENS):
-        HFEager.__init__(self, spec)
+        HFEager.__init__(self, spec)  # no draft model: its rounds are read as HFAssisted's are
         self.num_tokens = num_tokens
-        self.steps: list[list[tuple[int, int]]] = []
-        self._forwards: list[tuple[int, int]] = []
-        self.model.register_forward_pre_hook(self._record_forward, with_kwargs=True)
+        self._watch_rounds()
 
     def use_drafter(self, drafter: ModelSpec | None) -> None:
         raise TypeError("hf-prompt-lookup drafts by prompt lookup only: it takes no drafter (Speculative(drafters=()))")

@@ -33,8 +33,10 @@ from pytest_kvcompile.contract.engine import (
     ModelSpec,
     require_config,
 )
+from pytest_kvcompile.contract.findings import KnownFinding
 from pytest_kvcompile.engines.recipe import Recipe
 from pytest_kvcompile.memory.measure import held_bytes
+from pytest_kvcompile.verdicts.failures import Kind
 
 MAX_SEQ_LENGTH = 512  # KV-cache positions allocated per engine (prompt + new tokens must fit: the suites reach 266)
 RECIPE = Recipe(
@@ -57,8 +59,7 @@ _INT_MAXP1 = ("litgpt 0.5.13: forward takes input_pos_maxp1 as a Python int; dyn
 _MASK_CACHE = ("litgpt 0.5.13: set_kv_cache also builds a [max_seq_length, max_seq_length] bool mask_cache "
                "(build_mask_cache) held beside the KV cache: 256 KiB at the 512 positions here, quadratic in the "
                "context (16 GiB at 131072 positions; docs/engines/litgpt.md, finding 4)")
-_MASK_HELD = r"holds .* besides its weights"
-_RECOMPILED = r"dynamo compile\(s\) after warmup"
+_MASK_HELD = KnownFinding("test_memory_held_matches_reported", Kind.MEMORY, _MASK_CACHE, models=("llama",))
 
 
 _NO_KV_SHARING = ("litgpt 0.5.13 has no {arch} architecture: its attention layers cannot reuse another "
@@ -173,7 +174,7 @@ class LitGPT:
         requires=REQUIRES,
         description="litgpt 0.5.13 generate_fn, static KVCache (512 positions, batch 1), eager",
         bounds=BOUNDS,
-        known_findings=(("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD),),
+        known_findings=(_MASK_HELD,),
     )
 
     #: generate_fn's sampling arguments: temperature 0 with the default top_p, as users call it
@@ -238,7 +239,7 @@ class LitGPTTopK1(LitGPT):
         description="litgpt generate_fn with top_k=1 (argmax on every release, LitGPT #2238 aside), static "
         "KVCache (512 positions, batch 1), eager",
         bounds=BOUNDS,
-        known_findings=(("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD),),
+        known_findings=(_MASK_HELD,),
     )
 
 
@@ -255,8 +256,8 @@ class LitGPTCompiled(LitGPT):
         requires=REQUIRES,
         description="litgpt 0.5.13 generate_fn over torch.compile(model), static KVCache (512 positions, batch 1)",
         bounds=BOUNDS,
-        known_findings=(("test_no_recompiles_after_warmup*-llama]", _INT_MAXP1, _RECOMPILED),
-                        ("test_memory_held*-llama]", _MASK_CACHE, _MASK_HELD)),
+        known_findings=(KnownFinding("test_no_recompiles_after_warmup", Kind.RECOMPILE, _INT_MAXP1, models=("llama",)),
+                        _MASK_HELD),
     )
 
     def __init__(self, spec: ModelSpec, compile_backend: str = "inductor"):

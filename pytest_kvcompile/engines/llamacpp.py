@@ -7,7 +7,7 @@ built.
   flash attention (a quantized V cache needs it), so ``flash_attn=True`` too. q8_0 blocks hold 32 values, so
   llama.cpp refuses head_dim 16 (the default zoo): ModelNotSupported; run it with ``--kv-zoo-head-dim=32``.
 
-Both declare their KV cache's precision (``kv_dtype``: float16, int8), so they are held to the measured noise of a
+Both declare their KV cache's precision (``kv_cache_dtype``: float16, int8), so they are held to the measured noise of a
 cache stored that way on each model (oracles/precision.py), no more. Known finding (docs/engines/llama-cpp.md):
 llama.cpp also rounds Q to f16, which moves ``score()`` rows past an f16 cache's noise on one llama prompt.
 
@@ -65,8 +65,10 @@ from pytest_kvcompile.contract.engine import (
     PrefixCache,
     require_config,
 )
+from pytest_kvcompile.contract.findings import KnownFinding
 from pytest_kvcompile.contract.speculative import Speculative
 from pytest_kvcompile.engines.recipe import Recipe
+from pytest_kvcompile.verdicts.failures import Kind
 
 N_CTX = 512  # positions of the one sequence (prompt + new tokens; the long generations reach 512)
 PROMPT_CACHE_BYTES = 512 * 1024  # llama-cpp-prompt-cache: LlamaRAMCache(capacity_bytes=...)
@@ -276,15 +278,13 @@ def convert(spec: ModelSpec, root: Path | None = None, vocabulary: bool = False)
 _F16_Q = ("llama.cpp 0.3.36 rounds Q to f16 too (ggml's KQ product), beyond its declared f16 KV cache: on llama, "
           "prompt long48, its score() rows differ from the oracle by 0.0436, past the 0.0388 that an f16 KV cache "
           "alone moves them (docs/engines/llama-cpp.md, finding 1)")
-_F16_Q_FAILURE = r"TokenMismatch: engine 'llama-cpp': score\(\) is not the oracle's logits"
+_F16_Q_FOUND = KnownFinding("test_token_identity", Kind.SCORE, _F16_Q, models=("llama",), prompts=("long48",))
 
 _DESCRIPTION = "llama.cpp (llama-cpp-python 0.3.36, CPU) Llama.generate greedy over a float32 GGUF, {kv}"
 _UNCOUNTED = ("llama-cpp-python 0.3.36's LlamaRAMCache holds every saved state against capacity_bytes by its "
               "llama_state_size only; each state also keeps a copy of the logits rows (n_tokens x n_vocab float32) and "
               "of the whole n_ctx input_ids array: on the zoo's llama a 63-position state counts 16,957 B and holds "
               "83,517 B, so the cache holds about 5 x its capacity (docs/engines/llama-cpp.md, finding 5)")
-_UNCOUNTED_FAILURE = (r"kv_cache_bytes\(\): .* at its peak, over the .* it may hold \(its declared "
-                      r"capacity_bytes=524,288\)")
 
 
 class LlamaCpp:
@@ -297,8 +297,8 @@ class LlamaCpp:
         requires=REQUIRES,
         isolated=True,  # native code: a crash or hang fails one test, not the run (run/isolation.py)
         description=_DESCRIPTION.format(kv="KV cache f16 (default), flash attention off"),
-        kv_dtype="float16",  # llama.cpp's default KV cache: held to the measured noise of an f16 cache
-        known_findings=(("test_token_identity[[]llama-cpp-llama-long48]", _F16_Q, _F16_Q_FAILURE),),
+        kv_cache_dtype="float16",  # llama.cpp's default KV cache: held to the measured noise of an f16 cache
+        known_findings=(_F16_Q_FOUND,),
     )
     llama_kwargs: dict[str, Any] = {}
 
@@ -366,7 +366,7 @@ class LlamaCppQ8KV(LlamaCpp):
         requires=REQUIRES,
         isolated=True,  # native code: a crash or hang fails one test, not the run (run/isolation.py)
         description=_DESCRIPTION.format(kv="KV cache q8_0 (type_k = type_v = Q8_0), flash attention on"),
-        kv_dtype="int8",
+        kv_cache_dtype="int8",
     )
 
     def __init__(self, spec: ModelSpec):
@@ -396,9 +396,7 @@ class LlamaCppPromptCache(LlamaCpp):
         description=_DESCRIPTION.format(kv="KV cache f16, prompt cache LlamaRAMCache(capacity_bytes="
                                         f"{PROMPT_CACHE_BYTES:,}) through create_completion"),
         prefix_cache=PrefixCache(capacity_tokens=PROMPT_CACHE_TOKENS, capacity_bytes=PROMPT_CACHE_BYTES),
-        known_findings=(("test_token_identity[[]llama-cpp-prompt-cache-llama-long48]", _F16_Q,
-                         _F16_Q_FAILURE.replace("'llama-cpp'", "'llama-cpp-prompt-cache'")),
-                        ("test_no_memory_growth[[]llama-cpp-prompt-cache-*]", _UNCOUNTED, _UNCOUNTED_FAILURE)),
+        known_findings=(_F16_Q_FOUND, KnownFinding("test_no_memory_growth", Kind.MEMORY, _UNCOUNTED)),
     )
 
     def __init__(self, spec: ModelSpec):

@@ -11,7 +11,7 @@ prompt log-probabilities, so the teacher-forced check is skipped).
 server (its ``[server]`` extra) cannot stand in: its ``/v1/completions`` takes text prompts only (``prompt: str |
 list[str]`` in llama_cpp/server/types.py, 0.3.36), which a GGUF without a vocabulary cannot tokenize.
 
-Declared like ``llama-cpp``: CPU, float32, its default f16 KV cache (``kv_dtype="float16"``).
+Declared like ``llama-cpp``: CPU, float32, its default f16 KV cache (``kv_cache_dtype="float16"``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ class LlamaCppServer(ManagedServer):
 
     kv_declaration = Declaration(
         batching=True, isolated=False, thread_safe=True, devices=("cpu",), dtypes=("float32",), requires=REQUIRES,
-        kv_dtype="float16",
+        kv_cache_dtype="float16",
         description="llama.cpp's llama-server (managed, 127.0.0.1), /completion over a float32 GGUF, KV cache f16, "
         f"{SLOTS} slots of {N_CTX} positions",
     )

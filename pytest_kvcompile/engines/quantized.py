@@ -10,7 +10,7 @@ Rules:
   64) except the residual window: RESIDUAL = 16 positions instead of 128, so the suite's prompts (1 to 266 tokens)
   cross it and the quantized store is read, not only the full-precision window. (Prefill is quantized at once either
   way: the residual window only holds decode steps.)
-- Declared ``kv_dtype`` ("int4", "int8"): the token checks allow the measured noise of storing K and V that way on
+- Declared ``kv_cache_dtype`` ("int4", "int8"): the token checks allow the measured noise of storing K and V that way on
   each model (oracles/precision.py: KVComputation), no more; the run prints that noise. Where it flips a quarter of
   the greedy choices or more (int4 on the zoo's tiny models), the token checks are a named skip: nothing could tell
   a bug from it.
@@ -41,7 +41,7 @@ def _declaration(backend: str, nbits: int, module: str, package: str) -> Declara
     return Declaration(
         batching=True,
         scoring=True,
-        kv_dtype=f"int{nbits}",
+        kv_cache_dtype=f"int{nbits}",
         devices=("cpu", "cuda"),
         requires=((module, package),),
         description=f"transformers generate(), QuantizedCache(backend={backend!r}, nbits={nbits}, "

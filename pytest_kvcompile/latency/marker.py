@@ -19,6 +19,7 @@ import pytest
 
 from pytest_kvcompile.config import markers
 from pytest_kvcompile.config.options import Option, value, whole
+from pytest_kvcompile.verdicts.rows import KVBytes
 
 if TYPE_CHECKING:
     from pytest_kvcompile.latency.measure import Latency, Measured
@@ -108,8 +109,8 @@ def check(budget: Budget, got: Latency, reference: Latency | None,
           enforce_absolute: bool) -> tuple[list[str], list[str]]:
     """(failures, unenforced) lines for `got` against `budget`; medians are compared."""
     over = []
-    for what, limit, median in (("prefill", budget.prefill_ms, got.prefill["median"]),
-                               ("decode", budget.decode_ms_per_token, got.decode["median"])):
+    for what, limit, median in (("prefill", budget.prefill_ms, got.prefill.median),
+                               ("decode", budget.decode_ms_per_token, got.decode.median)):
         if limit is not None and median <= 0:  # noise larger than the signal: never a pass
             over.append(f"{what} median {median:.3f} ms{'/token' if what == 'decode' else ''} is not a time (the "
                         f"difference T(1 + K) - T(1) was lost in noise) against budget {limit:g}: raise "
@@ -121,11 +122,11 @@ def check(budget: Budget, got: Latency, reference: Latency | None,
     if reference is not None:
         for what, mine, theirs in (("prefill", got.prefill, reference.prefill),
                                    ("decode", got.decode, reference.decode)):
-            if mine["median"] > budget.factor * theirs["median"]:
-                ratio = f"{mine['median'] / theirs['median']:.2f} x" if theirs["median"] > 0 else "slower than"
+            if mine.median > budget.factor * theirs.median:
+                ratio = f"{mine.median / theirs.median:.2f} x" if theirs.median > 0 else "slower than"
                 relative.append(
-                    f"{what} median {mine['median']:.3f} ms{'/token' if what == 'decode' else ''} is {ratio} "
-                    f"'{reference.engine}' ({theirs['median']:.3f}), budget {budget.factor:g} x"
+                    f"{what} median {mine.median:.3f} ms{'/token' if what == 'decode' else ''} is {ratio} "
+                    f"'{reference.engine}' ({theirs.median:.3f}), budget {budget.factor:g} x"
                 )
     return (relative + over, []) if enforce_absolute else (relative, over)
 
@@ -173,8 +174,8 @@ class Probe:
         for eut, latency in zip(engines, measured):
             kv_bytes = None
             if eut.ref.declaration.kv_cache_bytes:
-                kv_bytes = {"expected": None, "measured": int(eut.engine.kv_cache_bytes())}
-            self.record.metric(engine=eut.name, model=eut.spec.name, latency=latency.as_dict(), kv_bytes=kv_bytes)
+                kv_bytes = KVBytes(None, int(eut.engine.kv_cache_bytes()))
+            self.record.metric(engine=eut.name, model=eut.spec.name, latency=latency.record(), kv_bytes=kv_bytes)
         if LOG in self.item.stash:
             at = f"engine '{engine.name}' on model '{engine.spec.name}' ({self.device}, {self.dtype})"
             enforce = self.device.startswith("cuda") or self.settings.enforce_cpu
@@ -218,7 +219,7 @@ OPTIONS = [
     Option(ENFORCE, "kv_enforce_latency", False,
            "enforce absolute latency budgets on CPU too (they are always enforced on CUDA; "
            "relative budgets everywhere)",
-           kind="bool"),
+           ini_type="bool"),
     Option(REPEATS, "kv_latency_repeats", "5", "timed repeats per latency measurement, after warmup (default: 5)", "N",
            whole(1)),
     Option(BUDGET, "kv_latency_budget", "",

@@ -22,17 +22,25 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import pytest
 import torch
 
 from pytest_kvcompile.models.prompts import Prompt, of_length, variant
-from pytest_kvcompile.verdicts.rows import stats
+from pytest_kvcompile.verdicts.rows import Timings
 
 if TYPE_CHECKING:
     from pytest_kvcompile.contract.engine import ModelSpec
+
+
+class Timing(Protocol):
+    """Who times a call of an engine (run/host.py: Host): in process the caller, an isolated engine's own process."""
+
+    def timed(self, call: Callable[[], object], time_ms: Callable[[Callable[[], object]], float]) -> float:
+        """`call` made, and its time in ms: `time_ms(call)`, or as the engine's process measured it (no pipe)."""
+        ...
 
 
 class Measured(Protocol):
@@ -40,8 +48,8 @@ class Measured(Protocol):
 
     name: str
     spec: ModelSpec
-    isolated: bool
-    engine: Any  # the engine object: its generate() is what is timed; an isolated one's proxy has last_ms
+    engine: Any  # what calls go to: its generate() is what is timed
+    host: Timing  # where the engine runs, which says how a call of it is timed
 
     def generate(self, prompts: list[Prompt], max_new_tokens: int) -> list[list[int]]: ...
 
@@ -61,18 +69,13 @@ class Latency:
     prefill_ms: tuple[float, ...]
     decode_ms_per_token: tuple[float, ...]
 
-    @property
-    def prefill(self) -> dict[str, float]:
-        return stats(self.prefill_ms)
+    def record(self) -> Timings:
+        """The samples as the reports' row holds them (verdicts/rows.py: Timings, which gives their statistics)."""
+        return Timings(self.prompt_len, self.decode_tokens, self.timer, list(self.prefill_ms),
+                       list(self.decode_ms_per_token))
 
-    @property
-    def decode(self) -> dict[str, float]:
-        return stats(self.decode_ms_per_token)
-
-    def as_dict(self) -> dict:
-        found = asdict(self)
-        del found["engine"], found["model"]
-        return {**found, "prefill_ms": list(self.prefill_ms), "decode_ms_per_token": list(self.decode_ms_per_token)}
+    prefill = property(lambda self: self.record().prefill, doc="Median and p90 of the prefill samples.")
+    decode = property(lambda self: self.record().decode, doc="Median and p90 of the decode samples (per token).")
 
 
 def timer_for(device: str) -> tuple[str, Callable[[Callable[[], object]], float]]:
@@ -107,11 +110,9 @@ def fresh(prompt_len: int, vocab_size: int) -> Iterator[Prompt]:
 
 
 def _timed(eut: Measured, time_ms: Callable[[Callable[[], object]], float], call: Callable[[], object]) -> float:
-    """`call`'s time in ms; an isolated engine's as its own process measured it (run/isolation.py), without the pipe."""
-    if eut.isolated:
-        call()
-        return eut.engine.last_ms
-    return time_ms(call)
+    """`call`'s time in ms, as the engine's host times it: `time_ms(call)` in process, an isolated engine's as its own
+    process measured it (run/host.py, run/isolation.py), without the pipe."""
+    return eut.host.timed(call, time_ms)
 
 
 def measure(engines: Sequence[Measured], repeats: int, prompt_len: int = PROMPT_LEN,

@@ -51,24 +51,25 @@ HF, EAGER = "hf", "eager"
 
 @dataclass(frozen=True)
 class Choice:
-    """An engine's oracle as resolved at start-up: `kind` hf | eager | engine; `ref` the reference engine (None for
-    hf); `forced`: run `ref` under force_eager (eager without a declared counterpart)."""
+    """An engine's oracle as resolved at start-up: `oracle` hf | eager | engine (``--kv-oracle``'s hf, eager or a
+    NAME); `ref` the reference engine (None for hf); `forced`: run `ref` under force_eager (eager without a declared
+    counterpart)."""
 
-    kind: str
+    oracle: str
     ref: EngineRef | None = None
     forced: bool = False
 
     @property
     def key(self) -> str:
-        return HF if self.ref is None else f"{self.kind}:{self.ref.name}:forced={self.forced}"
+        return HF if self.ref is None else f"{self.oracle}:{self.ref.name}:forced={self.forced}"
 
     def describe(self) -> str:
         if self.ref is None:
             return "hf (transformers eager)"
         if self.forced:
             return f"eager: engine '{self.ref.name}' itself under torch.compiler.set_stance('force_eager')"
-        return f"{self.kind}: engine '{self.ref.name}'" + (
-            " (its declared eager counterpart)" if self.kind == EAGER else "")
+        return f"{self.oracle}: engine '{self.ref.name}'" + (
+            " (its declared eager counterpart)" if self.oracle == EAGER else "")
 
 
 def choose(name: str, ref: EngineRef, wanted: str, resolve) -> Choice:
@@ -154,7 +155,7 @@ class EngineOracle:
         return found
 
     def identity(self) -> str:
-        return f"{self.choice.kind}|forced={self.choice.forced}|{identity(self.choice.ref, self.compile_backend)}"
+        return f"{self.choice.oracle}|forced={self.choice.forced}|{identity(self.choice.ref, self.compile_backend)}"
 
     @contextmanager
     def _watched(self, what: str) -> Iterator[None]:
@@ -165,7 +166,7 @@ class EngineOracle:
         recorder = CompileRecorder()
         with stance, recorder:
             yield
-        if self.choice.kind != EAGER:
+        if self.choice.oracle != EAGER:
             return
         hits, _ = recorder.guards
         ran = [f"dynamo compiled {e.frame}" for e in recorder.events] + (

@@ -37,7 +37,7 @@ docs/precision.md.
 
 float32 keeps its constants (config/tolerances.py): its noise is ~1e-5, far inside them (measured in the same doc).
 
-**A KV cache stored lower** (``Declaration.kv_dtype``: float16, bfloat16, or int8/int4/int2 quantized). The noise
+**A KV cache stored lower** (``Declaration.kv_cache_dtype``: float16, bfloat16, or int8/int4/int2 quantized). The noise
 of storing K and V that way is measured the same way (`calibrate` with `KVComputation`: transformers eager in the
 run's dtype with every K and V rounded as it enters the cache, `kv_round`) and gives that engine its numbers
 (`Rules.with_kv`): the tolerance, near-tie budget and score tolerance are the larger of the model's and the stored
@@ -170,7 +170,8 @@ class Computations:
 
 
 def kv_round(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
-    """`x` as a KV cache storing `kv_dtype` holds it (Declaration.kv_dtype; the module docstring), back in x.dtype."""
+    """`x` as a KV cache storing `kv_dtype` holds it (Declaration.kv_cache_dtype; the module docstring), back in
+    x.dtype."""
     if kv_dtype in ("float16", "bfloat16"):
         return x.to(getattr(torch, kv_dtype)).to(x.dtype)
     levels = 2 ** (int(kv_dtype.removeprefix("int")) - 1) - 1
@@ -433,8 +434,8 @@ class Rules:
 
 
     def with_kv(self, kv: Noise, steps: int) -> Rules:
-        """An engine storing its KV cache lower (Declaration.kv_dtype): the larger of these numbers and those of the
-        stored KV's measured noise `kv` (module docstring); `kv` is the noise its reports show."""
+        """An engine storing its KV cache lower (Declaration.kv_cache_dtype): the larger of these numbers and those of
+        the stored KV's measured noise `kv` (module docstring); `kv` is the noise its reports show."""
         ties = None if self.max_near_ties is None else max(self.max_near_ties, kv.max_near_ties(steps))
         if self.noise is not None and self.noise.flip_rate_bound > kv.flip_rate_bound:  # the run's rates: never below
             kv = dataclasses.replace(kv, flips=self.noise.flips, positions=self.noise.positions,  # the model's own

@@ -181,8 +181,8 @@ def judge(row: DraftRow, steps: Sequence[tuple[int, int]], got: Sequence[int],
 def exercised(steps: Iterable[tuple[int, int]], k: int) -> Speculation:
     """The reports' record of verify steps (verdicts/rows.py: Speculation): per "accepted/drafted", the count."""
     steps = list(steps)
-    return {"k": k, "steps": len(steps), "drafted": sum(d for d, _ in steps), "accepted": sum(a for _, a in steps),
-            "lengths": dict(Counter(f"{a}/{d}" for d, a in steps))}
+    return Speculation(k, len(steps), sum(d for d, _ in steps), sum(a for _, a in steps),
+                       dict(Counter(f"{a}/{d}" for d, a in steps)))
 
 
 MARKER = 4  # tokens a lookup prompt repeats: longer than the n-grams prompt lookups match (2-3), so every one matches

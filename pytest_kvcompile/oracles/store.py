@@ -44,6 +44,7 @@ from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise
 from pytest_kvcompile.oracles.hf import oracle_for
 from pytest_kvcompile.oracles.precision import load_lm
 from pytest_kvcompile.oracles.reference import Reference
+from pytest_kvcompile.verdicts.rows import OracleFacts
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
 #: bfloat16 from data: the bfloat16 oracle's own tokens trailed its float64 path by up to 0.766 (H100,
@@ -160,7 +161,7 @@ class StoredOracle:
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"
 
-    def facts(self) -> dict[str, Any]:
+    def facts(self) -> OracleFacts:
         """The oracle as the reports show it: its source, and what it cannot do (named, never silent)."""
         engine = isinstance(self.oracle, EngineOracle)
         limits = self.oracle.limitations() if engine else []
@@ -169,7 +170,7 @@ class StoredOracle:
         if engine and self.strategy.kind != "exact":  # an engine oracle of an eviction engine
             limits.append(f"the oracle engine reports no evictions, so whether strategy {self.strategy} had to evict "
                           "is not checked")
-        return {"source": self.source, "engine": engine, "limitations": limits}
+        return OracleFacts(self.source, engine, limits)
 
     def __getattr__(self, name: str) -> Any:  # oracle-specific extras (kept(), evicted(), ...)
         if name == "oracle":
@@ -240,7 +241,7 @@ class StoredOracle:
 
     def kv_noise(self, spec: ModelSpec, kv_dtype: str) -> precision.Noise:
         """The noise of a KV cache stored as `kv_dtype` on this model in `spec`'s dtype (the run's), against this
-        oracle (precision.calibrate over a KVComputation; Declaration.kv_dtype), memoized."""
+        oracle (precision.calibrate over a KVComputation; Declaration.kv_cache_dtype), memoized."""
         found = self._cached(("kv_noise", _PRECISION, dtype_name(spec.dtype), kv_dtype),
                              lambda: precision.calibrate(spec, self._memoized,
                                                          precision.KVComputation(spec, kv_dtype)).to_dict())

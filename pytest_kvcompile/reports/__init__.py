@@ -2,7 +2,7 @@
 terminal results table and the run notes.
 
 The plugin adds `OPTIONS` and calls ``register(config, settings, collector)``. Under pytest-xdist each worker
-collects the rows of its own tests and returns them as plain dicts in ``config.workeroutput``;
+collects the rows of its own tests and returns them as JSON (verdicts/rows.py: Results) in ``config.workeroutput``;
 only the controller merges them, compares with the baseline and writes files.
 """
 
@@ -23,7 +23,6 @@ from pytest_kvcompile.reports import baseline as baseline_mod
 from pytest_kvcompile.reports import html, json_file, markdown
 from pytest_kvcompile.reports.live import (
     HEARTBEAT_KEY,
-    Beat,
     atomic_write,
     read_heartbeat,
     read_heartbeats,
@@ -36,17 +35,26 @@ from pytest_kvcompile.verdicts.failures import Failure, Kind, Problem, kind_of
 from pytest_kvcompile.verdicts.rows import (
     NOTE,
     WORKER_KEY,
+    Beat,
+    Check,
     Collector,
+    Crash,
+    FailureEntry,
+    Outcomes,
+    Results,
+    RunInfo,
+    Status,
     coverage_line,
+    eviction_noise_line,
     first_lines,
     merge,
+    noise_line,
     outcome,
     params,
     run_metadata,
     run_problems,
     run_rates,
     skipped_everywhere,
-    speculation_line,
 )
 
 REPORT_JSON = "--kv-report-json"
@@ -74,7 +82,7 @@ OPTIONS = [
 ]
 BY_FLAG = {o.flag: o for o in OPTIONS}
 
-WRITERS: dict[str, Callable[[dict[str, Any], Any], str]] = {
+WRITERS: dict[str, Callable[[Results, Any], str]] = {
     ".json": lambda results, changes: json_file.dumps(results),
     ".md": markdown.render,
     ".html": html.render,
@@ -90,7 +98,7 @@ def _value(config: pytest.Config, flag: str):
     return value(config, BY_FLAG[flag])
 
 
-def write(results: dict[str, Any], path: Path, changes=None, suffix: str | None = None) -> None:
+def write(results: Results, path: Path, changes=None, suffix: str | None = None) -> None:
     """Write `results` to `path` in the format of `suffix` (default: the path's extension), atomically."""
     atomic_write(path, WRITERS[suffix or path.suffix.lower()](results, changes))
 
@@ -99,12 +107,13 @@ class ResultsPlugin:
     def __init__(self, config: pytest.Config, settings: Any, collector: Collector) -> None:
         self.config, self.settings = config, settings
         self.collector = collector
-        self.workers: list[dict[str, Any]] = []  # what xdist workers sent: per test (kv_results), and at the end
+        self.workers: list[Results] = []  # what xdist workers sent: per test (kv_results), and at the end
         self.outputs = {flag: Path(v).expanduser() for flag in _FORMAT if (v := _value(config, flag))}
         # live reports (reports/live.py): finished tests, this process's beat, crashed workers, the JSON so far
-        self.finished, self.beat, self.crashed = 0, None, []
+        self.finished, self.beat = 0, None
+        self.crashed: list[Crash] = []
         self._json_body: str | None = None
-        self._run: dict[str, Any] | None = None
+        self._run: RunInfo | None = None
         self.worker = getattr(config, "workerinput", {}).get("workerid")
         found = getattr(config, "workerinput", {}).get(HEARTBEAT_KEY)
         self.heartbeats: Path | None = Path(found) if found else None  # xdist: the workers' heartbeat files
@@ -112,10 +121,10 @@ class ResultsPlugin:
             collector.track()  # each test's rows travel with its teardown report
         self.baseline = self.fail_on = self.changes = None
         self.notes: list[str] = []
-        self.results: dict[str, Any] | None = None
+        self.results: Results | None = None
         self.problems: list[Problem] = []
         self.skipped_everywhere: list[str] = []
-        self.stale_findings: list[str] = []  # known findings whose check ran but whose glob matched no test (plugin)
+        self.stale_findings: list[str] = []  # known findings matching no test or no failure (plugin)
         if hasattr(config, "workerinput"):
             return  # workers only collect: the controller validates, compares and writes
         path, spec = _value(config, BASELINE), _value(config, FAIL_ON)
@@ -160,16 +169,16 @@ class ResultsPlugin:
                 self._write_live()
             atomic_write(self.outputs[REPORT_JSON], with_status(self._json_body, self._status(complete=False)))
 
-    def _status(self, complete: bool) -> dict[str, Any]:
+    def _status(self, complete: bool) -> Status:
         running = [] if complete else [self.beat] if self.beat else read_heartbeats(self.heartbeats) \
             if self.heartbeats else []
         return status(self.finished, running, self.crashed, complete)
 
-    def _results(self) -> dict[str, Any]:
-        results = merge([self.collector.as_dict(), *self.workers])
+    def _results(self) -> Results:
+        results = merge([self.collector.results(), *self.workers])
         if self._run is None:  # versions and options: read once (the live reports rewrite after every test)
             self._run = run_metadata(self.config, self.settings)
-        results["runs"] = [self._run]
+        results.runs = [self._run]
         return results
 
     def _write_live(self) -> None:
@@ -178,10 +187,10 @@ class ResultsPlugin:
             return
         results = self._results()
         self._json_body = json_file.dumps(results)
-        results["status"] = self._status(complete=False)
+        results.status = self._status(complete=False)
         for flag, path in self.outputs.items():
             if flag == REPORT_JSON:
-                atomic_write(path, with_status(self._json_body, results["status"]))
+                atomic_write(path, with_status(self._json_body, results.status))
             else:
                 write(results, path, None, _FORMAT[flag])
 
@@ -189,8 +198,8 @@ class ResultsPlugin:
         if self.worker:
             return
         delta = getattr(report, "kv_results", None)
-        if delta:  # an xdist worker's rows of this test
-            self.workers.append(delta)
+        if delta:  # an xdist worker's rows of this test (JSON)
+            self.workers.append(Results.from_json(delta))
         if report.when == "???":  # xdist: the worker running this test died (dsession.handle_crashitem)
             self._crashed(report)
         if report.when in ("teardown", "???"):
@@ -206,11 +215,10 @@ class ResultsPlugin:
         beat = read_heartbeat(self.heartbeats, worker) if self.heartbeats else None
         beat = beat or Beat(report.nodeid, worker=worker)
         message = f"xdist worker '{worker}' died running {beat.line()}"
-        self.crashed.append({**dataclasses.asdict(beat), "worker": worker, "message": message})
+        self.crashed.append(Crash(**{**dataclasses.asdict(beat), "worker": worker}, message=message))
         if beat.engine and beat.model:
-            self.collector.add(beat.engine, beat.model, tests={"failed": 1},
-                               failures=[{"test": report.nodeid, "kind": Kind.CRASH.value, "message": message,
-                                          "failure": None}])
+            self.collector.add(beat.engine, beat.model, tests=Outcomes.one("failed"),
+                               failures=[FailureEntry(report.nodeid, Kind.CRASH, message, None)])
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -226,20 +234,18 @@ class ResultsPlugin:
                 error = call.excinfo.value if call.excinfo is not None else None
                 typed = getattr(error, "failure", None)  # a token verdict as data (verdicts/failures.py)
                 kind = getattr(report, "kv_kind", None) or kind_of(error)  # a marker's check, else the exception's
-                failures = [{"test": item.nodeid, "kind": Kind(kind).value,
-                             "message": first_lines(crash or report.longreprtext),
-                             "failure": typed.to_dict() if isinstance(typed, Failure) else None}]
+                failures = [FailureEntry(item.nodeid, Kind(kind), first_lines(crash or report.longreprtext),
+                                         typed if isinstance(typed, Failure) else None)]
             if decided == "skipped" and isinstance(report.longrepr, tuple):
                 reason = report.longrepr[2].removeprefix("Skipped: ")
                 if call.excinfo is not None and call.excinfo.errisinstance(NotApplicable) \
                         and not call.excinfo.errisinstance(Unjudgeable):
                     declared, reason = [reason.removeprefix("pytest_kvcompile.errors.NotApplicable: ")], ""
             ran = decided not in ("skipped", "error")
-            checks = {item.originalname: {"ran": int(ran), "failed": int(decided in ("failed", "error", "xpassed")),
-                                          "xfailed": int(decided == "xfailed"), "skipped": int(decided == "skipped"),
-                                          "reason": reason}}
-            self.collector.add(*found, tests={decided: 1}, failures=failures, declared_skips=declared, checks=checks,
-                               oracle_errors=oracle_error,
+            checks = {item.originalname: Check(int(ran), int(decided in ("failed", "error", "xpassed")),
+                                               int(decided == "xfailed"), int(decided == "skipped"), reason)}
+            self.collector.add(*found, tests=Outcomes.one(decided), failures=failures, declared_skips=declared,
+                               checks=checks, oracle_errors=oracle_error,
                                token_checks=int(bool(ORACLE_FIXTURES & set(getattr(item, "fixturenames", ())))))
         if self.worker and call.when == "teardown":  # this test's rows, to the controller with its last report
             report.kv_results = self.collector.drain()
@@ -250,7 +256,7 @@ class ResultsPlugin:
     def pytest_testnodedown(self, node, error) -> None:
         found = getattr(node, "workeroutput", {}).get(WORKER_KEY)
         if found:
-            self.workers.append(found)
+            self.workers.append(Results.from_json(found))
         stale = getattr(node, "workeroutput", {}).get(STALE_KEY, [])  # each worker collects the whole run
         self.stale_findings += [line for line in stale if line not in self.stale_findings]
 
@@ -261,10 +267,10 @@ class ResultsPlugin:
             config.workeroutput[STALE_KEY] = self.stale_findings
             return
         self.results = self._results()
-        self.results["status"] = self._status(complete=True)
-        self.problems = run_problems(self.results["rows"], self.settings.max_near_tie_rate)
-        self.results["problems"] = [p.to_dict() for p in self.problems]
-        self.skipped_everywhere = skipped_everywhere(self.results["rows"])
+        self.results.status = self._status(complete=True)
+        self.problems = run_problems(self.results.rows, self.settings.max_near_tie_rate)
+        self.results.problems = list(self.problems)
+        self.skipped_everywhere = skipped_everywhere(self.results.rows)
         if self.problems and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if self.baseline is not None:
@@ -280,47 +286,45 @@ class ResultsPlugin:
         if not self.results:
             return
         tr = terminalreporter
-        if self.results["rows"]:
+        rows = self.results.rows
+        if rows:
             tr.write_sep("-", "kvcompile: verdict per engine")
-            for line in verdict_lines(self.results["rows"], self.results["problems"]):
+            for line in verdict_lines(rows, self.results.problems):
                 tr.write_line(line, red=line.startswith("FAIL"), green=line.startswith("PASS "))
             tr.write_sep("-", "kvcompile: results per engine and model")
-            for line in text_table(self.results["rows"]):
+            for line in text_table(rows):
                 tr.write_line(line)
-        noise = {(r["model"], r["dtype"], r["noise"].get("kv_dtype") or ""): r["noise"] for r in self.results["rows"]
-                 if r.get("noise")}
+        noise = {r.noise_key: r for r in rows if r.noise}
         if noise:
             tr.write_sep("-", f"kvcompile: verdict rules measured per model ({len(noise)}): 16-bit, KV stored lower")
-            for (model, dtype, _), found in sorted(noise.items()):
-                tr.write_line(noise_line(model, dtype, found))
-            evictions = {(r["model"], r["dtype"], r["eviction_noise"]["policy"]): r["eviction_noise"]
-                         for r in self.results["rows"] if r.get("eviction_noise")}
-            for (model, dtype, _), found in sorted(evictions.items()):
-                tr.write_line(eviction_noise_line(model, dtype, found))
-        rates = [(r, found) for r in self.results["rows"] for found in run_rates(r, self.settings.max_near_tie_rate)
+            for _, row in sorted(noise.items()):
+                tr.write_line(noise_line(row))
+            evictions = {(r.model, r.dtype, r.eviction_policy): r for r in rows if r.eviction_noise}
+            for _, row in sorted(evictions.items()):
+                tr.write_line(eviction_noise_line(row))
+        rates = [(r, found) for r in rows for found in run_rates(r, self.settings.max_near_tie_rate)
                  if found.positions]
         if rates:
             tr.write_sep("-", f"kvcompile: run-level rates vs the dtype's equivalent computations ({len(rates)})")
             for row, found in rates:
-                tr.write_line(f"{row['engine']} / {row['model']} ({row['dtype']}): {found.line()}", red=found.failed)
-        fuzzed = [r for r in self.results["rows"] if r.get("fuzz_coverage")]
+                tr.write_line(f"{row.engine} / {row.model} ({row.dtype}): {found.line()}", red=found.failed)
+        fuzzed = [r for r in rows if r.fuzz_coverage]
         if fuzzed:
             tr.write_sep("-", f"kvcompile: fuzz covering walk ({len(fuzzed)})")
             for r in fuzzed:
-                tr.write_line(f"{r['engine']} / {r['model']}: {coverage_line(r['fuzz_coverage'])}")
-        speculative = [r for r in self.results["rows"] if r.get("speculation")]
+                tr.write_line(f"{r.engine} / {r.model}: {coverage_line(r.fuzz_coverage)}")
+        speculative = [r for r in rows if r.speculation]
         if speculative:
             tr.write_sep("-", f"kvcompile: speculative decoding, verify steps as reported ({len(speculative)})")
             for r in speculative:
-                tr.write_line(f"{r['engine']} / {r['model']}: {speculation_line(r['speculation'])}")
-        builds = sorted((r for r in self.results["rows"] if r.get("builds")), key=lambda r: -r["build_s"])[:5]
+                tr.write_line(f"{r.engine} / {r.model}: {r.speculation.line()}")
+        builds = sorted((r for r in rows if r.builds), key=lambda r: -r.build_s)[:5]
         if builds:
             tr.write_sep("-", f"kvcompile: slowest engine builds ({len(builds)})")
             for r in builds:
-                times = f" ({r['builds']} builds)" if r["builds"] > 1 else ""
-                tr.write_line(f"{r['build_s']:8.1f} s  {r['engine']} / {r['model']}{times}")
-        declared = sorted({f"{r['engine']} / {r['model']}: {why}" for r in self.results["rows"]
-                           for why in r.get("declared_skips", [])})
+                times = f" ({r.builds} builds)" if r.builds > 1 else ""
+                tr.write_line(f"{r.build_s:8.1f} s  {r.engine} / {r.model}{times}")
+        declared = sorted({f"{r.engine} / {r.model}: {why}" for r in rows for why in r.declared_skips})
         if declared:
             tr.write_sep("-", f"kvcompile: not checked, declared or known limitations ({len(declared)})")
             for line in declared:
@@ -331,8 +335,8 @@ class ResultsPlugin:
             for line in self.skipped_everywhere:
                 tr.write_line(line)
         if self.stale_findings:
-            tr.write_sep("-", f"kvcompile: stale known findings: they match no test ({len(self.stale_findings)})",
-                         yellow=True)
+            tr.write_sep("-", "kvcompile: stale known findings: they match no test or no failure "
+                         f"({len(self.stale_findings)})", yellow=True)
             for line in self.stale_findings:
                 tr.write_line(line, yellow=True)
         if self.problems:
@@ -350,34 +354,6 @@ class ResultsPlugin:
                 tr.write_line(f"not compared: {note}")
         for flag, path in self.outputs.items():
             tr.write_line(f"kvcompile: wrote {flag.removeprefix('--kv-report-')} report to {path}")
-
-
-def noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
-    """One model's 16-bit rule, or an engine's KV stored lower, as measured (oracles/precision.py: Noise.to_dict())."""
-    if noise.get("kv_dtype"):
-        return (f"{model} ({dtype}) with K and V stored as {noise['kv_dtype']} (Declaration.kv_dtype): tie tolerance "
-                f"{noise['tolerance']:.3g} ({noise['factor']:g} x noise scale {noise['scale']:.3g}), near-tie rate "
-                f"{noise['flip_rate']:.1%} (bound {noise['flip_rate_bound']:.1%}), score() tolerance "
-                f"{noise['score_tolerance']:.3g}: what storing the cache that way does to this model's logits, "
-                "measured (oracles/precision.py: KVComputation); the engine is held to the larger of these and the "
-                "model's own numbers")
-    oracle = next(iter(noise["per_computation"].values()), {})
-    return (f"{model} ({dtype}): tie tolerance {noise['tolerance']:.3g} "
-            f"({noise['factor']:g} x noise scale {noise['scale']:.3g}, or x "
-            f"the noise at the position), near-tie rate of equivalent computations {noise['flip_rate']:.1%} (bound "
-            f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g} (or "
-            f"{noise.get('score_spread', noise['factor']):.3g} x the computations' error at the position); "
-            f"judged against float64 "
-            f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"
-            f"{noise['positions']} calibration positions")
-
-
-def eviction_noise_line(model: str, dtype: str, noise: dict[str, Any]) -> str:
-    """One model's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise.to_dict())."""
-    return (f"{model} ({dtype}) {noise['policy']}: eviction near-tie tolerance {noise['tolerance']:.3g} relative "
-            f"({noise['factor']:g} x p99 {noise['scale']:.3g} of the score-difference errors of a {dtype} computation "
-            f"vs float64 at "
-            f"{noise['cuts']} calibration cuts; it kept another set at {noise['flips']})")
 
 
 class RunNotes:

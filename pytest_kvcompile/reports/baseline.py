@@ -13,9 +13,8 @@ A name left out of ``--kv-fail-on`` is not checked. Rows only in one side are li
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from pytest_kvcompile.reports.table import latency_stats
+from pytest_kvcompile.verdicts.rows import Results, Row
 
 SYNTAX = "latency:10%,memory:5%,recompiles:0"
 PERCENT_NAMES = ("latency", "memory")
@@ -93,29 +92,24 @@ class Change:
                 f"({self.growth}, {self.allowed})")
 
 
-def _numbers(row: dict[str, Any]) -> dict[str, tuple[str, float]]:
+def _numbers(row: Row) -> dict[str, tuple[str, float]]:
     """check name + what -> value, for the numbers a row has."""
     found = {}
-    lat = latency_stats(row)
-    if lat:
-        found["latency/prefill"] = ("prefill median ms", lat[0]["median"])
-        found["latency/decode"] = ("decode median ms/token", lat[1]["median"])
-    if row["kv_bytes"]:
-        found["memory/kv"] = ("KV-cache bytes", row["kv_bytes"]["measured"])
-    if row["compiles"]:
-        found["recompiles/after"] = ("compiles after warmup", row["compiles"]["after_warmup"])
+    if row.latency:
+        found["latency/prefill"] = ("prefill median ms", row.latency.prefill.median)
+        found["latency/decode"] = ("decode median ms/token", row.latency.decode.median)
+    if row.kv_bytes:
+        found["memory/kv"] = ("KV-cache bytes", row.kv_bytes.measured)
+    if row.compiles:
+        found["recompiles/after"] = ("compiles after warmup", row.compiles.after_warmup)
     return found
 
 
-def compare(baseline: dict[str, Any], current: dict[str, Any],
-            fail_on: dict[str, float]) -> tuple[list[Change], list[str]]:
+def compare(baseline: Results, current: Results, fail_on: dict[str, float]) -> tuple[list[Change], list[str]]:
     """(every number of matched rows, old -> new, with fail_on's limit where it names the check; notes on rows that
     could not be matched)."""
-    def key(r):
-        return r["engine"], r["model"], r["device"], r["dtype"]
-
-    old_rows = {key(r): r for r in baseline["rows"]}
-    new_rows = {key(r): r for r in current["rows"]}
+    old_rows = {r.key: r for r in baseline.rows}
+    new_rows = {r.key: r for r in current.rows}
     changes, notes = [], []
     for k in sorted(old_rows.keys() | new_rows.keys()):
         where = " / ".join(k)

@@ -11,13 +11,12 @@ highlighted, the logit gap against the tolerance, the oracle's top-3 and the hin
 from __future__ import annotations
 
 from html import escape
-from typing import Any
 
 from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
-from pytest_kvcompile.reports.table import HEADERS, cells, latency_stats, verdicts
-from pytest_kvcompile.verdicts.failures import Failure, Problem
-from pytest_kvcompile.verdicts.rows import coverage_line, speculation_line, stats
+from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
+from pytest_kvcompile.verdicts.failures import Failure
+from pytest_kvcompile.verdicts.rows import FailureEntry, KVBytes, Results, Row, TimelineCall, coverage_line, stats
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:.3em .6em;font-size:.9em;text-align:left}th{background:#f3f3f3}
@@ -51,7 +50,7 @@ def bar_chart(title: str, bars: list[tuple[str, float]], unit: str) -> str:
     return "".join(parts) + "</svg>"
 
 
-def _table(rows: list[dict[str, Any]], all_rows: list[dict[str, Any]]) -> str:
+def _table(rows: list[Row], all_rows: list[Row]) -> str:
     head = "".join(f"<th>{escape(h)}</th>" for h in HEADERS)
     body = "".join("<tr>" + "".join(f"<td>{escape(c)}</td>" for c in cells(r, all_rows)) + "</tr>" for r in rows)
     return f"<table><tr>{head}</tr>{body}</table>"
@@ -74,7 +73,7 @@ def strip_chart(title: str, series: list[tuple[str, list[float]]], unit: str) ->
              f'<text x="0" y="14" font-size="13" font-weight="bold">{escape(title)}</text>']
     for i, (label, values) in enumerate(series):
         y = 22 + i * BAR_HEIGHT + 7
-        median = stats(values)["median"]
+        median = stats(values).median
         parts.append(f'<text x="0" y="{y + 4}" font-size="11">{escape(label[:28])}</text>')
         parts.append(f'<line x1="{LABEL_WIDTH}" x2="{LABEL_WIDTH + span}" y1="{y}" y2="{y}" stroke="#ddd"/>')
         parts += [f'<circle cx="{LABEL_WIDTH + span * v / top:.1f}" cy="{y}" r="3" fill="#4a7bd0" fill-opacity=".6">'
@@ -119,72 +118,70 @@ def token_diff(failure: Failure) -> str:
             + "".join(f"<li>{fact}</li>" for fact in facts) + "</ul></div>")
 
 
-def compile_timeline(model: str, timeline: list[dict[str, Any]]) -> str:
+def compile_timeline(model: str, timeline: list[TimelineCall]) -> str:
     """One box per phase/call of the recompile check: its compiles, each with frame and failed guards."""
     boxes = []
     for entry in timeline:
-        phase = {"build": "build", "warmup": "warmup"}.get(entry["phase"], "after")
-        compiled = " compiled" if entry["compiles"] else ""
+        phase = {"build": "build", "warmup": "warmup"}.get(entry.phase, "after")
+        compiled = " compiled" if entry.compiles else ""
         inner = "".join(
-            f"<details><summary>{'re' if c['recompile'] else ''}compile {escape(c['id'])}: {escape(c['frame'])}"
-            "</summary>" + "".join(f"<pre>guard failed: {escape(g)}</pre>" for g in c["guards"])
-            + (f"<div>{c['graph_breaks']} graph break(s)</div>" if c["graph_breaks"] else "") + "</details>"
-            for c in entry["compiles"])
-        boxes.append(f'<div class="call {phase}{compiled}"><b>{escape(entry["phase"])}: {len(entry["compiles"])} '
-                     f'compile(s)</b>{escape(entry["call"])}{inner}</div>')
+            f"<details><summary>{'re' if c.recompile else ''}compile {escape(c.id)}: {escape(c.frame)}"
+            "</summary>" + "".join(f"<pre>guard failed: {escape(g)}</pre>" for g in c.guards)
+            + (f"<div>{c.graph_breaks} graph break(s)</div>" if c.graph_breaks else "") + "</details>"
+            for c in entry.compiles)
+        boxes.append(f'<div class="call {phase}{compiled}"><b>{escape(entry.phase)}: {len(entry.compiles)} '
+                     f'compile(s)</b>{escape(entry.call)}{inner}</div>')
     return f'<h4>compile timeline: {escape(model)}</h4><div class="timeline">{"".join(boxes)}</div>'
 
 
-def kv_layers(model: str, kv: dict[str, Any]) -> str:
+def kv_layers(model: str, kv: KVBytes) -> str:
     """Expected bytes per layer (the declared layout) against the measured total."""
-    measured = kv["measured"]
-    rows = "".join(f"<tr><td>{t['layer']}</td><td>{escape(t['kind'])}</td><td>{t['positions']}</td>"
-                   f"<td>{escape(t['why'])}</td><td>{t['bytes']:,}</td></tr>" for t in kv["layers"])
-    expected = kv["expected"]
+    measured = kv.measured
+    rows = "".join(f"<tr><td>{t.layer}</td><td>{escape(t.kind)}</td><td>{t.positions}</td>"
+                   f"<td>{escape(t.why)}</td><td>{t.bytes:,}</td></tr>" for t in kv.layers)
+    expected = kv.expected
     verdict = ("matches" if expected == measured else
                f'<span class="bad">differs by {measured - expected:+,} B</span>') if expected is not None else ""
-    return (f"<h4>KV bytes per layer: {escape(model)}, {escape(kv.get('layout', ''))}, "
-            f"{escape(kv.get('call', ''))}</h4>"
+    return (f"<h4>KV bytes per layer: {escape(model)}, {escape(kv.layout)}, {escape(kv.call)}</h4>"
             "<table><tr><th>layer</th><th>kind</th><th>positions</th><th>why</th><th>expected bytes</th></tr>"
             f"{rows}<tr><th colspan=\"4\">expected total</th><th>{(expected or 0):,}</th></tr>"
             f"<tr><th colspan=\"4\">measured (reported, else held)</th><th>{measured:,} {verdict}</th></tr></table>")
 
 
-def _failure(failure: dict[str, Any]) -> str:
-    typed = failure.get("failure")
-    diff = token_diff(Failure.from_dict(typed)) if typed and typed.get("oracle") else ""
-    return (f'<details class="failure"{" open" if diff else ""}><summary class="bad">{escape(failure["test"])} '
-            f'({escape(failure["kind"])})</summary>'
-            f"{diff}<pre>{escape(failure['message'])}</pre></details>")
+def _failure(failure: FailureEntry) -> str:
+    typed = failure.failure
+    diff = token_diff(typed) if typed and typed.oracle else ""
+    return (f'<details class="failure"{" open" if diff else ""}><summary class="bad">{escape(failure.test)} '
+            f'({escape(failure.kind.value)})</summary>'
+            f"{diff}<pre>{escape(failure.message)}</pre></details>")
 
 
-def _engine_section(engine: str, rows: list[dict[str, Any]], all_rows: list[dict[str, Any]]) -> str:
-    measured = [(r, latency_stats(r)) for r in rows if r["latency"]]
+def _engine_section(engine: str, rows: list[Row], all_rows: list[Row]) -> str:
+    measured = [r for r in rows if r.latency]
     charts = ""
     if measured:
-        charts = (bar_chart(f"{engine}: prefill median", [(r["model"], s[0]["median"]) for r, s in measured], "ms")
-                  + bar_chart(f"{engine}: decode median", [(r["model"], s[1]["median"]) for r, s in measured],
+        charts = (bar_chart(f"{engine}: prefill median", [(r.model, r.latency.prefill.median) for r in measured], "ms")
+                  + bar_chart(f"{engine}: decode median", [(r.model, r.latency.decode.median) for r in measured],
                               "ms/token"))
-        repeated = [r for r, _ in measured if len(r["latency"]["prefill_ms"]) > 1]
+        repeated = [r for r in measured if len(r.latency.prefill_ms) > 1]
         if repeated:
-            charts += (strip_chart(f"{engine}: prefill, every repeat", [(r["model"], r["latency"]["prefill_ms"])
+            charts += (strip_chart(f"{engine}: prefill, every repeat", [(r.model, r.latency.prefill_ms)
                                                                          for r in repeated], "ms")
                        + strip_chart(f"{engine}: decode, every repeat",
-                                     [(r["model"], r["latency"]["decode_ms_per_token"]) for r in repeated], "ms/token"))
-    reasons = [f"{r['model']}: {x}" for r in rows if r["compiles"] for x in r["compiles"]["reasons"]]
-    timelines = "".join(compile_timeline(r["model"], r["compiles"]["timeline"]) for r in rows
-                        if r["compiles"] and r["compiles"].get("timeline"))
-    layers = "".join(kv_layers(r["model"], r["kv_bytes"]) for r in rows
-                     if r["kv_bytes"] and r["kv_bytes"].get("layers"))
-    failures = [f for r in rows for f in r["failures"]]
+                                     [(r.model, r.latency.decode_ms_per_token) for r in repeated], "ms/token"))
+    reasons = [f"{r.model}: {x}" for r in rows if r.compiles for x in r.compiles.reasons]
+    timelines = "".join(compile_timeline(r.model, r.compiles.timeline) for r in rows
+                        if r.compiles and r.compiles.timeline)
+    layers = "".join(kv_layers(r.model, r.kv_bytes) for r in rows if r.kv_bytes and r.kv_bytes.layers)
+    failures = [f for r in rows for f in r.failures]
     shown = (f'<h4>failures ({len(failures)})</h4>' + "".join(_failure(f) for f in failures)) if failures else ""
     return (f'<section class="engine" id="engine-{escape(engine)}"><h2>{escape(engine)}</h2>'
             + _table(rows, all_rows) + charts + shown + _list("recompiles after warmup", reasons, "bad") + timelines
-            + layers + _list("fuzz covering walk", [f"{r['model']}: {coverage_line(r['fuzz_coverage'])}" for r in rows
-                                                    if r.get("fuzz_coverage")])
-            + _list("speculative decoding: verify steps", [f"{r['model']}: {speculation_line(r['speculation'])}"
-                                                           for r in rows if r.get("speculation")])
-            + _list("near ties", [t for r in rows for t in r["near_ties"]]) + "</section>")
+            + layers + _list("fuzz covering walk", [f"{r.model}: {coverage_line(r.fuzz_coverage)}" for r in rows
+                                                    if r.fuzz_coverage])
+            + _list("speculative decoding: verify steps", [f"{r.model}: {r.speculation.line()}"
+                                                           for r in rows if r.speculation])
+            + _list("near ties", [t for r in rows for t in r.near_ties]) + "</section>")
 
 
 def baseline_table(changes: list[Change]) -> str:
@@ -202,28 +199,27 @@ def baseline_table(changes: list[Change]) -> str:
             f"<th>threshold</th></tr>{body}</table></section>")
 
 
-def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
-    rows = results["rows"]
-    engines = list(dict.fromkeys(r["engine"] for r in rows))
-    runs = "".join(f"<li>{escape(', '.join(f'{k}: {v}' for k, v in run.items() if k != 'options'))}</li>"
-                   for run in results["runs"])
+def render(results: Results, changes: list[Change] | None = None) -> str:
+    rows = results.rows
+    engines = list(dict.fromkeys(r.engine for r in rows))
+    runs = "".join(f"<li>{escape(', '.join(f'{k}: {v}' for k, v in run.facts()))}</li>" for run in results.runs)
     baseline = baseline_table(changes) if changes is not None else ""
     comparisons = ""
-    for model in dict.fromkeys(r["model"] for r in rows):
-        bars = [(f"{r['engine']} ({r['device']})", latency_stats(r)[1]["median"]) for r in rows
-                if r["model"] == model and r["latency"]]
+    for model in dict.fromkeys(r.model for r in rows):
+        bars = [(f"{r.engine} ({r.device})", r.latency.decode.median) for r in rows
+                if r.model == model and r.latency]
         if len(bars) > 1:
             comparisons += bar_chart(f"{model}: decode median by engine", bars, "ms/token")
     css = {"PASS": "v-PASS", "FAIL": "v-FAIL", "PASS with known findings": "v-known", "NOT CHECKED": "v-none"}
     summary = "".join(f'<li><span class="verdict {css[v]}">{escape(v)}</span> <a href="#engine-{escape(e)}">'
-                      f"{escape(e)}</a>: {escape(c)}</li>" for e, v, c in verdicts(rows, results.get("problems", ())))
+                      f"{escape(e)}</a>: {escape(c)}</li>" for e, v, c in verdicts(rows, results.problems))
     return (f"<!DOCTYPE html><html><head><meta charset=\"utf-8\"><title>pytest-kvcompile results</title>"
             f"<style>{STYLE}</style></head><body><h1>pytest-kvcompile results</h1>"
             + "".join(f'<p class="v-FAIL">{escape(line)}</p>' for line in status_lines(results))
             + f'<ul class="verdicts">{summary}</ul>'
-            + "".join(f'<p class="v-FAIL">run rule ({escape(p["kind"])}): {escape(Problem.from_dict(p).line)}</p>'
-                      for p in results.get("problems", ()))
+            + "".join(f'<p class="v-FAIL">run rule ({escape(p.kind.value)}): {escape(p.line)}</p>'
+                      for p in results.problems)
             + f'{baseline}<ul>{runs}</ul>'
             f"<h2>All engines</h2>{_table(rows, rows)}{comparisons}"
-            + "".join(_engine_section(e, [r for r in rows if r["engine"] == e], rows) for e in engines)
+            + "".join(_engine_section(e, [r for r in rows if r.engine == e], rows) for e in engines)
             + "</body></html>\n")

@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+
+from pytest_kvcompile.verdicts.rows import Beat, Crash, Results, Status
 
 HEARTBEAT_KEY = "kvcompile_heartbeat_dir"  # workerinput: where the workers' heartbeat files go
 
@@ -37,38 +37,20 @@ def atomic_write(path: Path, text: str) -> None:
         raise
 
 
-@dataclass
-class Beat:
-    """What one process is running: the test, and the engine call in it (None between calls)."""
-
-    test: str
-    engine: str | None = None
-    model: str | None = None
-    call: str | None = None
-    served_before: int = 0
-    worker: str | None = None
-
-    def line(self) -> str:
-        where = f"engine '{self.engine}' on model '{self.model}'" if self.engine else "no engine"
-        call = f", during {self.call} ({self.served_before} call(s) served before it)" if self.call else ""
-        return f"{self.test} ({where}{call})"
+def status(finished: int, running: list[Beat], crashed: list[Crash], complete: bool) -> Status:
+    return Status(complete, finished, list(running), list(crashed))
 
 
-def status(finished: int, running: list[Beat], crashed: list[dict[str, Any]], complete: bool) -> dict[str, Any]:
-    return {"complete": complete, "finished_tests": finished, "running": [asdict(b) for b in running],
-            "crashed": crashed}
-
-
-def with_status(json_text: str, found: dict[str, Any]) -> str:
-    """A JSON report (an object, as json_file.dumps writes it) with its "status" key set to `found`."""
+def with_status(json_text: str, found: Status) -> str:
+    """A JSON report (an object, as json_file.dumps writes it) with its status set to `found`."""
     body = json_text.rstrip()
     assert body.endswith("}"), "a results JSON is an object"
-    return body[:-1].rstrip() + ',\n "status": ' + json.dumps(found) + "\n}\n"
+    return body[:-1].rstrip() + ',\n "status": ' + json.dumps(found.to_json()) + "\n}\n"
 
 
 def write_heartbeat(directory: Path, worker: str, beat: Beat | None) -> None:
     """The worker's current beat (None: between tests)."""
-    atomic_write(directory / f"{worker}.json", json.dumps(asdict(beat) if beat else None))
+    atomic_write(directory / f"{worker}.json", json.dumps(beat.to_json() if beat else None))
 
 
 def read_heartbeat(directory: Path, worker: str) -> Beat | None:
@@ -76,19 +58,16 @@ def read_heartbeat(directory: Path, worker: str) -> Beat | None:
         found = json.loads((directory / f"{worker}.json").read_text())
     except (OSError, ValueError):
         return None
-    return Beat(**found) if isinstance(found, dict) else None
+    try:
+        return Beat.from_json(found, str(directory / f"{worker}.json")) if isinstance(found, dict) else None
+    except ValueError:
+        return None
 
 
 def read_heartbeats(directory: Path) -> list[Beat]:
     return [b for p in sorted(directory.glob("*.json")) if (b := read_heartbeat(directory, p.stem))]
 
 
-def status_lines(results: dict[str, Any]) -> list[str]:
+def status_lines(results: Results) -> list[str]:
     """What the reports say first about an unfinished run or a dead process (empty for a complete clean run)."""
-    found = results.get("status") or {}
-    lines = [f"process died: {c['message']}" for c in found.get("crashed", [])]
-    if found and not found.get("complete", True):
-        running = "; ".join(Beat(**b).line() for b in found.get("running", [])) or "between tests"
-        lines.insert(0, f"the run has not completed: {found.get('finished_tests', 0)} test(s) finished, running: "
-                        f"{running} (a report written during the run, or by a run whose process died)")
-    return lines
+    return results.status.lines() if results.status else []

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
-from pytest_kvcompile.verdicts.failures import Problem
-from pytest_kvcompile.verdicts.rows import concurrency_line, speculation_line
+from pytest_kvcompile.verdicts.rows import Results, concurrency_line
 
 
 def _escape(cell: str) -> str:
     return cell.replace("|", "\\|").replace("\n", " ")
 
 
-def _runs(results: dict[str, Any]) -> list[str]:
-    return [f"- {run.get('device', '?')} ({run.get('device_name', '?')}), {run.get('dtype', '?')}: torch "
-            f"{run.get('torch', '?')}, transformers {run.get('transformers', '?')}, engines "
-            f"{', '.join(run.get('engines', [])) or '-'}, started {run.get('started', '?')}" for run in results["runs"]]
+def _runs(results: Results) -> list[str]:
+    return [f"- {run.line()}" for run in results.runs]
 
 
 LIMIT = 65_000  # GitHub caps a job summary and a PR comment at 65,536 characters
@@ -34,18 +29,17 @@ def _details(title: str, lines: list[str], keep: int | None = None) -> list[str]
             *cut, "", "</details>"]
 
 
-def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
+def render(results: Results, changes: list[Change] | None = None) -> str:
     """The summary, under LIMIT characters: the verdicts, runs, table and regressions always; the detail lists
     (failures, recompiles, near ties) shortened until it fits, saying how many lines were cut."""
-    rows = results["rows"]
+    rows = results.rows
     marks = {"PASS": ":white_check_mark:", "FAIL": ":x:", "PASS with known findings": ":warning:",
              "NOT CHECKED": ":grey_question:"}
     lines = ["## pytest-kvcompile results", ""]
     lines += [f"> :boom: {_escape(line)}" for line in status_lines(results)] + ([""] if status_lines(results) else [])
     lines += [f"- {marks[verdict]} **{verdict}** `{engine}`: {counts}"
-              for engine, verdict, counts in verdicts(rows, results.get("problems", ()))]
-    lines += [f"- :x: run rule ({p['kind']}): {_escape(Problem.from_dict(p).line)}"
-              for p in results.get("problems", ())]
+              for engine, verdict, counts in verdicts(rows, results.problems)]
+    lines += [f"- :x: run rule ({p.kind.value}): {_escape(p.line)}" for p in results.problems]
     if changes is not None:  # right after the verdicts, as pytest-codspeed's PR comment leads with its verdict
         regressed = [c.line() for c in changes if c.regressed]
         improved = [c.line() for c in changes if c.improved]
@@ -56,17 +50,14 @@ def render(results: dict[str, Any], changes: list[Change] | None = None) -> str:
     lines += ["", *_runs(results), ""]
     lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(_escape(c) for c in cells(row, rows)) + " |" for row in rows]
-    details = [("failures", [f"{f['test']} ({f['kind']}): {f['message'].splitlines()[0] if f['message'] else ''}"
-                             for row in rows for f in row["failures"]]),
-               ("recompiles after warmup", [f"{row['engine']} / {row['model']}: {reason}" for row in rows
-                                            if row["compiles"] for reason in row["compiles"]["reasons"]]),
-               ("near ties", [tie for row in rows for tie in row["near_ties"]]),
-               ("speculative decoding: verify steps", [f"{row['engine']} / {row['model']}: "
-                                                       f"{speculation_line(row['speculation'])}"
-                                                       for row in rows if row.get("speculation")]),
-               ("concurrent requests per round", [f"{row['engine']} / {row['model']}: "
-                                                  f"{concurrency_line(row['concurrency'])}"
-                                                  for row in rows if row.get("concurrency")])]
+    details = [("failures", [f.line() for row in rows for f in row.failures]),
+               ("recompiles after warmup", [f"{row.engine} / {row.model}: {reason}" for row in rows
+                                            if row.compiles for reason in row.compiles.reasons]),
+               ("near ties", [tie for row in rows for tie in row.near_ties]),
+               ("speculative decoding: verify steps", [f"{row.engine} / {row.model}: {row.speculation.line()}"
+                                                       for row in rows if row.speculation]),
+               ("concurrent requests per round", [f"{row.engine} / {row.model}: {concurrency_line(row.concurrency)}"
+                                                  for row in rows if row.concurrency])]
     keep = None
     while True:
         text = "\n".join(lines + [x for title, found in details for x in _details(title, found, keep)]) + "\n"

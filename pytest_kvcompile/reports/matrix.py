@@ -16,10 +16,9 @@ import os
 from dataclasses import dataclass
 from html import escape
 from pathlib import Path
-from typing import Any
 
 from pytest_kvcompile.reports.table import verdicts
-from pytest_kvcompile.verdicts.failures import Problem
+from pytest_kvcompile.verdicts.rows import Check, Results, Row, RunInfo
 
 PASS, FAIL, KNOWN, SKIP = "pass", "fail", "known", "skip"
 MARKS = {PASS: "✅", FAIL: "❌", KNOWN: "⚠️", SKIP: "⏭️"}  # Markdown (GitHub draws emoji)
@@ -49,41 +48,35 @@ class Engine:
     page: str | None  # its findings page, relative to the output
 
 
-def check_of(nodeid: str) -> str:
-    """The test function of a node id: ``suites/test_x.py::test_y[engine-model]`` -> ``test_y``."""
-    return nodeid.rpartition("::")[2].partition("[")[0]
-
-
-def build(results: dict[str, Any], pages: Path | None = None, output: Path | None = None,
+def build(results: Results, pages: Path | None = None, output: Path | None = None,
           expected: tuple[str, ...] = ()) -> tuple[list[Engine], list[str], dict[tuple[str, str], Cell]]:
     """(engines, checks, cells by (engine, check)) of merged `results`; `pages`: a directory of findings pages
     (``docs/engines``), each named for the engines whose NAME it starts (``litgpt.md``: litgpt, litgpt-compile);
     `expected`: engines that get a row even without a report (NO REPORT: the matrix names what it does not cover)."""
-    rows, runs = results["rows"], results["runs"]
-    problems = results.get("problems", [])
-    checks = sorted({name for row in rows for name in row.get("checks", {})})
+    rows, runs, problems = results.rows, results.runs, results.problems
+    checks = sorted({name for row in rows for name in row.checks})
     cells: dict[tuple[str, str], Cell] = {}
     found = {engine: (verdict, counts) for engine, verdict, counts in verdicts(rows, problems)}
     engines = []
-    for name in dict.fromkeys(r["engine"] for r in rows):
-        mine = [r for r in rows if r["engine"] == name]
+    for name in dict.fromkeys(r.engine for r in rows):
+        mine = [r for r in rows if r.engine == name]
         if name not in found:  # only measured as another engine's reference: not checked itself
             continue
         for check in checks:
             cell = _cell(mine, check)
             if cell is not None:
                 cells[name, check] = cell
-        ruled = [Problem.from_dict(p) for p in problems if p["engine"] == name]
+        ruled = [p for p in problems if p.engine == name]
         if ruled:
             cells[name, RULES] = Cell(FAIL, "; ".join(f"{p.kind.value}: {p.line}" for p in ruled),
                                       tuple(sorted({p.model for p in ruled if p.model})))
-        run = max((r for r in runs if name in r.get("engines", ())), key=lambda r: r.get("started", ""), default={})
-        versions = list(dict.fromkeys(v for r in mine for v in r.get("versions", [])))
-        versions += [f"torch=={run['torch']}"] if run.get("torch") else []
-        versions += [f"pytest-kvcompile=={run['pytest_kvcompile']}"] if run.get("pytest_kvcompile") else []
-        engines.append(Engine(name, *found[name], tuple(sorted({r["model"] for r in mine})),
-                              ", ".join(sorted({f"{r['device']} {r['dtype']}" for r in mine})),
-                              run.get("started", "")[:10], tuple(dict.fromkeys(versions)), _page(name, pages, output)))
+        run = max((r for r in runs if name in r.engines), key=lambda r: r.started, default=RunInfo())
+        versions = list(dict.fromkeys(v for r in mine for v in r.versions))
+        versions += [f"torch=={run.torch}"] if run.torch else []
+        versions += [f"pytest-kvcompile=={run.pytest_kvcompile}"] if run.pytest_kvcompile else []
+        engines.append(Engine(name, *found[name], tuple(sorted({r.model for r in mine})),
+                              ", ".join(sorted({f"{r.device} {r.dtype}" for r in mine})),
+                              run.started[:10], tuple(dict.fromkeys(versions)), _page(name, pages, output)))
     for name in expected:
         if name not in found:
             engines.append(Engine(name, NO_REPORT, "no result file of it was given", (), "", "", (),
@@ -93,22 +86,22 @@ def build(results: dict[str, Any], pages: Path | None = None, output: Path | Non
     return engines, checks, cells
 
 
-def _cell(rows: list[dict[str, Any]], check: str) -> Cell | None:
+def _cell(rows: list[Row], check: str) -> Cell | None:
     ran = failed = xfailed = skipped = 0
     reason, message, models = "", "", set()
     for row in rows:
-        seen = row.get("checks", {}).get(check)
-        failures = [f for f in row["failures"] if check_of(f["test"]) == check]
+        seen = row.checks.get(check)
+        failures = [f for f in row.failures if f.check == check]
         if seen is None and not failures:
             continue
-        seen = seen or {}
-        models.add(row["model"])
-        ran += seen.get("ran", 0)
-        failed += max(seen.get("failed", 0), len(failures))  # schema-1 files count no failures per check
-        xfailed += seen.get("xfailed", 0)
-        skipped += seen.get("skipped", 0)
-        reason = reason or seen.get("reason", "")
-        message = message or next((f["message"].strip().splitlines()[0] for f in failures if f["message"].strip()), "")
+        models.add(row.model)
+        seen = seen or Check()
+        ran += seen.ran
+        failed += max(seen.failed, len(failures))  # schema-1 files count no failures per check
+        xfailed += seen.xfailed
+        skipped += seen.skipped
+        reason = reason or seen.reason
+        message = message or next((f.message.strip().splitlines()[0] for f in failures if f.message.strip()), "")
     if not models:
         return None
     where = tuple(sorted(models))
@@ -135,7 +128,7 @@ def _short(check: str) -> str:
     return check.removeprefix("test_")
 
 
-def markdown(results: dict[str, Any], sources: list[str], pages: Path | None = None, output: Path | None = None,
+def markdown(results: Results, sources: list[str], pages: Path | None = None, output: Path | None = None,
              expected: tuple[str, ...] = ()) -> str:
     """The matrix as GitHub Markdown: one row per engine, then the failures and skips the cells refer to."""
     engines, checks, cells = build(results, pages, output, expected)
@@ -176,7 +169,7 @@ td.e{text-align:left;white-space:nowrap}td.v{text-align:left;font-size:.8em}.pas
 .fail{background:#fde0e0}.known{background:#fff3cd}.skip{background:#f1f1f1;color:#555}"""
 
 
-def html(results: dict[str, Any], sources: list[str], pages: Path | None = None, output: Path | None = None,
+def html(results: Results, sources: list[str], pages: Path | None = None, output: Path | None = None,
          expected: tuple[str, ...] = ()) -> str:
     """The matrix as one self-contained page (inline CSS, no scripts): hover a cell for its detail."""
     engines, checks, cells = build(results, pages, output, expected)

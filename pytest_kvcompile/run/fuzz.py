@@ -73,6 +73,14 @@ OPTIONS = [
 ]
 
 
+
+def _with_replay(exc: BaseException, replay: str) -> BaseException:
+    """`exc` again with the replay appended to its message, keeping its typed facts (a Failure, a kind, what an engine
+    raised: known findings and the reports read them) and how pytest shows it."""
+    again = type(exc)(f"{exc}\n{replay}")
+    again.__dict__.update({k: v for k, v in vars(exc).items() if k not in ("msg", "args")})
+    return again
+
 def read(config: pytest.Config) -> FuzzSettings | None:
     """The run's fuzz settings from OPTIONS (None: fuzzing off)."""
     examples, profile, budget, seed = (value(config, o) for o in OPTIONS)
@@ -151,7 +159,7 @@ def machine(kv_engine, oracle, lengths: list[int], check_compiles: bool, deadlin
             except BaseException as exc:
                 stats.setdefault("found", (stats["examples"], time.monotonic()))
                 if isinstance(exc, AssertionError) or type(exc).__name__ == "Failed":
-                    raise type(exc)(f"{exc}\n{replay(self.calls)}") from None
+                    raise _with_replay(exc, replay(self.calls)) from None
                 raise
 
         @rule(size=st.sampled_from(range(1, batch + 1)),
@@ -429,7 +437,7 @@ def run(kv_engine, oracle, lengths, check_compiles, settings: FuzzSettings, neut
         plan.run(Caller(kv_engine, oracle, check_compiles, check), started + WALK_SHARE * settings.budget_s)
     except BaseException as exc:
         if isinstance(exc, AssertionError) or type(exc).__name__ == "Failed":
-            raise type(exc)(f"{exc}\n{_walk_replay(kv_engine, oracle, check, neutral, plan)}") from None
+            raise _with_replay(exc, _walk_replay(kv_engine, oracle, check, neutral, plan)) from None
         raise
     finally:
         if on_coverage is not None:

@@ -4,13 +4,15 @@ Every ``generate()`` runs under a compile recorder (`recompiles.CompileRecorder`
 the call, how often compiled code matched its guards and ran, and how often a frame ran eagerly after its
 guards failed. So whether an engine runs compiled code is observed, not declared (suites/test_recompiles.py),
 and every check knows the calls the engine object served before it.
+
+Where the engine runs (the pytest process, or a process of its own) is its host (run/host.py): the engine under test
+asks the host for what differs (a call's timeout, what dynamo did, memory, the tensor census) and never which one it
+is.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
-import signal
 import threading
 import time
 import warnings
@@ -25,7 +27,7 @@ from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.engines.server import ServerEngine
 from pytest_kvcompile.errors import CallTimeout, EngineProcessDied
-from pytest_kvcompile.memory.measure import Held, held_by, live_tensor_bytes
+from pytest_kvcompile.memory.measure import Held
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.oracles.token_match import (
@@ -36,59 +38,14 @@ from pytest_kvcompile.oracles.token_match import (
     check_tokens,
     compared_rows,
 )
-from pytest_kvcompile.recompiles.recorder import CompileEvent, CompileRecorder, reset_dynamo
-from pytest_kvcompile.run.isolation import IsolatedEngine
+from pytest_kvcompile.recompiles.recorder import CompileEvent
+from pytest_kvcompile.run.host import Host, Observed, cuda_allocated, host_of
+from pytest_kvcompile.run.host import deadline as deadline  # defined in run/host.py, still importable from here
 from pytest_kvcompile.verdicts.failures import Where
 
 FRESH_ENGINE = "--kv-fresh-engine"
 CALL_TIMEOUT = "--kv-call-timeout"
 CONCURRENT_TIMEOUT_S = 300.0  # concurrent calls (`EngineUnderTest.concurrently`) without --kv-call-timeout
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Iterator[None]:
-    """Raise CallTimeout in this (main) thread after `seconds` (SIGALRM; 0: no limit). Interrupts Python code,
-    sleeps and lock waits; not C code that never returns to the interpreter (isolate such engines)."""
-    usable = seconds > 0 and hasattr(signal, "SIGALRM") and threading.current_thread() is threading.main_thread()
-    outer = signal.getitimer(signal.ITIMER_REAL) if usable else (0.0, 0.0)
-    previous = signal.getsignal(signal.SIGALRM) if usable else None
-    # an outer timer due first (pytest-timeout's signal method, an enclosing deadline) keeps the alarm to itself;
-    # a handler installed from C cannot be restored: leave both alone
-    if not usable or previous is None or (outer[0] and outer[0] <= seconds):
-        yield
-        return
-
-    def expire(signum: int, frame: Any) -> None:
-        raise CallTimeout(seconds)
-
-    started = time.monotonic()
-    signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer[0]:  # re-arm the outer timer with what it had left
-            signal.setitimer(signal.ITIMER_REAL, max(outer[0] - (time.monotonic() - started), 1e-3), outer[1])
-
-
-def cuda_allocated(device: str) -> int | None:
-    """torch.cuda.memory_allocated() of `device` after a synchronize, without cuBLAS workspaces, or None off CUDA.
-
-    cuBLAS keeps a workspace per (handle, stream) in the caching allocator (32 MiB each on Hopper), made by
-    whichever code runs the first matmul on a stream: process state, not an engine's. They are cleared
-    before reading, as torch's own CUDA leak check does (`recompiles.hooks.clear_cublas_workspaces`); a graph
-    captured with one keeps it in its private pool, which still counts."""
-    import torch
-
-    from pytest_kvcompile.recompiles.hooks import clear_cublas_workspaces
-
-    if torch.device(device).type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    clear_cublas_workspaces()
-    return torch.cuda.memory_allocated(device)
 
 
 @dataclass(frozen=True)
@@ -133,6 +90,12 @@ class EngineUnderTest:
     broken: str | None = None  # why this engine object must not serve another test (a call timed out, its process died)
     excluded: tuple[int, ...] = ()  # ids it declares it never emits on this model (Declaration.never_emits)
     noise: Any = None  # oracles.precision.Noise its verdict numbers were measured from (16-bit, a KV stored lower)
+    #: where the engine runs (run/host.py); without one, the host of `engine` (in process unless it is a proxy)
+    host: Host = field(default=None, repr=False)  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.host is None:
+            self.host = host_of(self.engine)
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' on model '{self.spec.name}'>"
@@ -152,26 +115,21 @@ class EngineUnderTest:
         """engine.generate over these prompts (one call), validated and recorded in `history`."""
         n = max_new_tokens or self.max_new_tokens
         outside = self.outside_bounds([len(p) for p in prompts], n)
-        recorder = CompileRecorder()
         started = time.perf_counter()
         allocated = cuda_allocated(self.spec.device)
         call = Call(tuple(len(p) for p in prompts), n)
+        seen = None
         try:
-            with recorder, self._guarded(call):
+            with self.host.observing() as seen, self._guarded(call):  # dynamo here and where the engine runs
                 return engine_io.generate(self.ref, self.engine, [p.ids for p in prompts], n, self.spec.vocab_size,
                                           outside=outside)
         finally:
             if allocated is not None and self.cuda_grown is not None:
                 self.cuda_grown += cuda_allocated(self.spec.device) - allocated
-            hits, eager = recorder.guards
-            events, captures = tuple(recorder.events), tuple(recorder.captures)
-            remote = getattr(self.engine, "observed", None) if self.isolated else None
-            if remote:  # what dynamo did in the isolated engine's process during this call
-                events, hits, eager, captures = events + remote[0], hits + remote[1], eager + remote[2], \
-                    captures + remote[3]
-            self.history.append(Call(call.lengths, n, events, hits, eager, captures))
-            if events:
-                self.progress(f"{self.name} / {self.spec.name}: {self.history[-1]} compiled {len(events)} "
+            seen = seen or Observed()  # (the recorder itself failed to start)
+            self.history.append(Call(call.lengths, n, seen.compiles, seen.guard_hits, seen.eager_runs, seen.captures))
+            if seen.compiles:
+                self.progress(f"{self.name} / {self.spec.name}: {self.history[-1]} compiled {len(seen.compiles)} "
                               f"frame(s), {time.perf_counter() - started:.1f} s")
 
     @contextlib.contextmanager
@@ -220,14 +178,13 @@ class EngineUnderTest:
         self.on_call(self.name, self.spec.name, f"{len(calls)} concurrent calls: {'; '.join(shown)}", len(self.history))
         threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"kvcompile-call-{i}")
                    for i in range(len(calls))]
-        recorder = CompileRecorder()
         deadline = time.monotonic() + limit
-        with recorder:
+        with self.host.observing() as seen:
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
-        events = tuple(recorder.events)
+        events = seen.compiles
         self.history += [Call(tuple(len(p) for p in call), n, events if i == 0 else ()) for i, call in enumerate(calls)]
         hung = [i for i, thread in enumerate(threads) if thread.is_alive()]
         if hung:
@@ -254,16 +211,14 @@ class EngineUnderTest:
 
     @property
     def isolated(self) -> bool:
-        """The engine runs in a process of its own (run/isolation.py)."""
-        return isinstance(self.engine, IsolatedEngine)
+        """The engine runs in a process of its own (run/isolation.py), read-only; the package asks its `host` for
+        what differs instead."""
+        return self.host.isolated
 
     def reset_dynamo(self) -> None:
         """A fresh dynamo where the engine compiles (recompiles.recorder.reset_dynamo, in its process if isolated),
         so its compiles are counted from scratch."""
-        if self.isolated:
-            self._remote("reset")
-        else:
-            reset_dynamo()
+        self._hosted(self.host.reset_dynamo)
 
     def isolate_compiles(self) -> None:
         """Deprecated: `reset_dynamo` ("isolate" is the engine's own process, --kv-isolate)."""
@@ -273,12 +228,12 @@ class EngineUnderTest:
 
     @contextlib.contextmanager
     def _guarded(self, call: Any) -> Iterator[None]:
-        """--kv-call-timeout for an in-process call, and a dead isolated process: fail the test, mark this object
-        broken (the next test builds the engine anew)."""
+        """--kv-call-timeout as the host enforces it (SIGALRM in process; an isolated engine's proxy kills its
+        process), and a dead engine: fail the test, mark this object broken (the next test builds the engine anew)."""
         __tracebackhide__ = True
         self.on_call(self.name, self.spec.name, str(call), len(self.history))
         try:
-            with deadline(0 if self.isolated else self.call_timeout):
+            with self.host.bounded(self.call_timeout):
                 yield
         except CallTimeout:
             self.broken = (f"engine '{self.name}' on model '{self.spec.name}': {call} did not return within "
@@ -288,19 +243,20 @@ class EngineUnderTest:
                         f"{CALL_TIMEOUT}; if it hangs inside C code, isolate the engine (--kv-isolate={self.name})",
                         pytrace=False)
         except pytest.fail.Exception:
-            if self.isolated and getattr(self.engine, "dead", None):
-                self.broken = self.engine.dead
+            if self.host.dead:
+                self.broken = self.host.dead
             raise
 
     def held(self) -> Held:
         """memory.measure.held_by of the engine object, measured where the engine lives."""
-        return self._remote("held") if self.isolated else held_by(self.engine)
+        return self._hosted(self.host.held)
 
-    def _remote(self, what: str) -> Any:
-        """A measurement in the isolated engine's process; its death fails the test with the engine's message."""
+    def _hosted(self, what: Callable[[], Any]) -> Any:
+        """A measurement or reset where the engine lives; the death of its process fails the test with the engine's
+        message."""
         __tracebackhide__ = True
         try:
-            return self.engine.remote(what)
+            return what()
         except EngineProcessDied as exc:
             self.broken = str(exc)
             pytest.fail(str(exc), pytrace=False)
@@ -309,20 +265,11 @@ class EngineUnderTest:
     def tensor_census(self) -> Iterator[Callable[[], int]]:
         """A census of live tensors created from here on (memory.measure.live_tensor_bytes after gc.freeze()), taken
         in the engine's process."""
-        if self.isolated:
-            self._remote("freeze")
-            try:
-                yield lambda: self._remote("live")
-            finally:
-                if not self.broken and not self.engine.dead:
-                    self._remote("unfreeze")
-            return
-        gc.collect()
-        gc.freeze()
+        self._hosted(self.host.freeze)
         try:
-            yield live_tensor_bytes
+            yield lambda: self._hosted(self.host.live_tensor_bytes)
         finally:
-            gc.unfreeze()
+            self._hosted(self.host.unfreeze)
 
     def served(self, before: int | None = None) -> str:
         """What this engine object served before call number `before` (default: all), for failure messages."""
@@ -442,7 +389,7 @@ class EngineUnderTest:
             try:
                 rows = self.engine.teacher_forced(prompt.ids, got)
             except EngineProcessDied as exc:
-                self.broken = getattr(self.engine, "dead", None)
+                self.broken = self.host.dead
                 pytest.fail(str(exc), pytrace=False)
         if rows is None:
             return None

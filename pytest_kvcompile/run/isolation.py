@@ -55,7 +55,8 @@ def _signal_name(returncode: int) -> str:
 
 class IsolatedEngine:
     """The parent's handle on an engine built in a child process; quacks like the engine (generate, score,
-    kv_cache_bytes) and answers `remote()` for measurements taken where the engine lives."""
+    kv_cache_bytes) and answers `remote()` for measurements taken where the engine lives. Only its host uses the
+    rest (run/host.py: Subprocess: `observed`, `last_ms`, `dead`, `proc`, `close`)."""
 
     def __init__(self, name: str, target: str, source: str, spec: Any, compile_backend: str,
                  timeout: float | None) -> None:
@@ -109,6 +110,7 @@ class IsolatedEngine:
 
     observed: tuple[tuple, int, int, tuple] = ((), 0, 0, ())  # the last call's (compiles, hits, eager runs, captures)
     last_ms: float | None = None  # the last generate()'s wall time in the engine's process (latency/measure.py)
+    closed = False  # close() ran
 
     # --- the pipe -------------------------------------------------------------------------------------------------
     def _ask(self, request: tuple, what: str, timeout: float | None | str = "call") -> Any:
@@ -203,7 +205,11 @@ class IsolatedEngine:
 
     def close(self) -> None:
         """End the child: EOF on its stdin, then a kill of its whole session (what it forked too) if it does not
-        leave within 5 s, or at once when it is dead or stuck."""
+        leave within 5 s, or at once when it is dead or stuck. Once: a later close() (its host's on a rebuild, the
+        one at exit) does nothing, so no signal can reach a process that took over the pid."""
+        if self.closed:
+            return
+        self.closed = True
         if self.proc.poll() is None:
             try:
                 self.proc.stdin.close()

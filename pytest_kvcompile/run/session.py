@@ -37,9 +37,9 @@ from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
 from pytest_kvcompile.oracles.store import StoredOracle
 from pytest_kvcompile.recompiles.hooks import import_inductor_quietly
-from pytest_kvcompile.recompiles.recorder import CompileRecorder, reset_dynamo
-from pytest_kvcompile.run.harness import EngineUnderTest, cuda_allocated
-from pytest_kvcompile.run.isolation import IsolatedEngine
+from pytest_kvcompile.recompiles.recorder import reset_dynamo
+from pytest_kvcompile.run import host as hosts
+from pytest_kvcompile.run.harness import EngineUnderTest
 from pytest_kvcompile.verdicts.rows import Collector
 
 SERVED_PROBE = (1, 7, 23)  # prompt lengths a user's server answers before anything is judged (Session._check_served)
@@ -57,7 +57,7 @@ class Session:
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _built: dict[tuple[str, str], EngineUnderTest | NotApplicable | str] = field(default_factory=dict)
     _oracles: dict[tuple[str, str], Any] = field(default_factory=dict)
-    _rules: dict[str | tuple[str, str], Any] = field(default_factory=dict)  # model, or (model, kv_dtype)
+    _rules: dict[str | tuple[str, str], Any] = field(default_factory=dict)  # model, or (model, kv_cache_dtype)
     #: engine NAME -> its oracle as resolved at start-up (oracles/engine.py: Choice); absent: hf
     oracles: dict[str, Any] = field(default_factory=dict)
 
@@ -99,12 +99,11 @@ class Session:
                 raise NotApplicable(built.msg)
             if isinstance(built, str):
                 pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
-            broken = built.broken or getattr(built.engine, "dead", None)  # a call timed out, its process died
+            broken = built.broken or built.host.dead  # a call timed out, its process died, its server is gone
             if not broken:
                 return built
             self.progress(f"{name} / {model}: building it anew ({broken.splitlines()[0]})")
-            if built.server:  # a managed server that hung is stopped now, not when the object is collected
-                built.engine.close()
+            built.host.close()  # a managed server that hung is stopped now, not when the object is collected
         self._built[key] = f"engine '{name}' failed to build for model '{model}' in an earlier test"
         try:
             self._built[key] = self.fresh_engine(name, model)
@@ -135,40 +134,27 @@ class Session:
             reset_dynamo()  # a fresh dynamo per compiled engine: no shared cache entries or recompile limit
             if self.settings.compile_backend == "inductor":
                 import_inductor_quietly()  # before the engine's first compile imports it, warning about torch
-        recorder = CompileRecorder()
         self.on_call(name, model, f"its factory {ref.target}(ModelSpec(name='{model}', ...))", 0)
-        allocated_before = cuda_allocated(spec.device)
         started = time.perf_counter()
-        isolated = self.settings.isolated(name, ref.declaration.isolated, ref.source == "built-in")
-        with recorder:  # engines that compile up front (vLLM) do it here
-            if isolated:  # built in a process of its own, which reports what dynamo did there
-                instance = IsolatedEngine(ref.name, ref.target, ref.source, spec, self.settings.compile_backend,
-                                          self.settings.call_timeout)
-            else:
-                instance = engine_io.build(ref, spec, self.settings.compile_backend)
-        build_compiles, build_captures = tuple(recorder.events), tuple(recorder.captures)
-        if isolated:
-            build_compiles, build_captures = instance.build_compiles, instance.build_captures
-            allocated_before = None  # its CUDA allocations are another process's
+        # where it runs: here, or a process of its own reporting what dynamo did there (run/host.py)
+        host = hosts.build(ref, spec, self.settings.compile_backend, self.settings.call_timeout,
+                           self.settings.isolated(name, ref.declaration.isolated, ref.source == "built-in"))
         seconds = time.perf_counter() - started
-        compiled = f", {len(build_compiles)} compile(s)" if build_compiles else ""
-        where = f" in process {instance.proc.pid}" if isolated else ""
-        self.progress(f"{name} / {model}: built in {seconds:.1f} s{where}{compiled}")
+        compiled = f", {len(host.build_compiles)} compile(s)" if host.build_compiles else ""
+        self.progress(f"{name} / {model}: built in {seconds:.1f} s{host.where}{compiled}")
         self.collector.add(name, model, builds=1, build_s=round(seconds, 3), versions=ref.versions())
-        after = cuda_allocated(spec.device)
-        grown = None if allocated_before is None else after - allocated_before
-        settings, rules = self.settings, self._engine_rules(model, ref.declaration.kv_dtype)
+        settings, rules = self.settings, self._engine_rules(model, ref.declaration.kv_cache_dtype)
         if rules.noise is not None:
             self.collector.add(name, model, noise=rules.noise.to_dict())
             stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
             if not isinstance(stored, str) and stored.score_noise is not None:
                 self.collector.add(name, model, eviction_noise=stored.score_noise.to_dict())
         built = EngineUnderTest(
-            ref, spec, instance, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
-            build_compiles=build_compiles, build_captures=build_captures, call_timeout=settings.call_timeout,
+            ref, spec, host.engine, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
+            build_compiles=host.build_compiles, build_captures=host.build_captures, call_timeout=settings.call_timeout,
             max_near_ties=rules.max_near_ties, score_tolerance=rules.score_tolerance,
-            cuda_grown=grown, progress=self.progress, on_call=self.on_call, excluded=tuple(sorted(excluded)),
-            noise=rules.noise,
+            cuda_grown=host.cuda_grown, progress=self.progress, on_call=self.on_call, excluded=tuple(sorted(excluded)),
+            noise=rules.noise, host=host,
         )
         if ref.source == SERVER_SOURCE:
             self._check_served(built)
@@ -197,7 +183,8 @@ class Session:
                                     engine.top_logprobs(prompt.ids, got) if built.server else None)
             bad = verdict.mismatch
             if bad is not None and bad.step == 0:
-                served = engine.served.describe() if built.server else "(not asked: the engine runs isolated)"
+                served = f"(not asked: {built.host.unreachable})" if built.host.unreachable else \
+                    engine.served.describe()
                 gap = f" by a logit gap of {bad.gap:.4g}" if reference.scored else ""
                 pytest.fail(
                     f"engine '{name}' does not serve model '{model}' ({built.spec.path}): a probe prompt of length "
@@ -217,15 +204,15 @@ class Session:
             found = self._stored(strategy, model, f"engine '{name}'")
         if isinstance(found, str):
             raise NotApplicable(found + " (the oracle-free checks still run)")
-        kv_dtype = self.engines[name].declaration.kv_dtype
-        if kv_dtype is not None:
-            noise = self.rules(model, kv_dtype).noise
+        kv_cache_dtype = self.engines[name].declaration.kv_cache_dtype
+        if kv_cache_dtype is not None:
+            noise = self.rules(model, kv_cache_dtype).noise
             if noise.flip_rate_bound >= precision.VACUOUS_FLIP_RATE:
                 raise Unjudgeable(
-                    f"engine '{name}' stores K and V as {kv_dtype} (Declaration.kv_dtype): on model '{model}' that "
-                    f"alone changes the model's greedy choice at {noise.flip_rate:.0%} of positions (bound "
-                    f"{noise.flip_rate_bound:.0%}), so no token check can tell a bug from it (the oracle-free checks "
-                    "still run; with no token verified the engine fails as vacuous on this model)")
+                    f"engine '{name}' stores K and V as {kv_cache_dtype} (Declaration.kv_cache_dtype): on model "
+                    f"'{model}' that alone changes the model's greedy choice at {noise.flip_rate:.0%} of positions "
+                    f"(bound {noise.flip_rate_bound:.0%}), so no token check can tell a bug from it (the oracle-free "
+                    "checks still run; with no token verified the engine fails as vacuous on this model)")
         return found
 
     def _engine_oracle(self, choice: Any, strategy: Strategy, model: str) -> StoredOracle | str:
@@ -279,27 +266,27 @@ class Session:
                     stored.measure_score_noise(spec)
         return self._oracles[key]
 
-    def _engine_rules(self, model: str, kv_dtype: str | None) -> precision.Rules:
-        """The engine's verdict numbers: with a kv_dtype whose noise cannot be measured on this model (no transformers
-        oracle), the model's own, which are stricter (its token checks then skip, named: `oracle`)."""
+    def _engine_rules(self, model: str, kv_cache_dtype: str | None) -> precision.Rules:
+        """The engine's verdict numbers: with a kv_cache_dtype whose noise cannot be measured on this model (no
+        transformers oracle), the model's own, which are stricter (its token checks then skip, named: `oracle`)."""
         try:
-            return self.rules(model, kv_dtype)
+            return self.rules(model, kv_cache_dtype)
         except NotApplicable:
-            if kv_dtype is None:
+            if kv_cache_dtype is None:
                 raise
             return self.rules(model)
 
-    def rules(self, model: str, kv_dtype: str | None = None) -> precision.Rules:
+    def rules(self, model: str, kv_cache_dtype: str | None = None) -> precision.Rules:
         """The verdict numbers on `model`: the options' values, and for 16-bit 'auto' ones the model's measured
-        noise (oracles/precision.py); for an engine storing its KV cache as `kv_dtype` (Declaration.kv_dtype), the
+        noise (oracles/precision.py); for an engine storing its KV cache as `kv_cache_dtype` (Declaration's), the
         larger of those and the stored KV's measured noise."""
-        if kv_dtype is not None:
-            key = (model, kv_dtype)
+        if kv_cache_dtype is not None:
+            key = (model, kv_cache_dtype)
             if key not in self._rules:
-                truth = self._stored(Strategy(), model, f"the noise of a KV cache stored as {kv_dtype}")
+                truth = self._stored(Strategy(), model, f"the noise of a KV cache stored as {kv_cache_dtype}")
                 if isinstance(truth, str):
                     raise NotApplicable(truth)
-                kv = truth.kv_noise(self.spec(model), kv_dtype)
+                kv = truth.kv_noise(self.spec(model), kv_cache_dtype)
                 self.progress(f"{model}: {kv.describe()}")
                 self._rules[key] = self.rules(model).with_kv(kv, self.settings.max_new_tokens)
             return self._rules[key]
