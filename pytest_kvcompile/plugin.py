@@ -139,7 +139,9 @@ class Run:
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         for message in self.deprecated_findings:  # in collection's warning capture: shown in the warnings summary
             warnings.warn(pytest.PytestDeprecationWarning(message), stacklevel=1)
-        stale = _known_findings(self.findings, items)
+        from pytest_kvcompile.models.zoo import ZOO
+
+        stale = _known_findings(self.findings, items, set(ZOO) | set(self.session.models))
         found = config.stash.get(reports.PLUGIN, None)
         if found is not None:
             found.stale_findings = stale
@@ -323,15 +325,21 @@ def expected_failure(findings: list[KnownFinding], params: dict[str, Any]) -> ty
     return _AbsorbsMeta("KnownFailure", (BaseException,), {"findings": tuple(findings), "params": dict(params)})
 
 
-def _known_findings(findings: list[tuple[str, KnownFinding]], items: list[pytest.Item]) -> list[str]:
+def _known_findings(findings: list[tuple[str, KnownFinding]], items: list[pytest.Item],
+                    models: set[str] = frozenset()) -> list[str]:
     """Mark each test covered by known findings as one strict xfail that absorbs only a failure one of them names
     (any other failure still fails; a pass is XPASS(strict)). Returns the stale ones by rule (a): a finding whose
     check was collected for its engine and models (before -k deselects) but none of whose tests is in its scope (a
-    renamed test or prompt); a finding whose check or models this run did not collect is not judged. Rule (b),
-    tests that ran and none failed its way: `Run.pytest_sessionfinish`."""
+    renamed test or prompt), or one naming a model that is none of `models` (the zoo's and the run's: a renamed model);
+    a finding whose check or models this run did not collect is not judged. Rule (b), tests that ran and none failed
+    its way: `Run.pytest_sessionfinish`."""
     stale, covering = [], {}
     for engine, finding in findings:
         name = f"{engine}: {finding.label}: {finding.reason}"
+        unknown = [m for m in finding.models if models and m not in models]
+        if unknown:
+            stale.append(f"{engine}: {finding.label} names model(s) {', '.join(unknown)}, which neither the zoo nor "
+                         f"this run has (renamed model?): {finding.reason}")
         collected = matched = 0
         for item in items:
             callspec = getattr(item, "callspec", None)

@@ -25,6 +25,8 @@ def test_before_4_56_models_load_with_torch_dtype_and_caches_without_a_config(ol
     assert type(checkpoints.dynamic_cache(object())) is DynamicCache  # no config: a 4.x DynamicCache takes none
 
 
+# the 4.x path passes past_key_values=, which the installed 5.x still takes with a FutureWarning: expected here
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 @pytest.mark.parametrize("name", ["llama", "mistral-sw", "gemma3-hybrid"])
 def test_the_cacheless_oracle_of_old_releases_equals_the_cached_one(name, zoo_cache, monkeypatch):
     path = zoo.checkpoint(name, zoo_cache)

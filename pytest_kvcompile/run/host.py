@@ -10,7 +10,7 @@
 
 Everything that differs between the two lives here and in run/isolation.py: the engine under test
 (run/harness.py: EngineUnderTest), the session, the latency rule and the suites use a host's methods and never ask
-which host an engine has (tests/test_structure.py checks it).
+which host an engine has (tests/test_host.py checks it).
 """
 
 from __future__ import annotations
