@@ -135,13 +135,17 @@ class Run:
         elif "kv_model_name" in names:
             metafunc.parametrize("kv_model_name", list(self.session.models), scope="session")
 
+    def _model_names(self) -> set[str]:
+        """Every model a known finding may name: the zoo's and this run's (imports the zoo: only with findings)."""
+        from pytest_kvcompile.models.zoo import ZOO
+
+        return set(ZOO) | set(self.session.models)
+
     @pytest.hookimpl(tryfirst=True)
     def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
         for message in self.deprecated_findings:  # in collection's warning capture: shown in the warnings summary
             warnings.warn(pytest.PytestDeprecationWarning(message), stacklevel=1)
-        from pytest_kvcompile.models.zoo import ZOO
-
-        stale = _known_findings(self.findings, items, set(ZOO) | set(self.session.models))
+        stale = _known_findings(self.findings, items, self._model_names() if self.findings else set())
         found = config.stash.get(reports.PLUGIN, None)
         if found is not None:
             found.stale_findings = stale
