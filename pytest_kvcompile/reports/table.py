@@ -5,17 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from pytest_kvcompile.verdicts.failures import Problem
-from pytest_kvcompile.verdicts.rows import Outcomes, Row, Stats
+from pytest_kvcompile.verdicts.rows import Outcomes, Row
 
 REFERENCE_ENGINE = "hf-eager"  # latency ratios are given against it when it ran on the same model, device, dtype
 HEADERS = ("engine", "model", "device", "tests", "tokens identical", "near ties", "compiles (build / warmup / after)",
            "KV bytes (expected / measured)", "prefill ms (p90)", "decode ms/token (p90)", "tokens/s",
            f"x {REFERENCE_ENGINE} (prefill / decode)")
-
-
-def latency_stats(row: Row) -> tuple[Stats, Stats] | None:
-    """(prefill, decode) median/p90 of a row, or None when not measured."""
-    return (row.latency.prefill, row.latency.decode) if row.latency else None
 
 
 def tokens_per_s(row: Row) -> float | None:

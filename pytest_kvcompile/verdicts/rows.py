@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 
@@ -129,8 +129,6 @@ def _is(value: Any, types: tuple[type, ...]) -> bool:
 
 class Record:
     """A dataclass of the results: merged, written and read field by field from each field's `rule`."""
-
-    DERIVED: ClassVar[tuple[str, ...]] = ()  # keys written for readers' convenience, recomputed on read
 
     def merge(self, other: Record) -> None:
         """Fold `other` (same type) into this record, each field by its rule."""
@@ -394,8 +392,6 @@ class Timings(Record):
     """Latency samples of one protocol (latency/measure.py): every timed repeat's prefill ms and decode ms per
     token. The JSON also carries their median/p90 and tokens/s (derived, recomputed on read)."""
 
-    DERIVED: ClassVar[tuple[str, ...]] = ("prefill", "decode", "tokens_per_s")
-
     prompt_len: int = rule(None, 0, types=INT, required=True)
     decode_tokens: int = rule(None, 0, types=INT, required=True)
     timer: str = rule(None, "", types=TEXT, required=True)
@@ -580,15 +576,6 @@ def new_row(engine: str, model: str, device: str, dtype: str, **fields: Any) -> 
         unknown = sorted(set(fields) - set(known))
         raise TypeError(f"not fields of a results row: {unknown}; the fields are {', '.join(known)} "
                         "(verdicts/rows.py: Row)") from None
-
-
-def row_key(row: Row) -> tuple[str, str, str, str]:
-    return row.key
-
-
-def merge_row(into: Row, row: Row) -> None:
-    """Fold `row` into `into` (same key)."""
-    into.merge(row)
 
 
 # --- the run, the live status, the file ------------------------------------------------------------------------------
