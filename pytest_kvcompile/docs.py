@@ -204,10 +204,16 @@ def ci_timings(timings: str | None = None) -> dict[str, str]:
     text = (ROOT / ".ci" / "timings").read_text() if timings is None else timings
     found = {}
     for line in text.splitlines():
-        if line and not line.startswith("#") and "\t" in line:
+        if line and not line.startswith(("#", "slowest\t")) and "\t" in line:
             name, seconds = line.split("\t", 1)
             found[name] = seconds.strip()
     return found
+
+
+def ci_slowest(timings: str | None = None) -> list[tuple[str, str, str]]:
+    """(job, seconds, test) of the slowest tests `.ci/timings` recorded per test job (`.ci/slowest`'s lines)."""
+    text = (ROOT / ".ci" / "timings").read_text() if timings is None else timings
+    return [tuple(line.split("\t")[1:4]) for line in text.splitlines() if line.startswith("slowest\t")]
 
 
 def ci_table(run: str | None = None, timings: str | None = None) -> str:
@@ -219,7 +225,14 @@ def ci_table(run: str | None = None, timings: str | None = None) -> str:
     minutes = f" (about {round(int(total) / 60)} min)" if total.isdigit() else ""
     rows.append(("**total**", "", f"**{total}**{minutes}"))
     note = " ".join(line.lstrip("#").strip() for line in text.splitlines() if line.startswith("#"))
-    return _table(("job", "what it runs", "seconds"), rows, right=(2,)) + f"\n\nThe record: {_cell(note)}"
+    out = _table(("job", "what it runs", "seconds"), rows, right=(2,)) + f"\n\nThe record: {_cell(note)}"
+    slowest = ci_slowest(text)
+    if slowest:
+        out += ("\n\nThe slowest tests of each test job in that run (seconds of the test itself; the jobs run two "
+                "xdist workers, so a job takes about half the sum of its tests):\n\n"
+                + _table(("job", "test", "seconds"), [(f"`{job}`", f"`{test}`", seconds)
+                                                      for job, seconds, test in slowest], right=(2,)))
+    return out
 
 
 def schema_table() -> str:

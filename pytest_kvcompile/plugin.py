@@ -21,6 +21,7 @@ import pytest
 
 from pytest_kvcompile import reports
 from pytest_kvcompile.config import markers, options
+from pytest_kvcompile.config.profiles import PROFILES
 from pytest_kvcompile.config.tolerances import MEASURED_DTYPES
 from pytest_kvcompile.contract.findings import ENGINE_PARAM, LINE_EXAMPLE, KnownFinding, legacy_line
 from pytest_kvcompile.latency import marker as latency_marker
@@ -155,6 +156,15 @@ class Run:
             if fuzzing:
                 config.hook.pytest_deselected(items=fuzzing)
                 items[:] = [i for i in items if i not in fuzzing]
+        profile = PROFILES[self.settings.profile]
+        if profile.name != "full":  # a smaller profile (--kv-profile): deselected, and named in the summary
+            engine_tests = [i for i in items if "kv_engine_name" in getattr(getattr(i, "callspec", None), "params", {})]
+            left = [i for i in engine_tests if not (profile.runs(getattr(i, "originalname", i.name))
+                                                    and profile.runs_prompt(i.callspec.params.get("kv_prompt_name")))]
+            if left:
+                config.hook.pytest_deselected(items=left)
+                items[:] = [i for i in items if i not in left]
+            self.profile_left = len(left)
         if self.settings.dtype not in MEASURED_DTYPES:  # constant rules (float32): no measured rate to power
             constant = [i for i in items if getattr(i, "originalname", "") == "test_near_tie_rate"
                         and "kv_engine" in i.fixturenames and not getattr(self.declaration(i), "kv_cache_dtype", None)]
@@ -181,6 +191,25 @@ class Run:
                                                      and finding.matches(error, params))]
                                          for line, finding in found]
         return report
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        """A profile smaller than 'full' (--kv-profile) names what it left out: never a silent pass."""
+        profile = PROFILES[self.settings.profile]
+        if profile.name == "full":
+            return
+        out = [f"the profile '{profile.name}' ran {profile.description}"]
+        if profile.keeps is not None:
+            out.append("checks left out: every other one")
+        else:
+            out.append(f"checks left out: {', '.join(profile.leaves_out)}")
+        if profile.prompts is not None:
+            out.append(f"prompts left out: all but {', '.join(profile.prompts)} (batches as they are)")
+        count = getattr(self, "profile_left", None)
+        out.append((f"{count} test(s) deselected; " if count is not None else "")
+                   + f"the complete run: {options.PROFILE}=full (the default)")
+        terminalreporter.write_sep("-", f"kvcompile: profile '{profile.name}' (a smaller run than 'full')")
+        for line in out:
+            terminalreporter.write_line(line)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         for line, absorbed in getattr(report, "kvcompile_findings", None) or ():

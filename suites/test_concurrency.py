@@ -9,7 +9,9 @@ report says per round how many responses were identical, within near ties, or wr
 engine's own timeout and --kv-call-timeout (else 300 s), loopback only for servers.
 
 It runs on servers (engines/server.py) and on in-process engines declaring ``thread_safe=True``; any other engine is a
-named skip. tests/test_servers.py shows it failing on servers whose answers change under concurrency."""
+named skip. A server's cap on requests at once (``?max_concurrency=N`` in its URL) bounds the rounds: those larger
+are not sent, and the summary names them. tests/test_servers.py shows it failing on servers whose answers change
+under concurrency."""
 
 import pytest
 
@@ -58,8 +60,14 @@ def test_concurrent_requests(concurrent_engine, kv_oracle, kv_check_tokens, kv_r
     longest = min(LONGEST, limit - n) if limit else LONGEST
     target = Prompt(f"target{TARGET}", of_length(TARGET, spec.vocab_size, salt=50).ids)
     others = _others(spec.vocab_size, longest, max(ROUNDS) - 1)
-    rounds = [("alone", [target])] + [(f"N={size}", [target, *others[:size - 1]]) for size in ROUNDS]
-    rounds.append((f"warm N={max(ROUNDS)}", rounds[-1][1]))
+    cap = getattr(getattr(kv_engine.engine, "limits", None), "max_concurrency", None)  # a server's ?max_concurrency
+    sizes = [size for size in ROUNDS if cap is None or size <= cap]
+    left_out = [size for size in ROUNDS if size not in sizes]
+    if not sizes:
+        pytest.skip(f"engine '{kv_engine.name}' allows {cap} request(s) at once (?max_concurrency={cap} in its URL): "
+                    f"no round of {', '.join(map(str, ROUNDS))} concurrent requests fits under that cap")
+    rounds = [("alone", [target])] + [(f"N={size}", [target, *others[:size - 1]]) for size in sizes]
+    rounds.append((f"warm N={max(sizes)}", rounds[-1][1]))
     counts: dict[str, Round] = {}
     first: TokenMismatch | None = None
     alone = None
@@ -85,6 +93,9 @@ def test_concurrent_requests(concurrent_engine, kv_oracle, kv_check_tokens, kv_r
             else:
                 tally.identical += 1
     table = concurrency_line(counts)
+    if left_out:
+        table += (f"; rounds N={', N='.join(map(str, left_out))} not sent (the server allows {cap} request(s) at "
+                  f"once: ?max_concurrency={cap})")
     kv_record("concurrency (responses per round: identical, within near ties, wrong)",
               f"{kv_engine.name} / {spec.name}: {table}", concurrency=counts)
     if first is not None:

@@ -33,7 +33,8 @@ from pytest_kvcompile.verdicts.failures import Kind, fail
 from pytest_kvcompile.verdicts.rows import KVBytes, LayerBytes
 
 WARMUP_CALLS, REPEATS = 1, 3
-MAX_CALLS = 64  # calls to offer a declared PrefixCache more than its capacity
+MAX_CALLS = 96  # calls to offer a declared PrefixCache PREFIX_OFFERED x its capacity
+PREFIX_OFFERED = 2  # distinct prompt positions offered to a declared PrefixCache, in capacities, before it must plateau
 HELD_FACTOR, HELD_SLACK = 1.5, 64 * 1024
 
 #: A declared KVLayout's footprint is computed from a transformers config (layers, KV heads, head_dim, windows).
@@ -230,20 +231,21 @@ def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
     before the first call are frozen out of the census (gc.freeze()), which makes it cheap; tensors created since
     are what can grow.
 
-    A declared `PrefixCache` grows by design: the calls go on until they have offered more positions than its
-    capacity_tokens (at most MAX_CALLS), and then it must stop growing (the REPEATS calls after that) and never hold
-    more than its capacity allows (`_prefix_bound`), kv_cache_bytes() included."""
+    A declared `PrefixCache` grows by design: the calls go on until they have offered PREFIX_OFFERED x its
+    capacity_tokens of distinct prompt positions alone (at most MAX_CALLS calls; a cache may keep prompts only, so
+    generated positions do not count), and then it must have stopped growing (a plateau over the REPEATS calls after
+    that) and never hold more than its capacity allows (`_prefix_bound`), kv_cache_bytes() included."""
     if not kv_engine.ref.declaration.kv_cache_bytes and kv_engine.held().weights == 0:
         pytest.skip(f"engine '{kv_engine.name}' holds no tensor visible from Python, not even its weights, and reports "
                     "no kv_cache_bytes(): its memory is native (a C/C++ runtime), which this census cannot see")
     base = _call(kv_engine, kv_prompts, kv_batch)
     prefix = kv_engine.ref.declaration.prefix_cache
-    offered = sum(len(p) + kv_engine.max_new_tokens - 1 for p in base)  # positions one call writes
-    fill = -(-prefix.capacity_tokens // offered) if prefix else 0
+    offered = sum(len(p) for p in base)  # distinct prompt positions one call offers (a cache may keep prompts only)
+    fill = -(-PREFIX_OFFERED * prefix.capacity_tokens // offered) if prefix else 0
     if WARMUP_CALLS + fill + REPEATS > MAX_CALLS:
-        pytest.skip(f"engine '{kv_engine.name}' declares {prefix}: offering more than its capacity takes {fill} calls "
-                    f"of {offered} positions, more than {MAX_CALLS}: build the engine with a smaller cache for the "
-                    "suite")
+        pytest.skip(f"engine '{kv_engine.name}' declares {prefix}: offering {PREFIX_OFFERED} x its capacity takes "
+                    f"{fill} calls of {offered} prompt positions, more than {MAX_CALLS}: build the engine with a "
+                    "smaller cache for the suite")
     vocab = kv_engine.spec.vocab_size
     calls = [[variant(p, vocab, salt=100 + i) for p in base] for i in range(WARMUP_CALLS + fill + REPEATS)]
     call = base
@@ -262,8 +264,8 @@ def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):
         if all(s > 0 for s in steps[-REPEATS:]) or (measure == "kv_cache_bytes()" and not prefix and any(steps)):
             problems.append(f"  {measure}: {format_bytes(values[0])} after {WARMUP_CALLS} warmup call(s), then "
                             f"{', '.join(f'{s:+,} B' for s in steps[-REPEATS:])} per call"
-                            + (f" (the last {REPEATS} of {len(steps)}, after {fill * offered:,} positions offered)"
-                               if prefix else ""))
+                            + (f" (the last {REPEATS} of {len(steps)}, after {fill * offered:,} distinct prompt "
+                               f"positions offered, {PREFIX_OFFERED} x its capacity_tokens)" if prefix else ""))
     if prefix:
         bound, why = _prefix_bound(kv_engine)
         problems += [f"  {measure}: {format_bytes(peak)} at its peak, over the {format_bytes(bound)} it may hold "

@@ -18,8 +18,10 @@ all; reject first at position j for every j < k (j = 0: reject all); alternate (
   (oracles/speculation.py: lookup_prompt), one per call and, with batching, all in one call;
 - with the engine's own drafts (`test_speculative_own_draft`: a draft model, prompt lookup), what they are.
 
-Every token is judged by the oracle (kv_check_tokens). An engine reporting ``acceptance()`` must have kept, at every
-step, exactly the drafts a correct engine keeps (a draft model may propose the runner-up at an oracle near tie), and its
+Every token is judged by the oracle (kv_check_tokens). An engine reporting ``acceptance()`` must account for every
+generated token exactly once under one convention of its own, decided by its first sequence (the prefill's token or
+not, then each step's accepted + 1: oracles/speculation.py `Convention`), and must have kept, at every step, exactly
+the drafts a correct engine keeps (a draft model may propose the runner-up at an oracle near tie), and its
 steps go to the reports; a speculative engine whose reported steps never accepted and rejected a draft fails the run
 as vacuous (verdicts/rows.py: run_problems). An engine declaring kv_cache_bytes and a kv_layout must hold, after each
 call, exactly the layout's bytes: rejected K/V rolled back.
@@ -37,6 +39,7 @@ from pytest_kvcompile.models.checkpoints import OwnConfig
 from pytest_kvcompile.models.drafts import head_swapped
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.speculation import (
+    Convention,
     DraftRow,
     LookupPrompt,
     ScheduledDrafter,
@@ -53,6 +56,8 @@ from pytest_kvcompile.oracles.speculation import (
 from pytest_kvcompile.verdicts.failures import Kind, Where, fail
 
 PROMPTS = (7, 48, 1)  # lengths of the model's prompts the single calls take in turn
+#: per engine and model, where its first verify step starts: decided by its first sequence, held in every later one
+CONVENTIONS: dict[tuple[str, str], Convention] = {}
 
 
 def _declared(kv_engine, kind: str | None = None):
@@ -107,6 +112,12 @@ class Calls:
             if steps is None:
                 continue
             self.steps += steps[i]
+            convention = CONVENTIONS.setdefault((engine.name, engine.spec.name), Convention())
+            broken = convention.check(steps[i], len(tokens), f"prompt '{prompt.name}'")
+            if broken:
+                wrong.append(f"  prompt '{prompt.name}': {broken}    ({where.describe()}); its steps (drafted, "
+                             f"accepted): {steps[i]}")
+                continue
             if rows is None:  # the engine's own drafts: its steps must still account for its tokens
                 found = unaccounted(steps[i], len(tokens))
             elif isinstance(rows[i], LookupPrompt):

@@ -56,15 +56,15 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def zoo_cache(tmp_path_factory) -> Path:
-    """One zoo checkpoint, oracle and noise cache for every pytester run of this test session: under xdist the
-    workers share it (its files are written to a temporary name and renamed, oracles/store.py and models/zoo.py), so
-    a 16-bit calibration or an oracle computed by one worker is read by the other."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the session's base directory, above each worker's own
-    path = root / "kv-zoo-cache"
-    path.mkdir(exist_ok=True)
+def zoo_cache() -> Path:
+    """The zoo checkpoints, the oracle's references and the 16-bit calibrations of every pytester run, kept on disk
+    beyond the session (issue 53): under $KVCOMPILE_CACHE_DIR where it is set (CI: one cache for every job), else
+    .kvcompile-cache/ in this checkout (git ignores it), so a second run, and every worker and pytester run of one,
+    reuses them. Entries are keyed by the torch and transformers versions and the hash of the code that computes them
+    (models/zoo.py: `code_hash`, oracles/store.py), so an edit never reads a stale one; files are written to a
+    temporary name and renamed (race-safe under xdist). A cold run: point KVCOMPILE_CACHE_DIR at an empty folder."""
+    path = Path(os.environ.get("KVCOMPILE_CACHE_DIR") or TESTS_DIR.parent / ".kvcompile-cache")
+    path.mkdir(parents=True, exist_ok=True)
     return path
 
 

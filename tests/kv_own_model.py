@@ -235,3 +235,12 @@ class TinyGPTNotEager(TinyGPT):
 
 if __name__ == "__main__":
     print(write_checkpoint(Path(sys.argv[1])))
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("TinyGPTWrongCompiled", "TinyGPTNoScoreWrongCompiled", "TinyGPTEagerScoreOffByOne",
+    "TinyGPTCounterpart", "TinyGPTNotEager")
+MUST_PASS = ("TinyGPT", "TinyGPTEager", "TinyGPTNoScore")
+MUST_SKIP = ("TinyGPTScoreOffByOne", "TinyGPTOffInFloat64", "TinyGPTEvicting", "TinyGPTLimited", "TinyGPTWithLayout")
+HELPERS = ("write_checkpoint", "KVCache", "Block", "TinyGPTModel")

@@ -257,3 +257,13 @@ class CudaOnly(Greedy):
 
 class BadDeclaration(Greedy):
     kv_declaration = {"batching": True}
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("WrongLateToken", "StaleCache", "PaddingBug", "Flaky", "SecondBest", "SecondBestBadScore",
+    "DeclaredCompiledButIsNot", "RecompilingGreedy", "LazyInitCompiled", "SharedStateGreedy", "RaisesInInit",
+    "RaisesInGenerate", "WrongCount", "FloatTokens", "OutOfVocab", "ReturnsTensor", "NoGenerate", "BadDeclaration")
+MUST_PASS = ("Greedy", "CompiledGreedy", "ThreadSafeGreedy", "Unbatched", "greedy_function")
+MUST_SKIP = ("CudaOnly",)
+HELPERS: tuple[str, ...] = ()

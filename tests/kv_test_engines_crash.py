@@ -121,3 +121,12 @@ class ForksThenSegfaults(Segfaults):
         if os.fork() == 0:
             time.sleep(3600)
             os._exit(0)
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("Segfaults", "Aborts", "Hangs", "SwallowsEverything", "AbortsOnThirdCall", "AbortsInProcess",
+    "HangsInC", "IsolatedRecompiling", "IsolatedStaleCache", "ForksThenSegfaults")
+MUST_PASS = ("IsolatedCompiled",)
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS: tuple[str, ...] = ()

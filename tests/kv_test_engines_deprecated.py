@@ -36,3 +36,11 @@ class OldCacheField(Greedy):
                 cache = out.past_key_values
                 rows.append(out.logits[0, -1])
         return tokens, torch.stack(rows)
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("OldCacheKeyword", "OldCacheField")
+MUST_PASS: tuple[str, ...] = ()
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS: tuple[str, ...] = ()

@@ -103,3 +103,11 @@ class TOVAEvictsTheMostAttended(TOVA):
     def __init__(self, spec):
         super().__init__(spec)
         self.policy = _Inverted(self.policy.budget)
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("H2OForgetsRecent", "StreamingLLMWithoutSinks", "TOVAEvictsTheMostAttended")
+MUST_PASS = ("LastRecent", "StreamingLLM", "H2O", "TOVA", "StreamingLLMShifted", "TOVANudged")
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS = ("tova_nudged",)

@@ -40,3 +40,11 @@ class ReexportsPerLength(Greedy):
         for length in {len(p) for p in prompts} - set(self.programs):
             self.programs[length] = _export(length)
         return super().generate(prompts, max_new_tokens)
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("ReexportsPerLength",)
+MUST_PASS = ("ExportsOnce",)
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS: tuple[str, ...] = ()

@@ -158,3 +158,13 @@ class WrongBatchOf2AfterLongRepeat(_WrongRightAfter):
 
     def on(self, rows, n, seen):
         return len(rows) == 2 and 32 <= min(map(len, rows)) <= 63
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("PaddingKeptPerBatchSize", "WrongSingleAfterBatchOf3", "RecompilesPastWarmupSteps",
+    "WrongBatchOf2AfterLongSingle", "WrongRepeatAfterBatchOf4", "WrongLongDecodeAfterShortRows",
+    "WrongShortSingleAfterLongDecode", "WrongBatchOf2AfterLongRepeat")
+MUST_PASS: tuple[str, ...] = ()
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS: tuple[str, ...] = ()

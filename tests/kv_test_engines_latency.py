@@ -53,3 +53,11 @@ class Opaque(Instant):
     """Holds nothing Python can see and reports nothing (a native runtime, as the memory checks see one)."""
 
     kv_declaration = Declaration(batching=True, description="test engine: no visible tensors, no reports")
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("Sleepy", "MemoSleepy")
+MUST_PASS = ("Instant",)
+MUST_SKIP = ("Opaque",)
+HELPERS: tuple[str, ...] = ()

@@ -51,3 +51,11 @@ class KeepsOutOfWindowKeys(DynamicBytes):
     def _run(self, prompt, steps, forced, cache=None):
         self.cache = DynamicCache()
         return Greedy._run(self, prompt, steps, forced, cache=self.cache)
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("NbytesNotStorage", "KeepsEveryCache", "KeepsOutOfWindowKeys")
+MUST_PASS = ("DynamicBytes",)
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS: tuple[str, ...] = ()

@@ -258,3 +258,12 @@ class LogitsDriftJustOutside(_LogitsDrift):
     """Wrong by the rule: one step in 2 moved (its score() rate twice the computations'). No token flips."""
 
     EVERY = 2
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("Float8Cache", "CoarserKVCache", "CoarserValues", "RopeAnglesInModelDtype", "AttentionScaleRounded",
+    "WrongHeadMapping", "FlipJustOutside", "LogitsDriftJustOutside")
+MUST_PASS = ("ChunkedPrefill", "LeftPaddedBatched", "FlipJustInside", "LogitsDriftJustInside")
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS: tuple[str, ...] = ()

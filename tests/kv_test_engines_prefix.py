@@ -144,6 +144,18 @@ class GrowingPrefixCache(PagedEager):
         return super()._allocate()
 
 
+class PromptOnlyPrefixCache(GrowingPrefixCache):
+    """Correct and bounded (issue 59): the same pool, keeping only prompt blocks (registered at admission); generated
+    tokens' blocks are released unregistered. It must evict only once the prompts alone have offered more than its
+    capacity: counting generated positions as offered calls it a leak."""
+
+    def _finish(self, state):
+        for sequence in state.sequences:
+            for block in sequence.table:
+                self.blocks.release(block)
+        self.active = []
+
+
 class GrowingUndeclared(GrowingPrefixCache):
     """Twin: the same bounded cache declaring no PrefixCache: its growth is a leak to the memory check."""
 
@@ -156,3 +168,14 @@ class CapacityExceeded(GrowingPrefixCache):
     kv_declaration = dataclasses.replace(
         GrowingPrefixCache.kv_declaration,
         prefix_cache=PrefixCache(capacity_tokens=CAPACITY_BLOCKS * BLOCK_SIZE // 4, block_size=BLOCK_SIZE))
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine
+# (PagedEager: the twins' base, the built-in reference engine run eagerly; the built-in is what the tests hold to
+# passing).
+MUST_FAIL = ("StaleFullHitLogits", "UnchainedHashes", "EvictsInUse", "NoCopyOnWrite", "DecodeBufferWraps",
+    "GrowingUndeclared", "CapacityExceeded")
+MUST_PASS = ("GrowingPrefixCache", "PromptOnlyPrefixCache")
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS = ("PagedEager", "UnchainedBlocks", "UnprotectedBlocks", "GrowingBlocks")

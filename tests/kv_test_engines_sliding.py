@@ -28,3 +28,12 @@ class OffByOne(Eager):
     def __init__(self, spec):
         super().__init__(spec)
         self.model.window -= 1
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine (Eager: the
+# twins' base, the built-in reference engine run eagerly; the built-in is what the tests hold to passing).
+MUST_FAIL = ("OffByOne",)
+MUST_PASS: tuple[str, ...] = ()
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS = ("Eager",)

@@ -98,6 +98,27 @@ class LookupNeverDrafts(SpeculativePromptLookup):
         self.own = self.drafter = _NoMatch()
 
 
+class LookupCountsARejectedDraft(SpeculativePromptLookup):
+    """Bug (reporting only, issue 59): acceptance() says one draft more was kept than was when a sequence's first
+    verify step rejects (vLLM's spec-decode metrics had this class: a bonus token counted as accepted). Tokens and
+    cache are right. The engine written from the docs that had it looked up once per sequence, so it over-counted at
+    most once per sequence: read per sequence alone, its counts on a forced lookup are those of an engine whose first
+    step is the prompt's own lookup (start 0) instead of one after the prefill's token (start 1)."""
+
+    def acceptance(self):
+        return [[(d, a + 1) if i == 0 and a < d else (d, a) for i, (d, a) in enumerate(row)]
+                for row in super().acceptance()]
+
+
 class _NoMatch:
     def propose(self, context, k):
         return []
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("KeepsRejectedKV", "BonusFromTheWrongPosition", "RollbackOffByOneAtLast", "OneRowsRollbackForAll",
+    "DraftCacheNotRolledBack", "NeverDrafts", "LookupOffByOneAtLast", "LookupNeverDrafts", "LookupCountsARejectedDraft")
+MUST_PASS = ("SpeculativeK2",)
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS = ("DraftKeepsRejected",)

@@ -114,3 +114,12 @@ class HiddenWorkspace(StaticCacheCudaGraph):
     def __init__(self, spec, compile_backend="inductor"):
         super().__init__(spec, compile_backend=compile_backend)
         _WORKSPACES.append(torch.empty(16 * self.kv_cache_bytes(), dtype=torch.uint8, device=spec.device))
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("Stale", "StaleValid", "NoZero", "LeakyGraph", "RecapturePerBatch", "StaleGraphOutput",
+    "HiddenWorkspace")
+MUST_PASS = ("StaticEager",)
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS = ("KeepsValidLlama", "NoZeroLlama")

@@ -441,3 +441,15 @@ class KVInt2(KVInt8):
 
     kv_declaration = Declaration(batching=True, kv_cache_dtype="int2", description="test engine: KV in int2, declared")
     bits = 2
+
+
+# The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
+# counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
+MUST_FAIL = ("FlipThenGarbage", "FlipsAtEveryCloseCall", "ScoreOffByOne", "ScoreLogSoftmax", "CompiledUndeclared",
+    "EagerOnRecompile", "SwallowsCompileErrors", "GraphBreaks", "StopsCompiling", "KeepsLast256", "PrefixCacheBug",
+    "NeverEvicts", "ContinuesPositions", "PadPositions", "PreallocatesSixteenX", "MemoByPrompt", "UnknownStrategy",
+    "StaleWithoutOracle", "SkipsEverything", "LeaksAfterBatchOfThree", "MasksAnIdUndeclared", "DeclaresAnIdItEmits",
+    "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong", "KVInt8Undeclared", "KVInt4DeclaredInt8", "KVInt2")
+MUST_PASS = ("Recompute", "TinyNoise", "WithoutOracle", "MasksAnId", "RefusesLongPrompts", "KVInt8")
+MUST_SKIP: tuple[str, ...] = ()
+HELPERS: tuple[str, ...] = ()

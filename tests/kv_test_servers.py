@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import ssl
 import sys
 import threading
 import time
@@ -28,7 +29,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from pytest_kvcompile.engines.server import Launch, ManagedServer
+from pytest_kvcompile.engines.server_process import Launch, ManagedServer
 from pytest_kvcompile.models.checkpoints import max_positions, pretrained, with_cache
 
 BUGS = ("padding", "prefix-race", "echo", "slow", "error", "die", "vocab", "second-best", "second-best-sure",
@@ -91,9 +92,19 @@ class TwinServer(ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, checkpoint: Path, api: str = "openai", bug: str | None = None, port: int = 0,
-                 model: Model | None = None, delay: float = 3.0, after: int = 2, longer: int = 48) -> None:
+                 model: Model | None = None, delay: float = 3.0, after: int = 2, longer: int = 48,
+                 key: str | None = None, tls: tuple[Path, Path] | None = None) -> None:
+        """`key`: the API key it requires (``Authorization: Bearer KEY``; else HTTP 401 quoting the header it got, as
+        a careless server would); `tls`: (certificate, private key) files: it speaks https. `peak`: the most requests
+        it had in flight at once."""
         assert api in ("openai", "sglang", "llamacpp") and (bug is None or bug in BUGS), (api, bug)
         super().__init__(("127.0.0.1", port), Handler)
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(*map(str, tls))
+            self.socket = context.wrap_socket(self.socket, server_side=True)
+        self.scheme, self.key = "https" if tls is not None else "http", key
+        self.active = self.peak = 0
         self.checkpoint, self.api, self.bug, self.delay, self.after = Path(checkpoint), api, bug, delay, after
         self.longer = longer
         self.model = model or Model(self.checkpoint)
@@ -106,7 +117,7 @@ class TwinServer(ThreadingHTTPServer):
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
+        return f"{self.scheme}://127.0.0.1:{self.server_address[1]}"
 
     def start(self) -> TwinServer:
         self.thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
@@ -210,8 +221,29 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
         return self.server.gone
 
+    def _refused(self) -> bool:
+        """A key is required and this request does not carry it: HTTP 401, quoting what it got (as a careless server
+        would: the client must redact it)."""
+        got = self.headers.get("Authorization", "")
+        if self.server.key is None or got == f"Bearer {self.server.key}":
+            return False
+        self._send(401, {"error": {"message": f"invalid API key: {got or '(no Authorization header)'}",
+                                   "type": "Unauthorized"}})
+        return True
+
+    def handle_one_request(self) -> None:
+        twin = self.server
+        with twin.state:
+            twin.active += 1
+            twin.peak = max(twin.peak, twin.active)
+        try:
+            super().handle_one_request()
+        finally:
+            with twin.state:
+                twin.active -= 1
+
     def do_GET(self) -> None:
-        if self._gone():
+        if self._gone() or self._refused():
             return
         twin, config = self.server, self.server.model.config
         vocab = config.vocab_size * (2 if twin.bug == "vocab" else 1)
@@ -236,6 +268,8 @@ class Handler(BaseHTTPRequestHandler):
             return
         twin = self.server
         body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        if self._refused():
+            return
         prompt = body.get("prompt") or body.get("input_ids") or []
         if twin.bug == "error" and len(prompt) >= twin.longer:
             self._send(500, {"error": {"message": "CUDA out of memory (twin): tried to allocate 2.00 GiB",

@@ -22,6 +22,7 @@ from conftest import import_benchmark
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_strategies.py"
 
 
+@pytest.mark.full  # the benchmark script end to end
 def test_quick_mode_runs_and_reports(tmp_path, zoo_cache):
     out = tmp_path / "perf.json"
     md = tmp_path / "perf.md"
@@ -61,6 +62,7 @@ def _run(tmp_path, zoo_cache, *args, timeout=240):
                           timeout=timeout, check=False, cwd=tmp_path)
 
 
+@pytest.mark.full  # the benchmark script end to end
 def test_bfloat16_run_reports_the_anchors(tmp_path, zoo_cache):
     """The anchors' engines in bfloat16 on the tiny Llama: rows with end-to-end times, anchor (a) printed, the static
     cache built for the one row timed (max_batch_size 1), no CUDA-graph engine on cpu."""

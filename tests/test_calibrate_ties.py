@@ -30,6 +30,7 @@ def calibrate():
     return import_benchmark("calibrate_ties")
 
 
+@pytest.mark.full  # the benchmark script end to end
 def test_quick_cpu_run(tmp_path, zoo_cache):
     out, md = tmp_path / "ties.json", tmp_path / "ties.md"
     proc = _run(tmp_path, zoo_cache, "--dtypes", "float32", "--models", "llama", "--prompts", "2", "--new-tokens", "6",

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import run_pytest
 from pytest_kvcompile import cli
 from pytest_kvcompile.check_engine import recipes
 from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
@@ -43,7 +44,7 @@ def test_a_missing_engine_package_is_a_usage_error_naming_the_install(kvtester, 
     (module, pip), = declaration_of(_import_target(name, BUILTIN_ENGINES[name])).requires
     if importable(module):
         pytest.skip(f"{module} is installed here: no missing-package error to see")
-    result = kvtester.runpytest_subprocess(f"--kv-engine={name}", "--kv-zoo=llama")
+    result = run_pytest(kvtester, f"--kv-engine={name}", "--kv-zoo=llama")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         f"ERROR: engine '{name}' needs '{module}', not installed in this environment*",
@@ -82,6 +83,7 @@ def test_bad_arguments_name_the_fix(capsys, args, message):
     pytest.LineMatcher(err.splitlines()).fnmatch_lines([f"kvcompile: error: {message}"])
 
 
+@pytest.mark.full  # a real venv
 def test_a_real_check_in_a_venv_that_sees_this_environment(tmp_path):
     """A test engine with a trivial --install: a venv over this environment's packages runs the suites."""
     out = tmp_path / "reports"

@@ -14,6 +14,7 @@ from pytest_kvcompile.reports import json_file
 
 CRASH = "kv_test_engines_crash:"
 XDIST = {"serial": (), "-n 2": ("-n", "2")}
+MODES = ["serial", pytest.param("-n 2", marks=pytest.mark.full)]  # under xdist: the full tier (tests/test_tiers.py)
 
 
 def suites(kvtester, *args):
@@ -31,7 +32,7 @@ def status(kvtester) -> dict:
     return json.loads((kvtester.path / "r.json").read_text())["status"]
 
 
-@pytest.mark.parametrize("mode", XDIST)
+@pytest.mark.parametrize("mode", MODES)
 def test_an_aborting_engine_fails_alone_and_the_run_keeps_its_reports(kvtester, mode):
     result = suites(kvtester, f"--kv-engine={CRASH}AbortsOnThirdCall", "--kv-engine=hf-eager", "--kv-call-timeout=60",
                     "-k", "token_identity or stale_state", *XDIST[mode])
@@ -52,7 +53,7 @@ def test_built_in_engines_stay_in_process_others_get_their_own(kvtester):
     result.stdout.no_fnmatch_line("kvcompile: hf-eager / llama: built in * s in process *")
 
 
-@pytest.mark.parametrize("mode", XDIST)
+@pytest.mark.parametrize("mode", MODES)
 def test_a_hang_in_native_code_is_stopped_by_the_call_timeout(kvtester, mode):
     result = suites(kvtester, f"--kv-engine={CRASH}HangsInC", "--kv-engine=hf-eager", "--kv-call-timeout=5",
                     "-k", "token_identity and not batched", *XDIST[mode])
@@ -80,6 +81,7 @@ def test_reports_survive_an_engine_that_kills_the_pytest_process(kvtester):
     assert "the run has not completed" in (kvtester.path / "r.html").read_text()
 
 
+@pytest.mark.full  # xdist's own worker loss
 def test_under_xdist_a_dead_worker_is_named_with_its_call(kvtester):
     result = suites(kvtester, "--kv-engine=hf-eager", f"--kv-engine={CRASH}AbortsInProcess",
                     "-k", "token_identity and not batched", "-n", "2")

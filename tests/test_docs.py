@@ -65,7 +65,7 @@ def timings_record(text: str) -> dict[str, int]:
     """The record `.ci/run` writes ($KVCOMPILE_ARTIFACTS/ci-timings, committed as .ci/timings): NAME<TAB>SECONDS."""
     record = {}
     for line in text.splitlines():
-        if line.strip() and not line.startswith("#"):
+        if line.strip() and not line.startswith(("#", "slowest\t")):
             name, seconds = line.split("\t")
             record[name] = int(seconds)
     return record
@@ -98,6 +98,15 @@ def test_the_ci_page_renders_the_jobs_of_ci_run_in_order_with_the_recorded_secon
     assert "<!-- kvcompile: ci -->" in page("reference/ci.md")
     record = timings_record((ROOT / ".ci" / "timings").read_text())
     assert check_ci_table(docs.ci_table(), jobs, record) == []
+
+
+def test_the_ci_page_shows_the_slowest_tests_the_record_has():
+    """`.ci/slowest` appends each test job's 20 slowest tests to the record; the CI page lists them (issue 53)."""
+    record = "# x\ntests\t10\nslowest\ttests\t7.5\ttests/test_a.py::test_b[x|y]\ntotal\t10\n"
+    rendered = docs.ci_table(run='echo "== tests: the tests"\n', timings=record)
+    assert docs.ci_timings(record) == {"tests": "10", "total": "10"}
+    assert "| `tests` | `tests/test_a.py::test_b[x|y]` | 7.5 |" in rendered, rendered
+    assert docs.ci_slowest() or "slowest" not in (ROOT / ".ci" / "timings").read_text()
 
 
 def test_the_ci_table_check_fails_on_drift():

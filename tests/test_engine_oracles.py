@@ -28,6 +28,7 @@ def own(kvtester, own_model, engine, *args, oracle="eager"):
 
 
 # --- the own model against its own eager mode ------------------------------------------------------------------------
+@pytest.mark.full  # inductor (aot_eager in the fast tier)
 def test_the_plain_torch_model_passes_against_its_own_eager_mode_under_inductor(kvtester, own_model):
     result = own(kvtester, own_model, "TinyGPT", "--kv-compile-backend=inductor", "--kv-report-json=r.json")
     assert result.ret == 0, result.stdout.str()[-3000:]
@@ -42,6 +43,7 @@ def test_the_plain_torch_model_passes_against_its_own_eager_mode_under_inductor(
     assert row["oracle"]["engine"] and len(row["oracle"]["limitations"]) == 1  # score() and the float64 self-check
 
 
+@pytest.mark.full  # inductor (aot_eager in the fast tier)
 def test_its_compiled_only_twin_fails_against_its_eager_mode_under_inductor(kvtester, own_model):
     result = own(kvtester, own_model, "TinyGPTWrongCompiled", "--kv-compile-backend=inductor", "-k", "token_identity")
     assert result.ret == 1
@@ -65,6 +67,7 @@ def test_an_isolated_engine_on_an_own_model_against_its_eager_mode(kvtester, own
     assert bad.ret == 1 and bad.parseoutcomes()["failed"] >= 3
 
 
+@pytest.mark.full  # the fast tier's verdicts again under xdist
 def test_the_same_verdicts_under_xdist(kvtester, own_model):
     good = own(kvtester, own_model, "TinyGPT", "--kv-compile-backend=aot_eager", "-n", "2", "-k", TOKEN_CHECKS)
     assert good.ret == 0, good.stdout.str()[-3000:]

@@ -220,6 +220,9 @@ def test_near_tied_evictions_broken_the_other_way_pass_and_a_wrong_policy_fails(
         assert forked.teacher_forced_run(q, got, 1e-3).pruned_at is not None
 
 
+# the suites again on two correct eviction engines: CI's inductor and bfloat16 jobs run ref-h2o, ref-tova and
+# ref-streaming-llm-shifted through them; the fast tier holds each to its oracle
+@pytest.mark.full
 def test_the_suites_pass_on_the_engines(kvtester):
     """Token identity (alone and batched), zero recompiles, stale state, determinism, both engines in one run. (All
     engines: the same run with --kv-engine=kv_test_engines_eviction:{LastRecent,StreamingLLM,TOVA} too.)"""

@@ -178,6 +178,7 @@ def test_bad_budget_option_is_a_usage_error(kvtester):
     result.stderr.fnmatch_lines(["*--kv-latency-budget='factor=2': relative_to and factor go together*"])
 
 
+@pytest.mark.full  # pytest-benchmark's runs compared
 def test_benchmarks_compare_across_runs_with_pytest_benchmarks_own_options(kvtester, monkeypatch):
     """suites/test_latency.py::test_benchmark is a pytest-benchmark benchmark: --benchmark-autosave stores a run,
     --benchmark-compare / --benchmark-compare-fail compare a later one with it (README, "Reports and baselines")."""

@@ -104,6 +104,7 @@ def test_marker_passes_fails_and_skips(tester):
                                      "torch sees no CUDA device"])
 
 
+@pytest.mark.full  # the marker's failure again, under xdist
 @pytest.mark.skipif(memory_marker._CpuPeak.unavailable() is not None, reason="the CPU measure needs Linux /proc")
 def test_marker_failure_under_xdist(tester):
     result = tester.runpytest_subprocess(*OPTS, "-n", "2", "-k", "small or big")

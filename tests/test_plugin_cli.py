@@ -3,10 +3,11 @@ usage errors that name the fix, and the entry point switch."""
 
 import re
 import textwrap
+from pathlib import Path
 
 import pytest
 
-from conftest import run_suites
+from conftest import run_pytest, run_suites
 
 ENGINE_TEST = """
 def test_engine(kv_engine):
@@ -15,7 +16,7 @@ def test_engine(kv_engine):
 
 
 def test_help_shows_the_kvcompile_group_and_ini_keys(kvtester):
-    result = kvtester.runpytest_subprocess("--help")
+    result = run_pytest(kvtester, "--help")
     result.stdout.fnmatch_lines([
         "KV-cache + compile engine conformance (pytest-kvcompile):",
         "  --kv-engine=NAME*",
@@ -27,13 +28,13 @@ def test_help_shows_the_kvcompile_group_and_ini_keys(kvtester):
 
 
 def test_plugin_can_be_disabled(kvtester):
-    result = kvtester.runpytest_subprocess("-p", "no:kvcompile", "--kv-engine=hf-eager")
+    result = run_pytest(kvtester, "-p", "no:kvcompile", "--kv-engine=hf-eager")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*unrecognized arguments: --kv-engine=hf-eager*"])
 
 
 def test_list_engines_prints_builtins_with_declarations(kvtester):
-    result = kvtester.runpytest_subprocess("--kv-list-engines")
+    result = run_pytest(kvtester, "--kv-list-engines")
     assert result.ret == 0
     result.stdout.fnmatch_lines([
         "hf-eager *strategy=exact capabilities=*compiled=no*built-in: pytest_kvcompile.engines.hf:HFEager*",
@@ -44,7 +45,7 @@ def test_list_engines_prints_builtins_with_declarations(kvtester):
 
 
 def test_unknown_engine_is_a_usage_error_listing_engines(kvtester):
-    result = kvtester.runpytest_subprocess("--kv-engine=nope")
+    result = run_pytest(kvtester, "--kv-engine=nope")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         "ERROR: unknown engine 'nope'. Available engines: ctranslate2, executorch, hf-assisted, "
@@ -58,7 +59,7 @@ def test_unknown_engine_is_a_usage_error_listing_engines(kvtester):
 
 def test_import_path_engine_runs_with_its_name_in_the_test_id(kvtester):
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama", "-v")
+    result = run_pytest(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*test_engine?kv_test_engines:Greedy-llama? PASSED*"])
 
@@ -71,11 +72,11 @@ def test_engine_from_an_entry_point_and_ini(kvtester, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(kvtester.path / "site"), prepend=":")
     kvtester.makeini("[pytest]\nkv_engines =\n    mine\n    kv_test_engines:Unbatched\nkv_zoo = llama\n")
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("-v")
+    result = run_pytest(kvtester, "-v")
     result.assert_outcomes(passed=2)
     result.stdout.fnmatch_lines(["*test_engine?mine-llama? PASSED*",
                                  "*test_engine?kv_test_engines:Unbatched-llama? PASSED*"])
-    listing = kvtester.runpytest_subprocess("--kv-list-engines")
+    listing = run_pytest(kvtester, "--kv-list-engines")
     listing.stdout.fnmatch_lines(["mine *strategy=exact capabilities=- "
                                   "*entry point of my-engines: kv_test_engines:greedy_function*"])
 
@@ -88,7 +89,7 @@ def test_engine_import_error_shows_the_engines_traceback(kvtester):
             pass
     """))
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-engine=broken_engine:Engine", "-p", "no:cacheprovider")
+    result = run_pytest(kvtester, "--kv-engine=broken_engine:Engine", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         "ERROR: engine 'broken_engine:Engine': importing module 'broken_engine' failed "
@@ -109,7 +110,7 @@ def test_missing_engine_package_is_a_usage_error_naming_the_install(kvtester):
             kv_declaration = Declaration(requires=(("kv_pkg_that_is_not_installed", "kv-pkg==1.2"),))
     """))
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-engine=needs_pkg:Engine", "-p", "no:cacheprovider")
+    result = run_pytest(kvtester, "--kv-engine=needs_pkg:Engine", "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([
         "ERROR: engine 'needs_pkg:Engine' needs 'kv_pkg_that_is_not_installed', not installed in this environment (*",
@@ -127,7 +128,7 @@ def test_missing_engine_package_is_a_usage_error_naming_the_install(kvtester):
     ("kv_test_engines:BadDeclaration", "*kv_declaration must be a pytest_kvcompile.Declaration, got dict*"),
 ])
 def test_bad_engine_targets_are_usage_errors(kvtester, name, message):
-    result = kvtester.runpytest_subprocess(f"--kv-engine={name}")
+    result = run_pytest(kvtester, f"--kv-engine={name}")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
 
@@ -140,10 +141,11 @@ def test_bad_engine_targets_are_usage_errors(kvtester, name, message):
     ("--kv-zoo=llama,gpt9", "*--kv-zoo: unknown zoo model(s) ?'gpt9'?; choose from llama*"),
     ("--kv-zoo-head-dim=15", "*--kv-zoo-head-dim='15': give an even whole number >= 2 (RoPE rotates pairs), e.g. 32*"),
     ("--kv-model=/nonexistent/dir", "*--kv-model=/nonexistent/dir: not a local Hugging Face checkpoint directory*"),
+    ("--kv-profile=quick", "*--kv-profile='quick': choose one of full, ci, smoke*"),
 ])
 def test_bad_option_values_are_usage_errors(kvtester, option, message):
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", option)
+    result = run_pytest(kvtester, "--kv-engine=kv_test_engines:Greedy", option)
     assert result.ret == pytest.ExitCode.USAGE_ERROR, result.stdout.str()
     result.stderr.fnmatch_lines([message])
 
@@ -154,29 +156,30 @@ def test_zoo_head_dim_builds_the_zoo_with_larger_heads(kvtester):
             config = kv_engine.spec.config
             assert [config.per_layer_config[i].head_dim for i in range(4)] == [32] * 4, config
     """)
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-zoo=gemma4-kvshared",
+    result = run_pytest(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=gemma4-kvshared",
                                            "--kv-zoo-head-dim=32", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
 
 
 def test_no_engine_is_a_usage_error_naming_how_to_choose_one(kvtester):
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-zoo=llama")
+    result = run_pytest(kvtester, "--kv-zoo=llama")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["*no engine selected: pass --kv-engine=NAME (or the ini key kv_engines); pytest "
                                  "--kv-list-engines lists the engines (1 collected test(s) need one)*"])
 
 
+@pytest.mark.full  # the no-engine usage error again, under xdist
 def test_no_engine_under_xdist_errors_each_engine_test(kvtester):
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-zoo=llama", "-n", "2")
+    result = run_pytest(kvtester, "--kv-zoo=llama", "-n", "2")
     result.assert_outcomes(errors=1)
     result.stdout.fnmatch_lines(["*no engine selected: pass --kv-engine=NAME*"])
 
 
 def test_two_engines_parametrize_every_engine_test(kvtester):
     kvtester.makepyfile(ENGINE_TEST)
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy",
+    result = run_pytest(kvtester, "--kv-engine=kv_test_engines:Greedy",
                                            "--kv-engine=kv_test_engines:Unbatched",
                                            "--kv-zoo=llama,mistral-sw", "--co", "-q")
     ids = sorted(line.split("::")[-1] for line in result.stdout.lines if "::test_engine[" in line)
@@ -196,7 +199,7 @@ def test_strict_markers_clean_and_bad_kv_requires_rejected(kvtester):
         def test_bad(kv_engine):
             pass
     """)
-    result = kvtester.runpytest_subprocess("--strict-markers", "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama",
+    result = run_pytest(kvtester, "--strict-markers", "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=llama",
                                            "-n", "2")
     assert result.ret != pytest.ExitCode.OK  # a collection error (2 serial, 1 under xdist)
     result.stdout.fnmatch_lines([
@@ -213,12 +216,13 @@ def test_kv_model_adds_a_local_checkpoint(kvtester, zoo_cache):
         def test_model(kv_model, kv_engine):
             assert kv_model.path.name == kv_model.name and kv_model.config.vocab_size == 256
     """)
-    result = kvtester.runpytest_subprocess("--kv-engine=kv_test_engines:Greedy", "--kv-zoo=none",
+    result = run_pytest(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-zoo=none",
                                            f"--kv-model={local}", "-v")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines([f"*test_model?kv_test_engines:Greedy-{local.name}? PASSED*"])
 
 
+@pytest.mark.full  # xdist's grouping
 def test_xdist_runs_each_engine_and_model_in_one_worker(kvtester):
     """Under --dist load the plugin's xdist scheduler gives each engine x model to one worker (run/grouping.py): an
     engine object is built, compiled and called in one worker, as in a serial run."""
@@ -244,3 +248,51 @@ def test_scope_of_reads_engine_and_model_from_the_node_id():
     assert scope_of("s/t.py::test_x[mod:Engine]", engines, models) == "kv:mod:Engine:"
     assert scope_of("tests/test_y.py::test_plain", engines, models) == "tests/test_y.py::test_plain"
     assert scope_of("tests/test_y.py::test_p[other-llama]", engines, models) == "tests/test_y.py::test_p[other-llama]"
+
+
+def test_one_gpu_per_xdist_worker_where_there_are_several(monkeypatch):
+    """Issue 54: -n N with --kv-device=cuda on N GPUs puts worker gwK on cuda:K (its engines and oracle), simulated here
+    by the device count; an explicit index, one GPU, or no xdist keep the device as given."""
+    import torch
+
+    from pytest_kvcompile.config import options
+    from pytest_kvcompile.run import session as sessions
+
+    assert [options.worker_device("cuda", f"gw{k}", 4) for k in range(6)] == [
+        "cuda:0", "cuda:1", "cuda:2", "cuda:3", "cuda:0", "cuda:1"]
+    assert options.worker_device("cuda", "gw1", 1) == "cuda"
+    assert options.worker_device("cuda:2", "gw1", 4) == "cuda:2" and options.worker_device("cuda", None, 4) == "cuda"
+    assert options.worker_device("cpu", "gw3", 4) == "cpu" and options.worker_device("cuda", "master", 4) == "cuda"
+    monkeypatch.setattr(sessions, "check_device", lambda device: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw3")
+    settings = options.Settings(**{**{f: None for f in options.Settings.__dataclass_fields__}, "device": "cuda"})
+    said = []
+    session = sessions.Session(settings, {}, None, None, said.append)
+    assert session.settings.device == "cuda:1" and said == [
+        "xdist worker gw3: engines and oracle on cuda:1 (one GPU per worker, 2 GPUs)"]
+
+
+def test_a_profile_narrows_the_run_and_names_what_it_left_out(kvtester):
+    """Issue 54: --kv-profile=smoke runs the token checks on three prompts; the summary says what it left out."""
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-profile=smoke", "-v",
+                        "-k", "token_identity or long_generation or determinism")
+    passed = sorted(re.findall(r"test_(\w+)\[kv_test_engines:Greedy-llama(?:-(\w+))?\] PASSED", result.stdout.str()))
+    assert passed == [("token_identity", "len1"), ("token_identity", "long48"), ("token_identity", "short7"),
+                      ("token_identity_batched", "")], result.stdout.str()[-3000:]
+    result.stdout.fnmatch_lines([
+        "*kvcompile: profile 'smoke' (a smaller run than 'full')*",
+        "the profile 'smoke' ran token identity, stale state, *",
+        "checks left out: every other one",
+        "prompts left out: all but len1, short7, long48 (batches as they are)",
+        "* test(s) deselected; the complete run: --kv-profile=full (the default)"])
+
+
+def test_every_check_a_profile_names_is_a_suite_check():
+    from pytest_kvcompile.config.profiles import PROFILES
+
+    suites = Path(__file__).resolve().parents[1] / "suites"
+    checks = set(re.findall(r"^def (test_\w+)", "\n".join(p.read_text() for p in suites.glob("test_*.py")), re.M))
+    for profile in PROFILES.values():
+        named = set(profile.leaves_out) | set(profile.keeps or ())
+        assert named <= checks, f"profile '{profile.name}' names {sorted(named - checks)}, which no suite defines"

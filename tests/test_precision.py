@@ -17,7 +17,7 @@ from pytest_kvcompile.models import zoo
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import HFEagerOracle
 
-DTYPES = ("bfloat16", "float16")
+DTYPES = ("bfloat16", pytest.param("float16", marks=pytest.mark.full))  # float16: the full tier (tests/test_tiers.py)
 P = "--kv-engine=kv_test_engines_precision:"
 
 
@@ -262,3 +262,19 @@ def test_the_score_spread_is_measured_between_attention_kernels_at_one_position(
     kv = Noise("m", "bfloat16", 0.1, 0.2, 0.05, flips=2, positions=512, logit_error=0.2, per_computation={},
                kv_dtype="int8")
     assert Rules(0.3, 4, 0.6, model).with_kv(kv, steps=16).noise.score_spread == 3.5  # the larger of both
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4-kvshared"])
+def test_the_computations_share_one_copy_of_the_weights(zoo_cache, name):
+    """Issue 54: eager and SDPA run over one loaded model (its attention switched per call where transformers can),
+    computing what two separately loaded models compute."""
+    path = zoo.checkpoint(name, zoo_cache)
+    spec = ModelSpec(name, path, AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    shared = precision.Computations(spec)
+    assert isinstance(shared.sdpa, precision._Switched) and shared.sdpa.model is shared.eager
+    apart = precision.load_lm(spec, attn_implementation="sdpa")
+    prompt, tokens = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8]
+    with torch.inference_mode():
+        assert torch.equal(shared._whole(shared.sdpa, prompt, tokens), shared._whole(apart, prompt, tokens))
+        assert torch.equal(shared._padded(shared.sdpa, prompt, tokens), shared._padded(apart, prompt, tokens))
+    assert shared.eager.config._attn_implementation == "eager"  # switched back after each call

@@ -50,6 +50,7 @@ def test_twin_a_session_fixture_on_a_plugin_instance_fails_under_the_project_fil
     result.stdout.fnmatch_lines(["*PytestRemovedIn10Warning*Session-scoped fixtures defined as instance methods*"])
 
 
+@pytest.mark.full  # the README's main job (CI's newest-pytest job runs it too)
 def test_the_main_job_leaves_no_warnings_summary(kvtester):
     """The README's main job in small (-n 2, pytest-benchmark on, inductor): no 'warnings summary' at all."""
     result = kvtester.runpytest_subprocess(

@@ -176,6 +176,7 @@ def test_marker_passes_and_fails_with_the_reason(tester):
     assert result.ret == pytest.ExitCode.TESTS_FAILED
 
 
+@pytest.mark.full  # the marker's failure again, under xdist
 def test_marker_failure_under_xdist(tester):
     tester.makepyfile(test_cases=CASES)
     result = tester.runpytest_subprocess(*OPTS, "-n", "2", "-k", "static_seq or dynamic_seq")

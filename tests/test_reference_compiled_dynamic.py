@@ -196,6 +196,7 @@ def test_engines_do_not_share_compiled_code(llama, tmp_path):
     assert len(rec.events) == 4 and not any(e.is_recompile for e in rec.events)
 
 
+@pytest.mark.full  # inductor (CI's inductor job compiles it too)
 def test_inductor_tokens_and_no_recompiles(llama, oracle):
     """The real backend: numerics against the oracle, and still two compiles then zero."""
     with CompileRecorder() as rec:

@@ -78,9 +78,10 @@ def test_each_api_gives_the_models_greedy_tokens_and_its_top_k(twin, llama, mode
     ("http://127.0.0.1:8000", "*a server is named by its API and URL, API+URL, e.g. openai+http://127.0.0.1:8000*"),
     ("vllm+http://127.0.0.1:8000", "*unknown server API 'vllm'; write one of openai (*); sglang (*); llamacpp (*"),
     ("openai+127.0.0.1:8000", "*'127.0.0.1:8000' is not a server URL; write http://HOST:PORT*"),
-    ("openai+http://127.0.0.1", "*is not a server URL; write http://HOST:PORT (the server's base URL, port included)*"),
+    ("openai+http://127.0.0.1", "*is not a server URL; write http://HOST:PORT or https://HOST:PORT (the server's "
+                                "base URL, port included)*"),
     ("sglang+http://127.0.0.1:30000?timeout=0", "*query parameter timeout='0' is not understood; the URL takes "
-                                                "?timeout=SECONDS (per request, > 0) and ?top=K*"),
+                                                "?timeout=SECONDS (per request, > 0), ?top=K*?max_concurrency=N*"),
 ])
 def test_a_bad_server_url_is_a_usage_error_naming_the_fix(name, message):
     with pytest.raises(EngineResolutionError) as exc:
@@ -315,3 +316,80 @@ def test_the_top_k_rule_at_its_edge(kvtester, twin):
                                  "the oracle's on model 'llama', prompt 'short7', along the tokens generate() produced",
                                  "*its log-probabilities differ from the oracle's log-softmax by up to * > score "
                                  "tolerance *"])
+
+
+# --- servers as deployed: API keys, HTTPS, a bounded load (issue 57) -------------------------------------------------
+KEY = "sk-kvcompile-planted-9f3c1e7a"  # planted: it must appear in no output of any run
+TLS = (Path(__file__).parent / "data" / "twin-tls.pem", Path(__file__).parent / "data" / "twin-tls.key")  # self-signed
+# for 127.0.0.1, valid to 2126, test only: `openssl req -x509 -newkey rsa:2048 -nodes -days 36500 -subj /CN=127.0.0.1
+# -addext subjectAltName=IP:127.0.0.1`
+
+
+def test_a_server_requiring_a_key_names_the_variable_and_never_shows_the_key(twin, llama, model, monkeypatch):
+    server = twin(key=KEY)
+    for variable in ("KVCOMPILE_API_KEY", "OPENAI_API_KEY"):
+        monkeypatch.delenv(variable, raising=False)
+    with pytest.raises(ServerError) as none:
+        ServerEngine(llama, "openai", server.url)
+    assert "answered HTTP 401" in str(none.value)
+    assert "requires an API key and none was sent: set KVCOMPILE_API_KEY or OPENAI_API_KEY in the environment" in \
+        str(none.value)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-wrong-" + KEY[::-1])
+    with pytest.raises(ServerError) as wrong:
+        ServerEngine(llama, "openai", server.url)
+    assert "refused the API key in $OPENAI_API_KEY" in str(wrong.value) and "Bearer <redacted>" in str(wrong.value)
+    assert KEY[::-1] not in str(wrong.value)
+    monkeypatch.setenv("KVCOMPILE_API_KEY", KEY)  # read first
+    assert ServerEngine(llama, "openai", server.url).generate([[3, 1, 4]], 4) == [model.complete([3, 1, 4], 4)[0]]
+    with pytest.raises(EngineResolutionError, match="would put a secret on the command line"):
+        registry.server_url(f"openai+{server.url}?api_key={KEY}")
+    with pytest.raises(EngineResolutionError, match="credentials in the URL") as in_url:
+        registry.server_url(f"openai+http://user:{KEY}@127.0.0.1:8000")
+    assert KEY not in str(in_url.value)
+
+
+def test_https_verifies_the_certificate_against_the_system_or_the_given_bundle(twin, llama, model, monkeypatch):
+    server = twin(tls=TLS)
+    assert server.url.startswith("https://127.0.0.1:")
+    monkeypatch.delenv("KVCOMPILE_CA_BUNDLE", raising=False)
+    with pytest.raises(ServerError, match=r"its TLS certificate does not verify \(.*self.signed.*\) against the system "
+                                          r"certificates: give the CA bundle that signed it, \?ca_bundle=PATH"):
+        ServerEngine(llama, "openai", server.url)
+    bundled = registry.server_url(f"openai+{server.url}?ca_bundle={TLS[0]}&max_concurrency=2&max_rps=50")
+    assert (bundled.ca_bundle, bundled.max_concurrency, bundled.max_rps) == (str(TLS[0]), 2, 50.0)
+    engine = ServerEngine(llama, "openai", server.url, ca_bundle=bundled.ca_bundle)
+    assert engine.generate([[3, 1, 4]], 4) == [model.complete([3, 1, 4], 4)[0]]
+    with pytest.raises(EngineResolutionError, match="no such file"):
+        registry.server_url(f"openai+{server.url}?ca_bundle=/nonexistent/ca.pem")
+
+
+def test_deployed_servers_in_one_run_keys_https_and_a_capped_load(kvtester, twin, monkeypatch):
+    """One run: a keyed server passes; a server refusing the key fails with the 401 quoted, key redacted; an https
+    server passes with its bundle and fails without it; a server capped at 2 requests at once never sees more, and the
+    rounds above the cap are named. The planted key appears in no file the run writes, nor in its output."""
+    monkeypatch.setenv("KVCOMPILE_API_KEY", KEY)
+    monkeypatch.delenv("KVCOMPILE_CA_BUNDLE", raising=False)
+    capped = twin(key=KEY)
+    tls = twin(key=KEY, tls=TLS)
+    names = {"keyed": f"openai+{twin(key=KEY).url}", "refused": f"openai+{twin(key='another-key').url}",
+             "https": f"openai+{tls.url}?ca_bundle={TLS[0]}",
+             "https-unverified": f"sglang+{twin('sglang', tls=TLS).url}",
+             "capped": f"openai+{capped.url}?max_concurrency=2&max_rps=100"}
+    out = kvtester.path / "out"
+    result = run_suites(kvtester, *(f"--kv-engine={n}" for n in names.values()), f"--kv-report-json={out}.json",
+                        f"--kv-report-html={out}.html", f"--kv-report-md={out}.md", f"--junitxml={out}.xml",
+                        "--kv-max-new-tokens=8", "-k", "(token_identity and short7 and not batched) or concurrency")
+    outcomes = _outcomes(Path(f"{out}.json"))
+    identity = {label: outcomes[f"test_token_identity[{name}]"] for label, name in names.items()}
+    assert identity == {"keyed": "passed", "refused": "failed", "https": "passed", "https-unverified": "failed",
+                        "capped": "passed"}, result.stdout.str()[-3000:]
+    assert outcomes[f"test_concurrent_requests[{names['capped']}]"] == "passed"
+    assert capped.peak <= 2  # never more in flight than the cap
+    result.stdout.fnmatch_lines(["*refused the API key in $KVCOMPILE_API_KEY*"])
+    result.stdout.fnmatch_lines(["*its TLS certificate does not verify*give the CA bundle that signed it*"])
+    result.stdout.fnmatch_lines([f"{names['capped']} / llama: alone: 1 identical, *; N=2: 2 identical, *; warm N=2: 2 "
+                                 "identical*; rounds N=4, N=8 not sent (the server allows 2 request(s) at once: "
+                                 "?max_concurrency=2)"])
+    written = [p for p in kvtester.path.rglob("*") if p.is_file()]
+    assert len(written) >= 4 and not [str(p) for p in written if KEY.encode() in p.read_bytes()]
+    assert KEY not in result.stdout.str() + result.stderr.str()

@@ -32,7 +32,8 @@ from reference_impls.speculative import PromptLookup
 
 T = "kv_test_engines_speculative:"
 TWINS = ("KeepsRejectedKV", "BonusFromTheWrongPosition", "RollbackOffByOneAtLast", "OneRowsRollbackForAll",
-         "DraftCacheNotRolledBack", "NeverDrafts", "LookupOffByOneAtLast", "LookupNeverDrafts")
+         "DraftCacheNotRolledBack", "NeverDrafts", "LookupOffByOneAtLast", "LookupNeverDrafts",
+         "LookupCountsARejectedDraft")
 
 
 #: -k: every check on the correct variant; on each twin the checks that must catch it (the rest would only cost time)
@@ -40,7 +41,7 @@ SELECT = ("test_speculative and (SpeculativeK2 or (schedules and not batched and
           "BonusFromTheWrongPosition or RollbackOffByOneAtLast)) or (OneRowsRollbackForAll and schedules) or "
           "(DraftCacheNotRolledBack and (draft_model or schedules)) or (NeverDrafts and own_draft and not Lookup)) or "
           "(test_speculative_lookup and (ref-speculative-lookup or hf-prompt-lookup or LookupOffByOneAtLast or "
-          "LookupNeverDrafts))")
+          "LookupNeverDrafts or LookupCountsARejectedDraft))")
 
 
 # --- the suite against a correct variant and every twin: one pytester run (ref-speculative: the suites' own runs) ---
@@ -87,6 +88,11 @@ def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester
     never = failures("LookupNeverDrafts")["test_speculative_lookup"]
     assert never["kind"] == "speculation" and "drafted nothing, but the sequence's last 4 tokens occur once before" \
         in never["message"], never["message"]
+    # acceptance over-counted by one on every rejecting step: its sequences disagree on where its first step starts
+    counted = failures("LookupCountsARejectedDraft")["test_speculative_lookup"]
+    assert counted["kind"] == "speculation" and "one engine, one convention: its steps give every token from a step " \
+        "(start 0), but for prompt 'lookup keeps 0' the first token from the prefill (start 1)" in counted["message"], \
+        counted["message"]
     problems = {p["engine"]: p for p in json.loads(report.read_text())["problems"]}
     assert set(problems) == {T + "NeverDrafts"} and problems[T + "NeverDrafts"]["kind"] == "vacuous"
     result.stdout.fnmatch_lines([  # in the order of the output: a failure, the reports' steps, the run rules
@@ -197,3 +203,14 @@ def test_a_bad_speculative_declaration_names_the_fix():
         Speculative(k=2, drafters=("lookup",))
     with pytest.raises(ValueError, match="write speculative=Speculative"):
         Declaration(speculative=4)
+
+
+def test_one_convention_per_engine_accounts_for_every_token():
+    from pytest_kvcompile.oracles.speculation import Convention
+
+    prefill_first = Convention()
+    assert prefill_first.check([(4, 2), (4, 4)], 9, "prompt 'a'") is None  # 1 + 3 + 5: the prefill gave the first
+    assert prefill_first.start == 1 and prefill_first.check([(4, 4), (0, 0)], 7, "prompt 'b'") is None
+    over = prefill_first.check([(4, 3), (4, 4)], 9, "prompt 'c'")  # one kept draft too many: reads as start 0
+    assert over and "but for prompt 'a' the first token from the prefill (start 1)" in over
+    assert Convention().check([], 1, "no steps") is None

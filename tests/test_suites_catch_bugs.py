@@ -115,6 +115,7 @@ def test_a_declared_score_is_checked_against_generate(kvtester):
     ])
 
 
+@pytest.mark.full  # the fast tier's verdicts again, serial and under xdist
 @pytest.mark.parametrize("workers", ["0", "2"])
 def test_verdicts_are_the_same_serial_and_with_xdist(kvtester, workers):
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:PaddingBug", "-n", workers, "-k", TOKEN_CHECKS)

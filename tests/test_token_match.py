@@ -199,3 +199,42 @@ def test_score_rows_may_mask_the_excluded_ids():
     check_score(REF, [1, 1, 1, 2], masked, tie_tolerance=1e-3, score_tolerance=1e-2, excluded=(0,))
     with pytest.raises(TokenMismatch, match="differ from the oracle's by up to inf"):
         check_score(REF, [1, 1, 1, 2], masked, tie_tolerance=1e-3, score_tolerance=1e-2)
+
+
+def test_a_lazy_reference_judges_along_the_engines_tokens_and_decodes_only_for_a_failure():
+    """Issue 54: the store's references for a one-forward oracle (oracles/reference.py: LazyReference) judge every
+    step on the oracle's logits along the engine's own tokens; the oracle's greedy loop runs only for a failure's
+    message (here: it would raise if a passing verdict asked for it)."""
+    from pytest_kvcompile.oracles.reference import LazyReference
+
+    decoded = []
+
+    def greedy():
+        decoded.append(1)
+        return REF
+
+    lazy = LazyReference(REF.prompt, 4, "hand-made", greedy, lambda tokens, tol: REF.logits)
+    assert check_tokens(lazy, [0, 1, 1, 2], tie_tolerance=1e-3).near_ties[0].step == 1  # a near tie, judged
+    assert decoded == [] and lazy.known is None and "not decoded" in repr(lazy)
+    with pytest.raises(TokenMismatch, match=r"oracle: \[0, 0, 1, 2\]") as failed:
+        check_tokens(lazy, [0, 0, 0, 2], tie_tolerance=1e-3)
+    assert decoded == [1] and failed.value.failure.oracle == (0, 0, 1, 2) and lazy.known == (0, 0, 1, 2)
+    with pytest.raises(TokenMismatch, match="returned 3 tokens .* expected 4"):
+        check_tokens(lazy, [0, 0, 1], tie_tolerance=1e-3)
+
+
+def test_a_long_sequence_is_shown_as_a_window_around_its_divergence():
+    """Issue 59: a long generation's failure names its step with the tokens around it; the whole sequences stay in
+    the failure's facts (the JSON and HTML reports)."""
+    rows = torch.zeros(100, 3)
+    rows[:, 0] = 1.0
+    long = Reference((5, 6, 7), (0,) * 100, rows, "hand-made", lambda tokens, tol: rows)
+    got = [0] * 100
+    got[50] = 2
+    with pytest.raises(TokenMismatch) as failed:
+        check_tokens(long, got, tie_tolerance=1e-3)
+    message = str(failed.value)
+    assert "  oracle, steps 42-58 of 100: [... 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0 ...]" in message
+    assert "  engine, steps 42-58 of 100: [... 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0 ...]" in message
+    assert str([0] * 100) not in message and "--kv-report-json" in message
+    assert len(failed.value.failure.tokens) == len(failed.value.failure.oracle) == 100

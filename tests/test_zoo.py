@@ -77,7 +77,7 @@ def test_checkpoint_is_cached_and_loads_cleanly(tmp_path, monkeypatch):
     path = zoo.checkpoint("gemma4-kvshared", tmp_path)
     assert {"config.json", "model.safetensors"} <= {p.name for p in path.iterdir()}
     assert path.name.startswith("gemma4-kvshared-") and f"seed{zoo.SEED}" in path.name
-    assert path.name.endswith(f"-tf{transformers.__version__}")
+    assert f"-tf{transformers.__version__}-torch{torch.__version__}-code" in path.name
 
     def no_rebuild(config, *gains):
         raise AssertionError("rebuilt a cached checkpoint")
@@ -278,3 +278,45 @@ def test_llama_yarn_has_yarn_rope_in_transformers_and_in_the_reference():
     assert rotary.rope_type == "yarn" and factor == pytest.approx(rotary.attention_scaling)
     assert factor == pytest.approx(0.1 * math.log(4) + 1) and torch.equal(inv_freq, rotary.inv_freq)
     assert rope_inv_freq(zoo.ZOO["llama"].build_config())[1] == 1.0
+
+
+class _CountingOracle:
+    """An oracle counting the references it computes (the store's rebuild test)."""
+
+    source = "counting"
+
+    def __init__(self):
+        self.computed = 0
+
+    def reference(self, prompt, max_new_tokens):
+        from pytest_kvcompile.oracles.reference import Reference
+
+        self.computed += 1
+        return Reference(tuple(prompt), (1,) * max_new_tokens, torch.zeros(max_new_tokens, 4), self.source)
+
+
+def test_a_changed_code_hash_builds_the_zoo_and_the_oracle_store_anew(tmp_path, monkeypatch):
+    """Stores outlive a session (issue 53): reused while their key holds, rebuilt when the code that produced them
+    changes (here: its hash, models/zoo.py `code_hash`)."""
+    from pytest_kvcompile.contract.engine import ModelSpec, Strategy
+    from pytest_kvcompile.oracles import store
+
+    path = zoo.checkpoint("llama", tmp_path / "zoo")
+    assert zoo.checkpoint("llama", tmp_path / "zoo") == path  # the same key: reused
+    spec = ModelSpec("llama", path, AutoConfig.from_pretrained(path))
+
+    def stored(oracle):
+        return store.StoredOracle(oracle, Strategy(), spec, 1e-3, tmp_path / "oracle", check=False)
+
+    first, again = _CountingOracle(), _CountingOracle()
+    stored(first).cached_reference([3, 4, 5], 2)
+    stored(again).cached_reference([3, 4, 5], 2)
+    assert (first.computed, again.computed) == (1, 0)  # a second session reads it from disk
+
+    monkeypatch.setattr("pytest_kvcompile.models.zoo.code_hash", lambda *packages: "edited")
+    monkeypatch.setattr("pytest_kvcompile.oracles.store.code_hash", lambda *packages: "edited")
+    rebuilt = zoo.checkpoint("llama", tmp_path / "zoo")
+    assert rebuilt != path and rebuilt.name.endswith("-codeedited")
+    changed = _CountingOracle()
+    stored(changed).cached_reference([3, 4, 5], 2)
+    assert changed.computed == 1  # a new key: computed anew, never the old entry

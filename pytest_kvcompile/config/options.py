@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from pytest_kvcompile.config import profiles
 from pytest_kvcompile.config.tolerances import (
     DEFAULT_MAX_NEAR_TIE_RATE,
     DEFAULT_MAX_NEAR_TIES,
@@ -43,6 +44,7 @@ ORACLE_CHECK = "--kv-oracle-check"
 CALL_TIMEOUT = "--kv-call-timeout"
 ISOLATE = "--kv-isolate"
 ORACLE = "--kv-oracle"
+PROFILE = "--kv-profile"
 
 NO_ENGINE = (f"no engine selected: pass {ENGINE}=NAME (or the ini key kv_engines); "
              f"pytest {LIST_ENGINES} lists the engines")
@@ -289,6 +291,11 @@ OPTIONS = [
            "built-in oracle of the engine's strategy), 'eager' (the engine itself with torch.compile off, or its "
            "declared eager counterpart), an engine NAME, or 'ENGINE=ORACLE' for one engine (e.g. "
            "litgpt-compile=litgpt); a per-engine entry wins over a run-wide one", "ORACLE", _oracle, "linelist"),
+    Option(PROFILE, "kv_profile", profiles.DEFAULT,
+           "how much of the suites the run spends: " + "; ".join(f"'{p.name}': {p.description}"
+                                                                 for p in profiles.PROFILES.values())
+           + " (the summary names what a smaller profile left out)", "|".join(profiles.PROFILES),
+           choice(*profiles.PROFILES)),
     Option(ORACLE_CHECK, "kv_oracle_check", "on",
            "'on' (default): replay each oracle reference through an independent path (float64) before judging an "
            "engine with it; 'off' skips that check", "on|off", choice("on", "off")),
@@ -332,6 +339,7 @@ class Settings:
     call_timeout: float = 0.0  # seconds; 0: no limit
     isolate: str | tuple[str, ...] = "auto"  # 'auto', 'declared', 'all', 'none' or engine names
     oracles: tuple[tuple[str, str], ...] = ()  # (engine or '' for every engine, 'hf' | 'eager' | NAME)
+    profile: str = profiles.DEFAULT  # --kv-profile (config/profiles.py)
 
     def oracle(self, engine: str) -> str:
         """The oracle of `engine`: its own --kv-oracle=ENGINE=ORACLE entry, else the run-wide one, else 'hf'
@@ -380,7 +388,17 @@ def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Se
         call_timeout=float(get(CALL_TIMEOUT)),
         isolate=get(ISOLATE),
         oracles=tuple(get(ORACLE)),
+        profile=get(PROFILE),
     )
+
+
+def worker_device(device: str, worker: str | None, gpus: int) -> str:
+    """The device of this process: under pytest-xdist with ``--kv-device=cuda`` (no index) on a machine with several
+    GPUs, worker gwK gets cuda:(K mod GPUs), its engines and its oracle with it, instead of every worker on cuda:0;
+    anything else as given (an explicit index is the user's choice)."""
+    if device != "cuda" or gpus < 2 or not worker or not worker.startswith("gw") or not worker[2:].isdigit():
+        return device
+    return f"cuda:{int(worker[2:]) % gpus}"
 
 
 def check_device(device: str) -> None:

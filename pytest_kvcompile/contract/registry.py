@@ -15,6 +15,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, entry_points, packages_distributions, version
+from pathlib import Path
 from typing import Any
 
 from pytest_kvcompile.contract.engine import (
@@ -141,22 +142,33 @@ def available() -> dict[str, tuple[str, str]]:
     return found
 
 
-#: A server the user runs, named by its API and URL: ``API+http://HOST:PORT[/PATH][?timeout=SECONDS&top=K]``
+#: A server the user runs, named by its API and URL:
+#: ``API+http(s)://HOST:PORT[/PATH][?timeout=SECONDS&top=K&max_concurrency=N&max_rps=R&ca_bundle=PATH]``
 SERVER_SOURCE = "server URL"
 SERVER_TARGET = "pytest_kvcompile.engines.server:external"
 SERVER_APIS = {"openai": "the OpenAI-compatible /v1/completions of vLLM, trtllm-serve, SGLang",
                "sglang": "SGLang's native /generate", "llamacpp": "llama.cpp's /completion"}
 SERVER_EXAMPLE = "openai+http://127.0.0.1:8000"
+SERVER_QUERY = ("?timeout=SECONDS (per request, > 0), ?top=K (log-probabilities asked per step, a whole number), "
+                "?max_concurrency=N (requests in flight at once, >= 1), ?max_rps=R (requests started per second, > 0) "
+                "and ?ca_bundle=PATH (the CA certificates an https server's certificate is verified with)")
+#: query parameters that would put a secret on the command line (and into test ids and reports)
+SECRET_PARAMETERS = ("api_key", "apikey", "key", "token", "access_token", "authorization", "password")
 
 
 @dataclass(frozen=True)
 class ServerURL:
-    """A parsed ``API+URL`` engine NAME: the wire format, the base URL, the per-request timeout and the top-k asked."""
+    """A parsed ``API+URL`` engine NAME: the wire format, the base URL, the per-request timeout, the top-k asked, the
+    load allowed on the server (None: no cap) and the CA bundle its certificate is verified with (None: the
+    system's)."""
 
     api: str
     url: str
     timeout: float = 120.0
     top: int = 20
+    max_concurrency: int | None = None
+    max_rps: float | None = None
+    ca_bundle: str | None = None
 
 
 def is_server_url(name: str) -> bool:
@@ -181,22 +193,39 @@ def server_url(name: str) -> ServerURL:
     except ValueError:
         port = None
     if parts.scheme not in ("http", "https") or not parts.hostname or port is None or parts.fragment:
-        raise EngineResolutionError(f"engine '{name}': '{url}' is not a server URL; write http://HOST:PORT (the "
-                                    f"server's base URL, port included), e.g. {SERVER_EXAMPLE}")
-    timeout, top = ServerURL.timeout, ServerURL.top
+        raise EngineResolutionError(f"engine '{name}': '{url}' is not a server URL; write http://HOST:PORT or "
+                                    f"https://HOST:PORT (the server's base URL, port included), e.g. {SERVER_EXAMPLE}")
+    if parts.username or parts.password:
+        raise EngineResolutionError(f"engine '{api}+{parts.scheme}://{parts.hostname}:{port}': credentials in the URL "
+                                    "would be shown in test ids and reports; set the API key in the environment "
+                                    "instead: KVCOMPILE_API_KEY (the openai API also reads OPENAI_API_KEY)")
+    found: dict[str, object] = {}
     for key, values in parse_qs(parts.query, keep_blank_values=True).items():
-        value = _number(values[-1])
+        text = values[-1]
+        value = _number(text)
+        if key.lower() in SECRET_PARAMETERS:
+            raise EngineResolutionError(
+                f"engine '{api}+{parts.scheme}://{parts.hostname}:{port}': query parameter '{key}' would put a secret "
+                "on the command line (and into test ids and reports); set the API key in the environment instead: "
+                "KVCOMPILE_API_KEY (the openai API also reads OPENAI_API_KEY), sent as 'Authorization: Bearer ...'")
         if key == "timeout" and value is not None and value > 0:
-            timeout = value
-        elif key == "top" and values[-1].isdigit():
-            top = int(values[-1])
+            found["timeout"] = value
+        elif key == "top" and text.isdigit():
+            found["top"] = int(text)
+        elif key == "max_concurrency" and text.isdigit() and int(text) >= 1:
+            found["max_concurrency"] = int(text)
+        elif key == "max_rps" and value is not None and value > 0:
+            found["max_rps"] = value
+        elif key == "ca_bundle" and text:
+            if not Path(text).is_file():
+                raise EngineResolutionError(f"engine '{name}': ?ca_bundle={text}: no such file; give the PEM file of "
+                                            "the CA certificates that signed the server's certificate")
+            found["ca_bundle"] = text
         else:
-            raise EngineResolutionError(f"engine '{name}': query parameter {key}={values[-1]!r} is not understood; "
-                                        "the URL takes ?timeout=SECONDS (per request, > 0) and ?top=K (log-"
-                                        f"probabilities asked per step, a whole number), e.g. {SERVER_EXAMPLE}"
-                                        "?timeout=60")
+            raise EngineResolutionError(f"engine '{name}': query parameter {key}={text!r} is not understood; the URL "
+                                        f"takes {SERVER_QUERY}, e.g. {SERVER_EXAMPLE}?timeout=60&max_concurrency=4")
     base = f"{parts.scheme}://{parts.netloc}{parts.path.rstrip('/').removesuffix('/v1')}"
-    return ServerURL(api, base, timeout, top)
+    return ServerURL(api, base, **found)  # type: ignore[arg-type]
 
 
 def _number(text: str) -> float | None:
@@ -220,7 +249,8 @@ def _import_target(name: str, target: str) -> Any:
     if target == SERVER_TARGET and is_server_url(name):  # the factory of that server (engines/server.py: external)
         parsed = server_url(name)
         module = importlib.import_module(SERVER_TARGET.partition(":")[0])
-        return module.external(parsed.api, parsed.url, parsed.timeout, parsed.top)
+        return module.external(parsed.api, parsed.url, parsed.timeout, parsed.top,
+                               module.Limits(parsed.max_concurrency, parsed.max_rps), parsed.ca_bundle)
     module_name, _, attr = target.partition(":")
     if not module_name or not attr:
         raise EngineResolutionError(

@@ -24,7 +24,7 @@ import torch
 from pytest_kvcompile.contract.engine import Declaration, ModelSpec
 from pytest_kvcompile.engines.llamacpp import N_CTX, convert
 from pytest_kvcompile.engines.recipe import Recipe
-from pytest_kvcompile.engines.server import Launch, ManagedServer
+from pytest_kvcompile.engines.server_process import Launch, ManagedServer
 
 SLOTS = 8  # parallel sequences (the concurrency suite sends 8 at once)
 BINARY_ENV = "LLAMA_SERVER"

@@ -32,257 +32,57 @@ Rules:
 - Two ways to get one: `external` (``--kv-engine=API+http://HOST:PORT``, contract/registry.py parses it: the server
   is the user's, serving the run's one checkpoint) and `ManagedServer` (the engine starts the server on the checkpoint
   on a free 127.0.0.1 port, waits until it answers within `READY_TIMEOUT_S`, keeps its log, stops it when the engine
-  is dropped or the process exits). Managed recipes: engines/vllm_server.py, engines/llamacpp_server.py.
+  is dropped or the process exits: engines/server_process.py). Managed recipes: engines/vllm_server.py,
+  engines/llamacpp_server.py.
+- A deployed server: an API key from the environment, https verified against the system's or a given CA bundle, a
+  cap on requests at once and per second (engines/server_access.py; docs/servers.md).
 
-Standard library only (urllib, json, threads): no client package is needed to check a server.
+The wire formats are engines/server_wire.py; this module is the HTTP client. Standard library only (urllib, json,
+threads): no client package is needed to check a server.
 """
+
 
 from __future__ import annotations
 
-import contextlib
 import http.client
 import json
 import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
+import ssl
 import threading
 import time
 import urllib.error
 import urllib.request
-import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from pytest_kvcompile.contract.engine import Declaration, ModelSpec
+from pytest_kvcompile.engines.server_access import (
+    CA_VARIABLE,
+    KEY_VARIABLES,
+    NO_LIMITS,
+    Limits,
+    Pace,
+    api_key,
+    redact,
+)
+from pytest_kvcompile.engines.server_wire import API, APIS, TOP_K, Answer, Malformed, Served
 from pytest_kvcompile.errors import EngineProcessDied
 
-APIS = ("openai", "sglang", "llamacpp")
-TOP_K = 20  # log-probabilities asked per step (vLLM's default --max-logprobs is 20)
 REQUEST_TIMEOUT_S = 120.0  # one request, unless the URL says ?timeout=SECONDS
-READY_TIMEOUT_S = 600.0  # a managed server's start (vLLM on CPU compiles first)
-LOG_TAIL_LINES = 20
 ANSWER_SHOWN = 600  # characters of a body quoted in a failure
 
 
 class ServerError(EngineProcessDied):
-    """A request to a server engine failed; str(exc) is the whole failure (the server, the request, what to try).
-    `kind`: "crash" where the server is gone (unreachable, dropped the connection, timed out), else "other"."""
+    """A request to a server engine failed; str(exc) is the whole failure (the server, the request, what to try), any
+    API key redacted. `kind`: "crash" where the server is gone (unreachable, dropped the connection, timed out), else
+    "other"."""
 
     def __init__(self, message: str, gone: bool = False) -> None:
-        super().__init__(message)
+        super().__init__(redact(message))
         self.kind = "crash" if gone else "other"
         self.gone = gone
 
-
-@dataclass(frozen=True)
-class Answer:
-    """One completion: the generated ids, the server's top-k log-probabilities per step (None: not given), and the
-    prompt tokens it says it served from its prefix cache (None: it does not say)."""
-
-    tokens: list[int]
-    top: list[dict[int, float]] | None = None
-    cached: int | None = None
-
-
-@dataclass(frozen=True)
-class Served:
-    """What a server says about the model it serves (None: it does not say)."""
-
-    path: str | None = None
-    name: str | None = None
-    vocab: int | None = None
-    hidden: int | None = None
-    positions: int | None = None  # the longest sequence it serves
-
-    def describe(self) -> str:
-        facts = [f"{k}={v}" for k, v in (("path", self.path), ("name", self.name), ("vocab", self.vocab),
-                                         ("hidden", self.hidden), ("positions", self.positions)) if v is not None]
-        return ", ".join(facts) or "nothing (no endpoint of its API describes the model)"
-
-
-class Malformed(ValueError):
-    """An answer without the fields of its API (the message says which)."""
-
-
-def _ids(values: Any, what: str) -> list[int]:
-    if not isinstance(values, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in values):
-        raise Malformed(f"{what} is not a list of token ids: {str(values)[:200]}")
-    return values
-
-
-def _token_id(key: Any) -> int:
-    """An id written as an int, "17" or vLLM's "token_id:17"."""
-    text = str(key)
-    return int(text.removeprefix("token_id:"))
-
-
-class Api:
-    """One wire format: its requests and how its answers are read."""
-
-    name = ""
-    ready = "/health"  # GET: 200 once the server serves
-    doc = ""
-
-    def completion(self, model: str | None, prompt: list[int], n: int, top: int) -> tuple[str, dict[str, Any]]:
-        raise NotImplementedError
-
-    def answer(self, data: Any) -> Answer:
-        raise NotImplementedError
-
-    def teacher_forced(self, model: str | None, ids: list[int], start: int, top: int) -> tuple[str, dict] | None:
-        """The request whose answer gives the top-k log-probabilities of positions start.. of `ids`; None: the API
-        has none."""
-        return None
-
-    def rows(self, data: Any, start: int, count: int) -> list[dict[int, float]]:
-        raise NotImplementedError
-
-    def served(self, get: Callable[[str], Any]) -> tuple[Served, str | None]:
-        """What the server says about its model, and the model name requests must carry (OpenAI) or None."""
-        return Served(), None
-
-
-class OpenAI(Api):
-    name, ready = "openai", "/v1/models"
-    doc = "POST /v1/completions (OpenAI-compatible, token-id prompt)"
-
-    def completion(self, model, prompt, n, top):
-        return "/v1/completions", {"model": model, "prompt": prompt, "max_tokens": n, "temperature": 0,
-                                   "ignore_eos": True, "logprobs": top, "return_token_ids": True,
-                                   "return_tokens_as_token_ids": True, "stream": False}
-
-    def answer(self, data):
-        choice = self._choice(data)
-        logprobs = choice.get("logprobs") or {}
-        if choice.get("token_ids") is not None:
-            tokens = _ids(choice["token_ids"], "choices[0].token_ids")
-        elif logprobs.get("tokens") and all(str(t).startswith("token_id:") for t in logprobs["tokens"]):
-            tokens = [_token_id(t) for t in logprobs["tokens"]]
-        else:
-            raise Malformed("choices[0] has no token_ids and its logprobs.tokens are text, not 'token_id:N' (the "
-                            "server does not return token ids: vLLM needs return_token_ids or "
-                            "return_tokens_as_token_ids)")
-        top = None
-        rows = logprobs.get("top_logprobs")
-        if isinstance(rows, list) and len(rows) == len(tokens):
-            try:
-                top = [{_token_id(k): float(v) for k, v in (row or {}).items()} for row in rows]
-            except (ValueError, AttributeError):  # text tokens: ids cannot be told
-                top = None
-        usage = data.get("usage") or {}
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return Answer(tokens, top, cached if isinstance(cached, int) else None)
-
-    def teacher_forced(self, model, ids, start, top):
-        return "/v1/completions", {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0,
-                                   "ignore_eos": True, "prompt_logprobs": top, "stream": False}
-
-    def rows(self, data, start, count):
-        found = self._choice(data).get("prompt_logprobs")
-        if not isinstance(found, list):
-            raise NotImplementedError("its answer has no choices[0].prompt_logprobs (the server does not implement "
-                                      "vLLM's prompt_logprobs)")
-        return [{_token_id(k): float(v["logprob"] if isinstance(v, dict) else v) for k, v in (row or {}).items()}
-                for row in found[start:start + count]]
-
-    def served(self, get):
-        data = get("/v1/models")
-        models = data.get("data") if isinstance(data, dict) else None
-        if not models:
-            raise Malformed("GET /v1/models lists no model")
-        first = models[0]
-        positions = first.get("max_model_len")
-        return Served(path=first.get("root"), name=first.get("id"),
-                      positions=positions if isinstance(positions, int) else None), first.get("id")
-
-    @staticmethod
-    def _choice(data):
-        choices = data.get("choices") if isinstance(data, dict) else None
-        if not choices or not isinstance(choices[0], dict):
-            raise Malformed("the answer has no choices[0]")
-        return choices[0]
-
-
-class SGLang(Api):
-    name = "sglang"
-    doc = "POST /generate (SGLang native, input_ids)"
-
-    def completion(self, model, prompt, n, top):
-        return "/generate", {"input_ids": prompt, "return_logprob": True, "top_logprobs_num": top,
-                             "logprob_start_len": -1,
-                             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
-
-    def answer(self, data):
-        if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
-            raise Malformed("the answer has no meta_info")
-        meta = data["meta_info"]
-        if data.get("output_ids") is not None:
-            tokens = _ids(data["output_ids"], "output_ids")
-        else:
-            tokens = [int(entry[1]) for entry in meta.get("output_token_logprobs") or []]
-        rows = meta.get("output_top_logprobs")
-        top = ([{int(entry[1]): float(entry[0]) for entry in row or []} for row in rows]
-               if isinstance(rows, list) and len(rows) == len(tokens) else None)
-        cached = meta.get("cached_tokens")
-        return Answer(tokens, top, cached if isinstance(cached, int) else None)
-
-    def teacher_forced(self, model, ids, start, top):
-        return "/generate", {"input_ids": ids, "return_logprob": True, "top_logprobs_num": top,
-                             "logprob_start_len": start,
-                             "sampling_params": {"max_new_tokens": 1, "temperature": 0, "ignore_eos": True}}
-
-    def rows(self, data, start, count):
-        meta = data.get("meta_info") if isinstance(data, dict) else None
-        tops, tokens = (meta or {}).get("input_top_logprobs"), (meta or {}).get("input_token_logprobs")
-        if not isinstance(tops, list) or not isinstance(tokens, list):
-            raise Malformed("meta_info has no input_top_logprobs / input_token_logprobs")
-        found = []
-        for row, own in list(zip(tops, tokens))[:count]:
-            entries = {int(e[1]): float(e[0]) for e in row or [] if e[0] is not None}
-            if own and own[0] is not None:  # the position's own token, top-k or not
-                entries.setdefault(int(own[1]), float(own[0]))
-            found.append(entries)
-        return found
-
-    def served(self, get):
-        data = get("/get_model_info")
-        return Served(path=data.get("model_path") if isinstance(data, dict) else None), None
-
-
-class LlamaCpp(Api):
-    name = "llamacpp"
-    doc = "POST /completion (llama.cpp's server, token-array prompt)"
-
-    def completion(self, model, prompt, n, top):
-        return "/completion", {"prompt": prompt, "n_predict": n, "temperature": 0, "ignore_eos": True,
-                               "n_probs": top, "cache_prompt": True, "return_tokens": True, "stream": False}
-
-    def answer(self, data):
-        if not isinstance(data, dict) or "tokens" not in data:
-            raise Malformed("the answer has no tokens (llama.cpp fills them with return_tokens)")
-        tokens = _ids(data["tokens"], "tokens")
-        rows = data.get("completion_probabilities")
-        top = None
-        if isinstance(rows, list) and len(rows) == len(tokens):
-            top = [{int(e["id"]): float(e["logprob"]) for e in row.get("top_logprobs") or []} for row in rows]
-        cached = data.get("tokens_cached")
-        return Answer(tokens, top, cached if isinstance(cached, int) else None)
-
-    def served(self, get):
-        props = get("/props")
-        models = get("/v1/models")
-        meta = ((models.get("data") or [{}])[0].get("meta") or {}) if isinstance(models, dict) else {}
-        settings = props.get("default_generation_settings") or {} if isinstance(props, dict) else {}
-        return Served(path=props.get("model_path") if isinstance(props, dict) else None, vocab=meta.get("n_vocab"),
-                      hidden=meta.get("n_embd"), positions=meta.get("n_ctx_train") or settings.get("n_ctx")), None
-
-
-API = {api.name: api for api in (OpenAI(), SGLang(), LlamaCpp())}
 
 
 def free_port() -> int:
@@ -299,10 +99,14 @@ class ServerEngine:
                                  description="a server over HTTP (docs/servers.md)")
 
     def __init__(self, spec: ModelSpec, api: str, url: str, timeout: float = REQUEST_TIMEOUT_S, top: int = TOP_K,
-                 who: str = "") -> None:
+                 who: str = "", limits: Limits = NO_LIMITS, ca_bundle: str | None = None) -> None:
         self.spec, self.api, self.url = spec, API[api], url.rstrip("/")
         self.timeout, self.top = timeout, min(top, spec.vocab_size)
         self.who = who or f"the {api} server at {self.url}"
+        self.key, self.key_variable = api_key(api)
+        self.limits, self._pace = limits, Pace(limits)
+        self.ca_bundle = ca_bundle or os.environ.get(CA_VARIABLE) or None
+        self._tls = ssl.create_default_context(cafile=self.ca_bundle) if self.url.startswith("https:") else None
         self.calls = 0
         self.dead: str | None = None
         self._top: dict[tuple[tuple[int, ...], tuple[int, ...]], list[dict[int, float]] | None] = {}
@@ -388,32 +192,58 @@ class ServerEngine:
     def _request(self, path: str, data: bytes | None, what: str) -> Any:
         if self.dead:
             raise ServerError(f"{self.dead}; not sent: {what}", gone=True)
+        headers = {"Content-Type": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
         request = urllib.request.Request(self.url + path, data=data, method="POST" if data is not None else "GET",
-                                         headers={"Content-Type": "application/json"})
+                                         headers=headers)
         at = f"{self.who}: {what} ({request.method} {path})"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+            with self._pace.request(), urllib.request.urlopen(request, timeout=self.timeout,
+                                                              context=self._tls) as response:
                 raw = response.read()
         except urllib.error.HTTPError as exc:
             body = exc.read().decode(errors="replace")[:ANSWER_SHOWN]
             raise ServerError(f"{at} answered HTTP {exc.code} {exc.reason}: {body or '(empty body)'}"
-                              f"{self.log_tail()}") from None
+                              f"{self._refused(exc.code)}{self.log_tail()}") from None
+        except urllib.error.URLError as exc:
+            if isinstance(exc.reason, ssl.SSLCertVerificationError):
+                self.dead = (f"{at}: its TLS certificate does not verify ({exc.reason.verify_message or exc.reason}) "
+                             f"against {self.ca_bundle or 'the system certificates'}")
+                raise ServerError(f"{self.dead}: give the CA bundle that signed it, ?ca_bundle=PATH in the engine's "
+                                  f"URL or {CA_VARIABLE}=PATH (certificates are always verified)", gone=True) from None
+            raise self._unreachable(at, exc) from None
         except TimeoutError:
             self.dead = f"{at} did not answer within {self.timeout:g} s"
             raise ServerError(f"{self.dead}: the server is hung or overloaded (raise the limit with ?timeout=SECONDS "
                               f"in the engine's URL){self.log_tail()}", gone=True) from None
-        except (urllib.error.URLError, ConnectionError, http.client.HTTPException, OSError) as exc:
-            reason = getattr(exc, "reason", exc)
-            if isinstance(reason, TimeoutError):
-                self.dead = f"{at} did not answer within {self.timeout:g} s"
-                raise ServerError(self.dead + self.log_tail(), gone=True) from None
-            self.dead = f"{at}: the server is not reachable ({type(reason).__name__}: {reason})"
-            raise ServerError(f"{self.dead}: {self.not_reachable()}{self.log_tail()}", gone=True) from None
+        except (ConnectionError, http.client.HTTPException, OSError) as exc:
+            raise self._unreachable(at, exc) from None
         try:
             return json.loads(raw)
         except ValueError:
             raise ServerError(f"{at} answered something that is not JSON: {raw[:ANSWER_SHOWN]!r}"
                               f"{self.log_tail()}") from None
+
+    def _refused(self, code: int) -> str:
+        """What to try after HTTP 401/403: the key to set, or that the key set was refused (never the key)."""
+        if code not in (401, 403):
+            return ""
+        variables = " or ".join(KEY_VARIABLES[self.api.name])
+        if self.key is None:
+            return (f"\n  the server requires an API key and none was sent: set {variables} in the environment "
+                    "(sent as 'Authorization: Bearer ...'; never on the command line, where test ids and reports "
+                    "would show it)")
+        return (f"\n  the server refused the API key in ${self.key_variable} (sent as 'Authorization: Bearer ...'): "
+                "check that it is the key the server was started with")
+
+    def _unreachable(self, at: str, exc: BaseException) -> ServerError:
+        reason = getattr(exc, "reason", exc)
+        if isinstance(reason, TimeoutError):
+            self.dead = f"{at} did not answer within {self.timeout:g} s"
+            return ServerError(self.dead + self.log_tail(), gone=True)
+        self.dead = f"{at}: the server is not reachable ({type(reason).__name__}: {reason})"
+        return ServerError(f"{self.dead}: {self.not_reachable()}{self.log_tail()}", gone=True)
 
     def _read(self, parse: Callable[[Any], Any], data: Any, what: str) -> Any:
         try:
@@ -463,11 +293,14 @@ class ServerEngine:
                 f"checkpoint, or give the checkpoint it serves with --kv-model=PATH")
 
 
-def external(api: str, url: str, timeout: float, top: int) -> Callable[[ModelSpec], ServerEngine]:
-    """The factory of an engine at a server the user runs (``--kv-engine=API+URL``, contract/registry.py)."""
+def external(api: str, url: str, timeout: float, top: int, limits: Limits = NO_LIMITS,
+             ca_bundle: str | None = None) -> Callable[[ModelSpec], ServerEngine]:
+    """The factory of an engine at a server the user runs (``--kv-engine=API+URL``, contract/registry.py), with the
+    load allowed on it and the CA bundle its certificate is verified with (the URL's query)."""
 
     def factory(spec: ModelSpec) -> ServerEngine:
-        return ServerEngine(spec, api, url, timeout, top, who=f"the {api} server at {url}")
+        return ServerEngine(spec, api, url, timeout, top, who=f"the {api} server at {url}", limits=limits,
+                            ca_bundle=ca_bundle)
 
     factory.kv_declaration = Declaration(  # type: ignore[attr-defined]
         batching=True, isolated=False, thread_safe=True,
@@ -475,121 +308,6 @@ def external(api: str, url: str, timeout: float, top: int) -> Callable[[ModelSpe
     return factory
 
 
-# --- managed servers -------------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class Launch:
-    """How a managed server starts: its command (with the port), extra environment, and the API it speaks."""
-
-    command: list[str]
-    api: str
-    env: dict[str, str]
-    ready_timeout: float = READY_TIMEOUT_S
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
-    """Linux: the server gets SIGTERM when the process that started it dies (even by SIGKILL)."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-class ServerProcess:
-    """A server started by this process: its log file, readiness, and a stop that always happens."""
-
-    def __init__(self, launch: Launch, name: str) -> None:
-        self.name, self.launch = name, launch
-        folder = Path(tempfile.mkdtemp(prefix=f"kvcompile-server-{name}-"))
-        self.log_path = folder / "server.log"
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(launch.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                         env={**os.environ, **launch.env}, start_new_session=True,
-                                         preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        self._finalizer = weakref.finalize(self, _stop, self.proc)  # also runs at exit (finalize.atexit)
-
-    def exited(self) -> int | None:
-        return self.proc.poll()
-
-    def stop(self) -> None:
-        self._finalizer()
-
-    def tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
-        except OSError:
-            return f"\n  (its log {self.log_path} cannot be read)"
-        shown = "\n".join("    " + line for line in text) or "    (empty)"
-        return f"\n  server log {self.log_path} (last {len(text)} lines):\n{shown}"
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 10 s."""
-    if proc.poll() is not None:
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-
-
-class ManagedServer(ServerEngine):
-    """A server this engine starts on the checkpoint (subclasses say how: `launch`), on a free 127.0.0.1 port; stopped
-    when the engine is dropped and when the process exits. A failure names the server's log and quotes its end."""
-
-    kv_declaration = Declaration(batching=True, isolated=False, thread_safe=True, description="a managed server")
-    timeout = REQUEST_TIMEOUT_S
-
-    def launch(self, spec: ModelSpec, port: int) -> Launch:
-        raise NotImplementedError
-
-    def __init__(self, spec: ModelSpec) -> None:
-        port = free_port()
-        launch = self.launch(spec, port)
-        name = type(self).__name__
-        self.process = ServerProcess(launch, name)
-        url = f"http://127.0.0.1:{port}"
-        who = f"the managed {name} server at {url} (pid {self.process.proc.pid})"
-        try:
-            self._wait_ready(url, API[launch.api].ready, launch.ready_timeout, who)
-            super().__init__(spec, launch.api, url, self.timeout, TOP_K, who=who)
-        except BaseException:
-            self.process.stop()
-            raise
-
-    def _wait_ready(self, url: str, path: str, timeout: float, who: str) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            status = self.process.exited()
-            if status is not None:
-                raise ServerError(f"{who} exited (status {status}) before it answered GET {path}; command: "
-                                  f"{' '.join(self.process.launch.command)}{self.process.tail()}", gone=True)
-            with contextlib.suppress(OSError, http.client.HTTPException, ValueError):
-                with urllib.request.urlopen(url + path, timeout=5) as response:
-                    if response.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                self.process.stop()
-                raise ServerError(f"{who} did not answer GET {path} within {timeout:g} s of its start; command: "
-                                  f"{' '.join(self.process.launch.command)}{self.process.tail()}", gone=True)
-            time.sleep(0.25)
-
-    def not_reachable(self) -> str:
-        status = self.process.exited()
-        if status is not None:
-            return f"its process exited (status {status})"
-        return "its process is still running but does not accept connections"
-
-    def log_tail(self) -> str:
-        return self.process.tail()
-
-    def close(self) -> None:
-        self.process.stop()
-
-
-__all__ = ["API", "APIS", "Answer", "Launch", "ManagedServer", "ServerEngine", "ServerError", "ServerProcess",
-           "external", "free_port"]
+__all__ = ["API", "APIS", "Answer", "KEY_VARIABLES", "Limits", "Served", "ServerEngine", "ServerError", "api_key",
+           "external", "free_port", "redact"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import sys
 
 from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, dtype_name
-from pytest_kvcompile.engines.server import Launch, ManagedServer
+from pytest_kvcompile.engines.server_process import Launch, ManagedServer
 from pytest_kvcompile.engines.vllm import KV_POOL_BYTES, RECIPE, REQUIRES, unsupported_head_size
 
 BATCHED_TOKENS = 64  # tokens per engine step: a 250-token prompt is prefilled in 4 chunks

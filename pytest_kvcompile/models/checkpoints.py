@@ -6,7 +6,6 @@ window; zoo weights are built on first use and cached on disk (see ``zoo``).
 
 from __future__ import annotations
 
-import functools
 import json
 import types
 from dataclasses import dataclass
@@ -21,12 +20,21 @@ from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
 
 
-@functools.cache
-def transformers_version() -> tuple[int, int]:
-    import transformers
+def _installed(distribution: str) -> tuple[int, int]:
+    from importlib.metadata import version
 
-    major, minor = transformers.__version__.split(".")[:2]
-    return int(major), int(minor)
+    major, minor = version(distribution).split(".")[:2]
+    return int(major), int(minor.split("rc")[0].split("dev")[0])
+
+
+#: read once, here: `with_cache` runs inside users' compiled functions, where dynamo warns about a call to a
+#: functools.lru_cache-wrapped function (issue 59) and traces a constant without a word
+_TRANSFORMERS = _installed("transformers")
+
+
+def transformers_version() -> tuple[int, int]:
+    """(major, minor) of the installed transformers."""
+    return _TRANSFORMERS
 
 
 def cache_keyword() -> str:

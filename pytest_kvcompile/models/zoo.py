@@ -191,13 +191,27 @@ ZOO: dict[str, ZooModel] = {
 }
 
 
+def code_hash(*packages: str) -> str:
+    """A hash of the source of these subpackages of pytest_kvcompile (e.g. "models", "oracles"): what a store built by
+    their code is keyed by, so an edit to any of their files builds it anew (the zoo, the oracle's store)."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256()
+    for package in packages:
+        for path in sorted((root / package).glob("*.py")):
+            digest.update(f"{package}/{path.name}\0".encode() + path.read_bytes() + b"\0")
+    return digest.hexdigest()[:12]
+
+
 def _cache_key(name: str, config) -> str:
+    """The zoo directory's name: model, config, seed, gains, the versions of transformers and torch, and the hash of
+    the code that builds it (models/)."""
     import transformers
 
     blob = json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
     digest = hashlib.sha256(blob).hexdigest()[:12]
     gains = f"{ZOO[name].weight_gain}-{ZOO[name].head_gain}"
-    return f"{name}-cfg{digest}-seed{SEED}-gain{gains}-tf{transformers.__version__}"
+    return (f"{name}-cfg{digest}-seed{SEED}-gain{gains}-tf{transformers.__version__}-torch{torch.__version__}"
+            f"-code{code_hash('models')}")
 
 
 def _fan_in(module: torch.nn.Module, param: torch.Tensor) -> int:
@@ -232,7 +246,8 @@ def checkpoint(name: str, cache_root: Path, head_dim: int = HEAD_DIM) -> Path:
     """The local checkpoint dir (config.json + model.safetensors) of zoo model `name`.
 
     Built once under `cache_root` in a directory named by zoo name, config hash, seed,
-    gains and transformers version, so changing any of them builds a new one. The build
+    gains, transformers and torch versions and the hash of models/ (`_cache_key`), so changing any of them builds a
+    new one. The build
     goes to a temporary sibling that is renamed into place atomically; when concurrent
     builders race (pytest-xdist), the first rename wins and the others discard theirs.
     """

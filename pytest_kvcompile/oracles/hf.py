@@ -6,8 +6,9 @@ prompt, then one forward per new token (before transformers 4.56, which has no p
 whole sequence per token, no cache: ``models.checkpoints.per_layer_cache``), each token the argmax of the raw logits (no
 logits processors: a checkpoint's ``generation_config``, e.g. a repetition penalty,
 does not apply; no stop tokens). The per-step logits are kept so a divergence can be
-classified as a near tie or a mismatch (see ``token_match``), and the same loop fed the
-engine's own tokens (``teacher_forced``) gives the oracle's logits along the engine's path.
+classified as a near tie or a mismatch (see ``token_match``). ``teacher_forced`` gives the oracle's logits along the
+engine's own tokens in one forward (a prefill of prompt + tokens): what a verdict reads (oracles/store.py), so the
+greedy loop runs only where its tokens are read.
 
 Every oracle has ``reference(prompt, max_new_tokens) -> Reference`` (oracles/reference.py) and
 ``teacher_forced(prompt, tokens, tie_tolerance) -> Tensor [len(tokens), vocab]``.
@@ -16,6 +17,7 @@ Every oracle has ``reference(prompt, max_new_tokens) -> Reference`` (oracles/ref
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -51,9 +53,26 @@ class HFEagerOracle:
                                         lambda got, tol, p=key[0]: self.teacher_forced(p, got, tol))
         return self._memo[key]
 
+    #: teacher_forced is one forward (oracles/store.py judges an engine's tokens with it and decodes the greedy
+    #: reference only where something reads it)
+    one_forward = True
+
+    @torch.inference_mode()
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float = 0.0) -> torch.Tensor:
-        """The logits [len(tokens), vocab] of the same loop fed `tokens` instead of its own argmax."""
-        return self._run(tuple(prompt), len(tokens), tuple(int(t) for t in tokens))[1]
+        """The logits [len(tokens), vocab] at each step of prompt + `tokens` (row i predicts tokens[i]): one forward
+        over prompt + tokens[:-1] through a fresh cache (a prefill, as every engine's; KV-sharing layers need one in
+        some transformers versions), without a cache before 4.56 (`per_layer_cache`). The same function as the greedy
+        loop's steps, computed at once: rows differ from the loop's by rounding alone (~1e-6 in float32)."""
+        from pytest_kvcompile.models.checkpoints import dynamic_cache, per_layer_cache
+
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            return torch.empty(0, self.spec.vocab_size)
+        ids = torch.tensor([list(prompt) + tokens[:-1]], device=self.spec.device)
+        cache = dynamic_cache(self.model.config) if per_layer_cache() else None
+        logits = self.model(input_ids=ids, **with_cache(cache), use_cache=cache is not None,
+                            **keep_last(self.model, len(tokens))).logits[0, -len(tokens):]
+        return logits.float().cpu()
 
     @torch.inference_mode()
     def _run(self, prompt: tuple[int, ...], steps: int, forced: tuple[int, ...] | None):
@@ -69,6 +88,18 @@ class HFEagerOracle:
             tokens.append(int(logits.argmax()) if forced is None else forced[step])
             sequence.append(tokens[-1])
         return tuple(tokens), torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
+
+
+def keep_last(model: Any, n: int) -> dict[str, int]:
+    """The keyword asking `model` for the logits of its last `n` positions only (``logits_to_keep``, before 4.50
+    ``num_logits_to_keep``), where its forward has one: the vocabulary projection of a long prompt is not computed."""
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in parameters:
+            return {name: n}
+    return {}
 
 
 class NoOracle(LookupError):

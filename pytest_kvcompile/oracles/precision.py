@@ -123,7 +123,12 @@ class Computations:
     def __init__(self, spec: ModelSpec):
         self.spec = spec
         self.eager = load_lm(spec, attn_implementation="eager")
-        self.sdpa = load_lm(spec, attn_implementation="sdpa")
+        # one copy of the weights for both kernels where transformers switches a model's attention in place (5.x);
+        # else a second copy (issue 54: the harness's memory is the engine's order, not a multiple of it)
+        switch = getattr(self.eager, "set_attn_implementation", None)
+        can = getattr(self.eager, "_can_set_attn_implementation", lambda: False)
+        self.sdpa = _Switched(self.eager, "sdpa", "eager") if switch is not None and can() else \
+            load_lm(spec, attn_implementation="sdpa")
 
     @torch.inference_mode()
     def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -167,6 +172,22 @@ class Computations:
         logits = model(input_ids=batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                        use_cache=False).logits
         return logits[0, 7 + len(prompt) - 1:]
+
+
+class _Switched:
+    """`model` called with another attention implementation (`kernel`), switched back to `home` after each call: two
+    equivalent computations over one copy of the weights."""
+
+    def __init__(self, model: Any, kernel: str, home: str):
+        self.model, self.kernel, self.home = model, kernel, home
+        self.config = model.config
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.model.set_attn_implementation(self.kernel)
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            self.model.set_attn_implementation(self.home)
 
 
 def kv_round(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:

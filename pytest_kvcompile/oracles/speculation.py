@@ -150,6 +150,36 @@ def unaccounted(steps: Sequence[tuple[int, int]], generated: int) -> str | None:
             "step (a step drafting nothing reports (0, 0))")
 
 
+@dataclass
+class Convention:
+    """Where an engine's first verify step starts, decided once per engine from all its sequences (issue 59): 0 (its
+    first step is the prompt's own, as transformers' prompt lookup) or 1 (the prefill gives the first token). Per
+    sequence the reported steps must account for every generated token exactly once, the convention's first token
+    plus each step's accepted + 1; read per sequence alone, a step reporting one kept draft too many on a rejection
+    would pass as the other convention."""
+
+    start: int | None = None
+    first: str = ""  # the sequence that decided it, for messages
+
+    def check(self, steps: Sequence[tuple[int, int]], generated: int, what: str) -> str | None:
+        """Why this sequence's `steps` break the engine's convention (None: they keep it, or decide it)."""
+        start = generated - sum(a + 1 for _, a in steps)
+        if start not in (0, 1) or not steps:
+            return None  # (unaccounted names a count no convention explains)
+        if self.start is None:
+            self.start, self.first = start, what
+            return None
+        if start == self.start:
+            return None
+        return (f"one engine, one convention: its steps give {self._said(start)}, but for {self.first} "
+                f"{self._said(self.start)}: a step reports another number of kept drafts than it kept (a bonus token "
+                "counted as accepted), or a step is missing\n")
+
+    @staticmethod
+    def _said(start: int) -> str:
+        return "the first token from the prefill (start 1)" if start == 1 else "every token from a step (start 0)"
+
+
 def judge(row: DraftRow, steps: Sequence[tuple[int, int]], got: Sequence[int],
           tie: Callable[[int], bool] | None = None) -> Judged:
     """The engine's (drafted, accepted) `steps` for `row`, whose tokens were `got`, against what a correct engine

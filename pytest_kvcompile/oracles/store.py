@@ -1,18 +1,26 @@
 """The run's view of an oracle: references memoized in memory and on disk, and checked against an
 independent path before any engine is judged by them.
 
-Disk cache: every greedy reference and teacher-forced run is stored under ``<cache dir>/oracle/``,
-keyed by the oracle's fingerprint (oracle class and its source code, strategy, checkpoint contents,
-device, dtype, torch and transformers versions) and the call's tokens, so workers (``-n``) and later
-runs reuse them. Files are written to a temporary name and renamed (race-safe under xdist).
+Disk cache: every greedy reference and teacher-forced run is stored under ``<cache dir>/oracle/``, keyed by the
+oracle's fingerprint (oracle class and its source code, the hash of the code under models/ and oracles/, strategy,
+checkpoint contents, device, dtype, torch and transformers versions) and the call's tokens, so workers (``-n``) and
+later runs reuse them: an edit to any file there computes them anew. Files are written to a temporary name and
+renamed (race-safe under xdist).
 
-Self-check (the oracle checks itself): the first time a prompt's reference is used, its tokens are
-replayed through an independent path in float64 (`independent`): for the ``exact`` strategy a full
-recompute without a cache (one forward over prompt + tokens); for other strategies, or models whose
-transformers code needs a cache to run correctly (KV-sharing layers), the same oracle in float64. If
-the oracle's token at some step is more than `ORACLE_CHECK_TOLERANCE` (per dtype) behind that path's best,
-the oracle is unreliable for this model: `OracleUnreliable` names transformers, model, prompt and step, and
-every token check on that model stops with that error: never a verdict on the engine.
+Judging along the engine's tokens (issue 54): an exact transformers oracle teacher-forces in one forward
+(``one_forward``), so `reference` gives a `LazyReference`: the verdict reads the oracle's logits along the engine's own
+tokens (`judged`: one forward per distinct sequence, shared by every engine that produced it) and the oracle's greedy
+loop runs only where its tokens are read (a failure's message, a check that needs the oracle's own path). Eviction
+and engine oracles give their greedy reference at once, as before.
+
+Self-check (the oracle checks itself) against an independent path in float64 (`independent`): for the ``exact``
+strategy a full recompute without a cache (one forward over prompt + tokens); for other strategies, or models whose
+transformers code needs a cache to run correctly (KV-sharing layers), the same oracle in float64. Each judged
+sequence's rows (`judged`, where the oracle runs below float64: a 16-bit run's oracle is the float64 truth itself)
+and each greedy reference the first time it is used: if the oracle's choice at some step is more than
+`ORACLE_CHECK_TOLERANCE` (per dtype) behind that path's best, the oracle is unreliable for this model:
+`OracleUnreliable` names transformers, model, prompt and step, and every token check on that model from then on
+stops with that error: never a verdict on the engine.
 
 The tolerance is the oracle's own rounding, not the engine's tie tolerance. float32: 1e-3 (measured differences
 ~1e-5). A 16-bit run's hf oracle is the float64 truth: 1e-6. An engine oracle run in 16-bit: bfloat16 1.0, float16
@@ -37,13 +45,13 @@ import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import OracleUnreliable
-from pytest_kvcompile.models.zoo import shared_kv_layers
+from pytest_kvcompile.models.zoo import code_hash, shared_kv_layers
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.engine import EngineOracle
 from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
 from pytest_kvcompile.oracles.hf import oracle_for
 from pytest_kvcompile.oracles.precision import load_lm
-from pytest_kvcompile.oracles.reference import Reference
+from pytest_kvcompile.oracles.reference import LazyReference, Reference
 from pytest_kvcompile.verdicts.rows import OracleFacts
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
@@ -93,7 +101,8 @@ def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec) -> str:
     module = sys.modules[type(oracle).__module__]
     files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(spec.path).iterdir() if p.is_file())
     who = oracle.identity() if isinstance(oracle, EngineOracle) else version("transformers")  # an engine: its own
-    parts = [type(oracle).__qualname__, inspect.getsource(module), str(strategy), str(Path(spec.path).resolve()),
+    parts = [type(oracle).__qualname__, inspect.getsource(module), code_hash("models", "oracles"), str(strategy),
+             str(Path(spec.path).resolve()),
              repr(files), str(spec.device), dtype_name(spec.dtype), str(getattr(spec, "weights_dtype", "")),
              torch.__version__, who]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
@@ -186,11 +195,41 @@ class StoredOracle:
             self._memo[key] = found
         return self._memo[key]
 
-    def reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference:
-        """The oracle's greedy reference, after the self-check of this prompt (OracleUnreliable if it fails)."""
+    @property
+    def lazy(self) -> bool:
+        """Whether references are judged by teacher-forcing the engine's tokens in one forward (`LazyReference`), the
+        greedy reference decoded only where read: an exact transformers oracle. Eviction oracles (whose cache
+        evicts as it decodes) and engine oracles give their greedy references as before."""
+        return bool(getattr(self.oracle, "one_forward", False))
+
+    def reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference | LazyReference:
+        """The oracle's reference for `prompt`. A lazy oracle: a `LazyReference`, whose verdicts read the oracle's
+        logits along the engine's tokens (`judged`) and whose greedy tokens are decoded on first read (then
+        self-checked). Else the greedy reference, after the self-check of this prompt (OracleUnreliable if it
+        fails)."""
+        prompt = tuple(int(t) for t in prompt)
+        if self.lazy:
+            noise = (lambda got: self.local_noise(prompt, got)) if self.computations is not None else None
+            return LazyReference(prompt, max_new_tokens, self.source, lambda: self._greedy(prompt, max_new_tokens),
+                                 lambda got, tol: self.judged(prompt, got, tol), noise)
+        return self._greedy(prompt, max_new_tokens)
+
+    def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int) -> Reference:
         ref = self.cached_reference(prompt, max_new_tokens)
         self.self_check(ref)
         return ref
+
+    def judged(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
+        """The oracle's logits along `tokens` (`teacher_forced`), self-checked where the oracle runs below float64:
+        at every step the oracle's best must not trail the independent path's best there by more than its rounding
+        allowance (`ORACLE_CHECK_TOLERANCE`), else OracleUnreliable (the sequence is not judged)."""
+        prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
+        rows = self.teacher_forced(prompt, tokens, tie_tolerance)
+        if self._check and tokens and self.spec.dtype != torch.float64:
+            self._check_rows(prompt, tokens, rows.argmax(-1).tolist(), "its logits along the engine's tokens")
+        elif self.unreliable:
+            raise OracleUnreliable(self.unreliable)
+        return rows
 
     def cached_reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference:
         """The oracle's greedy reference, memoized, not yet self-checked (the noise calibration's: its prompts are the
@@ -248,11 +287,20 @@ class StoredOracle:
         return precision.Noise.from_dict(found)
 
     def self_check(self, ref: Reference) -> None:
-        """Raise OracleUnreliable if the independent path rejects one of the oracle's tokens."""
+        """Raise OracleUnreliable if the independent path rejects one of the oracle's greedy tokens."""
         if self.unreliable:
             raise OracleUnreliable(self.unreliable)
-        key = (ref.prompt, ref.tokens)
-        if not self._check or key in self._checked or not ref.tokens:
+        if not self._check or not ref.tokens:
+            return
+        self._check_rows(ref.prompt, ref.tokens, ref.tokens, "the oracle")
+
+    def _check_rows(self, prompt: tuple[int, ...], tokens: tuple[int, ...], chosen: Sequence[int], what: str) -> None:
+        """The independent path teacher-forced along `tokens`: at each step the oracle's `chosen` token must not trail
+        its best by more than ORACLE_CHECK_TOLERANCE, else this oracle is unreliable on the model."""
+        if self.unreliable:
+            raise OracleUnreliable(self.unreliable)
+        key = (prompt, tokens)
+        if key in self._checked:
             return
         if self._independent is None:
             self._independent = independent(self.strategy, self.spec, self.oracle)
@@ -261,9 +309,9 @@ class StoredOracle:
             self.check_absent = name
             return
         tolerance = ORACLE_CHECK_TOLERANCE[dtype_name(self.spec.dtype)]
-        rows = self._cached(("independent", ref.prompt, ref.tokens, tolerance),
-                            lambda: path.teacher_forced(ref.prompt, ref.tokens, tolerance))
-        for step, token in enumerate(ref.tokens):
+        rows = self._cached(("independent", prompt, tokens, tolerance),
+                            lambda: path.teacher_forced(prompt, tokens, tolerance))
+        for step, token in enumerate(chosen):
             best = int(rows[step].argmax())
             gap = float(rows[step][best] - rows[step][token])
             if gap > tolerance:
@@ -273,7 +321,7 @@ class StoredOracle:
                 self.unreliable = (
                     f"oracle unreliable: {who}torch {torch.__version__}, model "
                     f"'{self.spec.name}' ({dtype_name(self.spec.dtype)}, {self.spec.device}), prompt of length "
-                    f"{len(ref.prompt)} ...{list(ref.prompt[-4:])}, step {step}: the oracle ({self.source}) chose "
+                    f"{len(prompt)} ...{list(prompt[-4:])}, step {step}: {what} ({self.source}) chose "
                     f"{token}, but {name} prefers {best} by {gap:.4g} > {tolerance:g} "
                     f"(the oracle's rounding allowance in "
                     f"{dtype_name(self.spec.dtype)}). The "

@@ -37,6 +37,7 @@ from pytest_kvcompile.config.tolerances import (
     DEFAULT_MAX_NEAR_TIES,
     DEFAULT_TIE_TOLERANCE,
 )
+from pytest_kvcompile.errors import OracleUnreliable
 from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.verdicts.failures import Failure, Kind, Where
 
@@ -95,16 +96,20 @@ def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float
     chooses among ids not in `excluded` (the engine's declared never_emits), and an excluded id in `got` is a
     mismatch. `engine_top`: per step the engine's own top-k log-probabilities (id -> log p), which narrow a near tie
     (module docstring)."""
-    verdict = Verdict(steps=len(reference.tokens), max_near_ties=max_near_ties)
+    verdict = Verdict(steps=reference.steps, max_near_ties=max_near_ties)
     excluded = sorted(set(int(i) for i in excluded))
-    first = next((i for i, (e, g) in enumerate(zip(reference.tokens, got)) if e != g or g in excluded), None)
+    known = reference.known if reference.scored else reference.tokens
+    # where the oracle's greedy tokens are at hand, steps equal to them need no look; else (a reference not decoded,
+    # oracles/reference.py: LazyReference) every step is judged on the oracle's logits along the engine's tokens
+    first = 0 if known is None else next(
+        (i for i, (e, g) in enumerate(zip(known, got)) if e != g or g in excluded), None)
     if first is None:
         return verdict
     if not reference.scored:  # an oracle without logits: nothing tells a near tie from a bug
         verdict.divergences.append(Divergence(first, reference.tokens[first], int(got[first]), math.inf, False))
         return verdict
     rows = reference.given(got, tie_tolerance)
-    for step in range(first, verdict.steps):
+    for step in range(first, min(verdict.steps, len(got))):
         row, token = rows[step], int(got[step])
         if excluded:
             if int(row.argmax()) in excluded:
@@ -183,17 +188,21 @@ def check_tokens(
     __tracebackhide__ = True
     got = [int(t) for t in got]
     where = Where.of(where)
-    facts = dict(engine=engine, model=model, prompt=prompt, prompt_length=len(reference.prompt), where=where,
-                 window=window, tolerance=tie_tolerance, scored=reference.scored, max_near_ties=max_near_ties,
-                 oracle=tuple(int(t) for t in reference.tokens), tokens=tuple(got),
-                 prompt_tail=tuple(int(t) for t in reference.prompt[-8:]), excluded=tuple(sorted(excluded)))
     described = where.describe()
     at = f"on model '{model}', {prompt} (length {len(reference.prompt)}){', ' + described if described else ''}"
-    if len(got) != len(reference.tokens):
-        failure = Failure(Kind.LENGTH, **facts)
-        lines = [f"engine '{engine}' returned {len(got)} tokens {at}, expected {len(reference.tokens)}"]
-    else:
+    if len(got) == reference.steps:
         verdict = token_verdict(reference, got, tie_tolerance, max_near_ties, excluded, engine_top)
+        if verdict.mismatch is None and not verdict.drift:
+            return verdict
+    # a failure: its facts name the oracle's own greedy tokens (decoded now where they were not needed before)
+    facts = dict(engine=engine, model=model, prompt=prompt, prompt_length=len(reference.prompt), where=where,
+                 window=window, tolerance=tie_tolerance, scored=reference.scored, max_near_ties=max_near_ties,
+                 oracle=_oracle_tokens(reference), tokens=tuple(got),
+                 prompt_tail=tuple(int(t) for t in reference.prompt[-8:]), excluded=tuple(sorted(excluded)))
+    if len(got) != reference.steps:
+        failure = Failure(Kind.LENGTH, **facts)
+        lines = [f"engine '{engine}' returned {len(got)} tokens {at}, expected {reference.steps}"]
+    else:
         ties = tuple((t.step, t.expected, t.got, round(t.gap, 6)) for t in verdict.near_ties)
         if verdict.mismatch is not None:
             bad = verdict.mismatch
@@ -219,6 +228,41 @@ def assert_tokens_match(*args, **kwargs) -> Verdict:
     return check_tokens(*args, **kwargs)
 
 
+def _oracle_tokens(ref: Reference) -> tuple[int, ...]:
+    """The oracle's own greedy tokens for a failure's facts (decoded now for a reference not decoded before); () where
+    that greedy decode failed the oracle's self-check (the verdict, read along the engine's tokens, stands)."""
+    try:
+        return tuple(int(t) for t in ref.tokens)
+    except OracleUnreliable:
+        return ()
+
+
+#: a failure's message shows at most this many steps each side of the step it names; the whole sequences are in the
+#: reports (--kv-report-json, --kv-report-html: the failure's `oracle` and `tokens`)
+SHOWN_STEPS = 8
+
+
+def _sequences(ref: Reference, got: Sequence[int], step: int) -> list[str]:
+    """The oracle's and the engine's tokens for a failure's message: whole when short, else a window of SHOWN_STEPS
+    each side of `step`, with its step numbers (a long generation's 505 tokens would bury the line that matters)."""
+    try:
+        oracle: list[int] | None = [int(t) for t in ref.tokens]
+    except OracleUnreliable as exc:
+        oracle, why = None, f"(its own greedy decode is not shown: {exc})"
+    got = [int(t) for t in got]
+    longest = max(len(got), len(oracle or ()))
+    if longest <= 4 * SHOWN_STEPS:
+        return [f"  oracle: {oracle if oracle is not None else why}", f"  engine: {got}"]
+    lo, hi = max(0, step - SHOWN_STEPS), min(longest, step + SHOWN_STEPS + 1)
+
+    def window(tokens: list[int]) -> str:
+        return f"{'[... ' if lo else '['}{', '.join(map(str, tokens[lo:hi]))}{' ...]' if hi < len(tokens) else ']'}"
+
+    where = f"steps {lo}-{hi - 1} of {longest}"
+    return [f"  oracle, {where}: {window(oracle) if oracle is not None else why}", f"  engine, {where}: {window(got)}",
+            "  (the whole sequences: the reports, --kv-report-json or --kv-report-html)"]
+
+
 def _top3(ref: Reference, got: list[int], step: int, tol: float) -> tuple[tuple[int, float], ...]:
     if not ref.scored:
         return ()
@@ -229,7 +273,7 @@ def _top3(ref: Reference, got: list[int], step: int, tol: float) -> tuple[tuple[
 
 def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) -> list[str]:
     bad, engine, tol = verdict.mismatch, failure.engine, failure.tolerance
-    n = len(ref.tokens)
+    n = ref.steps
     context = (f"  context: prompt ...{list(ref.prompt[-4:])} | generated {got[max(0, bad.step - 6):bad.step]}"
                f" -> expected {bad.expected}, got {bad.got}")
     if bad.got in failure.excluded:
@@ -238,13 +282,13 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
             f"emits (Declaration.never_emits: ids {list(failure.excluded)} on this model)",
             "  the oracle's choice excluded it on that declaration, so this step cannot be judged: the declaration "
             "is wrong, or the runtime does not mask what it says it masks",
-            context, f"  oracle: {list(ref.tokens)}", f"  engine: {got}", f"  reference: {ref.source}"]
+            context, *_sequences(ref, got, bad.step), f"  reference: {ref.source}"]
     if not ref.scored:
         return [
             f"engine '{engine}' diverges from the oracle {at}: step {bad.step} of {n}",
             f"  expected token {bad.expected}, got {bad.got}: the oracle has no logits (it declares no score()), so "
             "every token must be equal: a near tie cannot be told from a bug here",
-            context, f"  oracle: {list(ref.tokens)}", f"  engine: {got}", f"  reference: {ref.source}",
+            context, *_sequences(ref, got, bad.step), f"  reference: {ref.source}",
         ]
     given = " (given the engine's own tokens before it, which left the oracle's path at an earlier near tie)" \
         if verdict.near_ties else ""
@@ -261,7 +305,7 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
         f"engine '{engine}' diverges from the oracle {at}: step {bad.step} of {n}{given}",
         f"  expected token {bad.expected}, got {bad.got}: {why}",
         "  oracle top-3 at this step: " + ", ".join(f"{t} ({v:.4g})" for t, v in failure.top3),
-        context, f"  oracle: {list(ref.tokens)}", f"  engine: {got}",
+        context, *_sequences(ref, got, bad.step),
     ]
     lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}"
               for t in verdict.near_ties]
@@ -287,8 +331,7 @@ def _drift(ref: Reference, got, verdict: Verdict, tol, engine, at) -> list[str]:
         *(f"  near tie at step {t.step}: oracle {t.expected} vs engine {t.got}, "
           f"gap {t.gap:.3g} <= {max(t.allowed, tol):.3g}"
           for t in ties),
-        f"  oracle: {list(ref.tokens)}",
-        f"  engine: {got}",
+        *_sequences(ref, got, ties[0].step if ties else 0),
         f"  reference: {ref.source}",
     ]
 
@@ -354,7 +397,7 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
             break
     if problems:
         failure = Failure(Kind.SCORE, engine, model, prompt, len(reference.prompt), tolerance=score_tolerance,
-                          gap=round(worst, 6), tokens=tuple(got), oracle=tuple(int(t) for t in reference.tokens))
+                          gap=round(worst, 6), tokens=tuple(got), oracle=_oracle_tokens(reference))
         raise TokenMismatch("\n".join([
             f"engine '{engine}': score() is not the oracle's logits on model '{model}', {prompt}, teacher-forced on "
             "the tokens generate() produced", *problems, "  hint: " + failure.hint]), failure)
@@ -398,7 +441,7 @@ def check_logprobs(reference: Reference, got: Sequence[int], rows: Sequence[Mapp
                            f"oracle {float(oracle[step, token]):.4g})")
     if problems:
         failure = Failure(Kind.SCORE, engine, model, prompt, len(reference.prompt), tolerance=score_tolerance,
-                          gap=round(worst, 6), tokens=tuple(got), oracle=tuple(int(t) for t in reference.tokens))
+                          gap=round(worst, 6), tokens=tuple(got), oracle=_oracle_tokens(reference))
         raise TokenMismatch("\n".join([
             f"engine '{engine}': its teacher-forced log-probabilities are not the oracle's on model '{model}', "
             f"{prompt}, along the tokens generate() produced", *problems, "  hint: " + failure.hint]), failure)

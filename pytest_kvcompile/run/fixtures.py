@@ -64,14 +64,15 @@ def kv_engine(kv_session: Session, kv_engine_name: str, kv_model_name: str) -> E
 @pytest.fixture
 def kv_oracle(kv_session: Session, kv_engine_name: str, kv_model_name: str) -> StoredOracle:
     """The engine's oracle on the current model (--kv-oracle: the oracle of its declared strategy, or an engine,
-    oracles/engine.py). Before the first test uses it, the model's prompt set is replayed through an independent
-    path (oracles.store): an oracle that fails that self-check SKIPS every token check on the model as not judged
-    (OracleUnreliable), never a verdict on the engine; an engine oracle without a reference for one prompt skips
-    that prompt's checks alone."""
+    oracles/engine.py). Its references are checked against an independent path (oracles.store: a transformers
+    oracle each sequence it judges, the others the model's whole prompt set before the first test uses them): an
+    oracle that fails that self-check SKIPS its token checks on the model as not judged (OracleUnreliable), never a
+    verdict on the engine; an engine oracle without a reference for one prompt skips that prompt's checks alone."""
     session = _checked(kv_session, kv_engine_name, kv_model_name)
     oracle = session.oracle(kv_engine_name, kv_model_name)
     entry = session.models[kv_model_name]
-    for prompt in session.prompts(kv_model_name) + batch(entry.vocab_size, entry.window):
+    # a lazy oracle (oracles/store.py) self-checks each sequence it judges; the others replay the prompt set first
+    for prompt in [] if oracle.lazy else session.prompts(kv_model_name) + batch(entry.vocab_size, entry.window):
         try:
             oracle.reference(prompt.ids, session.settings.max_new_tokens)  # OracleUnreliable: a skip, not judged
         except OracleUnreliable:

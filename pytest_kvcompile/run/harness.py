@@ -287,7 +287,7 @@ class EngineUnderTest:
         the verdict, or TokenMismatch (the kv_check_tokens fixture records either for the reports)."""
         __tracebackhide__ = True
         return check_tokens(
-            reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.near_tie_budget(len(reference.tokens)),
+            reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.near_tie_budget(reference.steps),
             engine=self.name,
             model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
             context=self.served(len(self.history) - 1), excluded=self.excluded,

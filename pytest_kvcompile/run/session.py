@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +20,7 @@ from pytest_kvcompile.config.options import (
     TIE_TOLERANCE,
     Settings,
     check_device,
+    worker_device,
 )
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import (
@@ -88,6 +91,14 @@ class Session:
 
     def __post_init__(self) -> None:
         check_device(self.settings.device)
+        if self.settings.device == "cuda":  # one GPU per xdist worker where there are several (worker_device)
+            import torch
+
+            mine = worker_device("cuda", os.environ.get("PYTEST_XDIST_WORKER"), torch.cuda.device_count())
+            if mine != self.settings.device:
+                self.settings = dataclasses.replace(self.settings, device=mine)
+                self.progress(f"xdist worker {os.environ['PYTEST_XDIST_WORKER']}: engines and oracle on {mine} (one "
+                              f"GPU per worker, {torch.cuda.device_count()} GPUs)")
 
     def engine(self, name: str, model: str) -> EngineUnderTest:
         """The engine built for the model, once per process (each time with --kv-fresh-engine); a failed build

@@ -1,0 +1,53 @@
+"""Profiles (``--kv-profile``): how much of the suites a run spends, as hypothesis has its profiles (issue 54).
+
+A checkpoint of billions of parameters on one GPU cannot take the whole suite on every pull request; its nightly run
+can. A profile narrows the checks and the prompts; it never widens what passes, and the run's summary names what it
+left out (a smaller profile is a choice, not a silent pass). The default, ``full``, is every check on every prompt.
+
+- ``full``: everything (the default).
+- ``ci``: every check but the longest ones: the long generations (hundreds of steps per model), the call histories,
+  the near-tie rate's power check and the latency budgets (the 16-bit run-level rates then have less power: the
+  summary says so through the near-tie rate's own line).
+- ``smoke``: the token checks a cache bug breaks first, on three prompts (1, 7 and 48 tokens): token identity alone
+  and batched, stale state, batch consistency, and the recompile and KV-footprint checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Profile:
+    """`keeps`: the check functions run (None: all but `leaves_out`); `prompts`: the prompt names parametrized tests run
+    on (None: all)."""
+
+    name: str
+    description: str
+    leaves_out: tuple[str, ...] = ()
+    keeps: tuple[str, ...] | None = None
+    prompts: tuple[str, ...] | None = None
+
+    def runs(self, check: str) -> bool:
+        """Whether the check function named `check` (a test function's name, parameters stripped) runs."""
+        if self.keeps is not None:
+            return check in self.keeps
+        return check not in self.leaves_out
+
+    def runs_prompt(self, prompt: str | None) -> bool:
+        return prompt is None or self.prompts is None or prompt in self.prompts
+
+
+PROFILES = {p.name: p for p in (
+    Profile("full", "every check on every prompt (the default)"),
+    Profile("ci", "every check but the long generations, call histories, the near-tie rate's power check and latency",
+            leaves_out=("test_long_generation", "test_long_generation_batched", "test_single_after_each_batch_size",
+                        "test_same_batch_size_new_length_mix", "test_near_tie_rate", "test_latency", "test_benchmark")),
+    Profile("smoke", "token identity, stale state, batch consistency, recompiles and the KV footprint on prompts of "
+                     "1, 7 and 48 tokens",
+            keeps=("test_token_identity", "test_token_identity_batched", "test_stale_state", "test_batch_consistency",
+                   "test_no_recompiles_after_warmup", "test_identical_calls_compile_nothing", "test_kv_cache_bytes",
+                   "test_kv_cache_bytes_batched"),
+            prompts=("len1", "short7", "long48")),
+)}
+DEFAULT = "full"

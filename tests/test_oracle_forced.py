@@ -1,0 +1,41 @@
+"""The transformers oracle judges an engine's tokens in one forward (issue 54: oracles/hf.py `teacher_forced`), the
+same function as its greedy loop's steps: on every zoo layout the rows agree to rounding, and a run's store hands out
+references that decode the greedy loop only where something reads it (oracles/store.py)."""
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from pytest_kvcompile.contract.engine import ModelSpec, Strategy
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.oracles.hf import HFEagerOracle
+from pytest_kvcompile.oracles.reference import LazyReference
+from pytest_kvcompile.oracles.store import StoredOracle
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sw", "gemma4-kvshared", "gpt2-abspos"])
+def test_one_forward_equals_the_greedy_loop(name, zoo_cache):
+    path = zoo.checkpoint(name, zoo_cache)
+    oracle = HFEagerOracle(ModelSpec(name, path, AutoConfig.from_pretrained(path)))
+    prompt = [(i * 37 + 11) % 256 for i in range(19)]  # decoding crosses the sliding window
+    greedy = oracle.reference(prompt, 16)
+    forced = oracle.teacher_forced(prompt, greedy.tokens)
+    assert forced.shape == greedy.logits.shape
+    torch.testing.assert_close(forced, greedy.logits, atol=1e-4, rtol=1e-4)
+    assert tuple(forced.argmax(-1).tolist()) == greedy.tokens
+
+
+def test_the_store_judges_without_the_greedy_loop(zoo_cache, tmp_path, monkeypatch):
+    path = zoo.checkpoint("llama", zoo_cache)
+    spec = ModelSpec("llama", path, AutoConfig.from_pretrained(path))
+    want = HFEagerOracle(spec).reference([3, 1, 4, 1, 5], 8).tokens
+    oracle = HFEagerOracle(spec)
+    stored = StoredOracle(oracle, Strategy(), spec, 1e-3, tmp_path)
+    loops = []
+    monkeypatch.setattr(oracle, "_run", lambda *args: loops.append(args) or HFEagerOracle._run(oracle, *args))
+    ref = stored.reference([3, 1, 4, 1, 5], 8)
+    assert isinstance(ref, LazyReference) and stored.lazy
+    rows = ref.given(want, 1e-3)
+    assert tuple(rows.argmax(-1).tolist()) == want and loops == []  # judged: one forward, self-checked, no loop
+    assert stored._checked == {((3, 1, 4, 1, 5), want)}  # the float64 self-check ran along the engine's tokens
+    assert ref.tokens == want and len(loops) == 1  # read: decoded once, then memoized
