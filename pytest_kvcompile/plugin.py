@@ -66,6 +66,29 @@ def _session_fixtures(run: Run) -> types.ModuleType:
     return holder
 
 
+def peak_memory() -> str:
+    """The run's peak memory: host (this process's peak RSS, and the largest of its finished child processes': xdist
+    workers, isolated engines), and each CUDA device's peak allocation where this process used one."""
+    import resource
+    import sys
+
+    scale = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB elsewhere
+    own = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * scale
+    line = f"host: {own / 2**30:.2f} GiB peak RSS in this process"
+    if children:
+        line += f", {children / 2**30:.2f} GiB in the largest of its child processes (workers, isolated engines)"
+    if "torch" not in sys.modules:  # a run that loaded no torch used no device
+        return line
+    import torch
+
+    if torch.cuda.is_initialized():
+        peaks = [f"cuda:{i} {torch.cuda.max_memory_allocated(i) / 2**30:.2f} GiB"
+                 for i in range(torch.cuda.device_count())]
+        line += f"; device (torch's peak allocation in this process): {', '.join(peaks)}"
+    return line
+
+
 class Run:
     """The run's wiring: settings, the engines it selected, and the Session, built on first use. Provides the
     ``kv_session`` fixture every kvcompile fixture gets its collaborators from, and the xdist/collection hooks."""
@@ -193,7 +216,11 @@ class Run:
         return report
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        """A profile smaller than 'full' (--kv-profile) names what it left out: never a silent pass."""
+        """The run's peak memory (issue 54), and a profile smaller than 'full' (--kv-profile) names what it left out:
+        never a silent pass."""
+        if self.engines:
+            terminalreporter.write_sep("-", "kvcompile: peak memory")
+            terminalreporter.write_line(peak_memory())
         profile = PROFILES[self.settings.profile]
         if profile.name == "full":
             return

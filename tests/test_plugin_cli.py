@@ -286,6 +286,7 @@ def test_a_profile_narrows_the_run_and_names_what_it_left_out(kvtester):
         "checks left out: every other one",
         "prompts left out: all but len1, short7, long48 (batches as they are)",
         "* test(s) deselected; the complete run: --kv-profile=full (the default)"])
+    result.stdout.fnmatch_lines(["*kvcompile: peak memory*", "host: * GiB peak RSS in this process*"])
 
 
 def test_every_check_a_profile_names_is_a_suite_check():

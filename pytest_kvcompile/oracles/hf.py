@@ -37,7 +37,7 @@ class HFEagerOracle:
         from pytest_kvcompile.models.checkpoints import per_layer_cache
 
         self.spec = spec
-        self.model = load_lm(spec)
+        self.model = load_lm(spec, widened=True)
         if not per_layer_cache():
             self.source = "transformers eager greedy, no cache (the whole sequence each step: transformers < 4.56)"
         self._memo: dict[tuple[tuple[int, ...], int], Reference] = {}

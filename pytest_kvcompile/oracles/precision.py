@@ -102,14 +102,87 @@ def high_precision(spec: ModelSpec) -> HighPrecisionSpec:
     return HighPrecisionSpec(**{**fields, "dtype": torch.float64}, weights_dtype=spec.dtype)
 
 
-def load_lm(spec: ModelSpec, **kwargs: Any):
+def load_lm(spec: ModelSpec, widened: bool = False, **kwargs: Any):
     """transformers' model of the checkpoint in spec.dtype on spec.device, eval mode; a `HighPrecisionSpec`'s weights
-    pass through its weights_dtype first. Every oracle loads its model here."""
+    pass through its weights_dtype first. Every oracle loads its model here.
+
+    `widened` (a float64 spec, for callers that only call the model): the weights stay in the dtype they pass through
+    (the run's 16-bit dtype; float32 for a float32 checkpoint's float64 path) and the model runs in float64 one module
+    at a time (`Widened`): the same function, a quarter (or half) of the memory (issue 54)."""
     from pytest_kvcompile.models.checkpoints import pretrained
 
     through = getattr(spec, "weights_dtype", None) or spec.dtype
+    if widened and spec.dtype == torch.float64:
+        stored = torch.float32 if through == torch.float64 else through
+        if str(getattr(spec.config, "torch_dtype", None) or getattr(spec.config, "dtype", "")) != "torch.float64":
+            return Widened(pretrained(spec.path, stored, **kwargs).to(device=spec.device).eval())
     model = pretrained(spec.path, through, **kwargs)
     return model.to(device=spec.device, dtype=spec.dtype).eval()
+
+
+class Widened:
+    """`model`, its weights in a lower dtype, evaluated in float64 one module at a time: as a module's forward starts,
+    its own parameters and floating-point buffers are cast to float64, and back as it ends. Exact both ways (every
+    bfloat16, float16 and float32 value is a float64 value), so the model computes what its float64 copy computes,
+    while the whole model is never held in float64: at most the modules being run (a layer, the embedding, the output
+    head). Call it as the model; other attributes (config, ...) are the model's. For callers that only call it: a
+    submodule called on its own runs in the stored dtype. A constant a model computes when it is built (Gemma's
+    embedding scale) has the precision of the dtype it was built in: bit for bit a 16-bit run's float64 copy (also
+    built through the 16-bit dtype), ~1e-7 relative from a float32 checkpoint loaded straight into float64."""
+
+    def __init__(self, model: Any):
+        self.model = model
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "model":
+            raise AttributeError(name)
+        return getattr(self.model, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        depth: dict[int, int] = {}
+        saved: dict[int, list[tuple[str, str, torch.dtype]]] = {}
+
+        def widen(module: torch.nn.Module, *_: Any) -> None:
+            key = id(module)
+            depth[key] = depth.get(key, 0) + 1
+            if depth[key] > 1:
+                return
+            saved[key] = []
+            with torch.inference_mode(False), torch.no_grad():
+                for name, param in module.named_parameters(recurse=False):
+                    if param.is_floating_point() and param.dtype != torch.float64:
+                        saved[key].append(("p", name, param.dtype))
+                        param.data = param.data.double()
+                for name, buffer in module.named_buffers(recurse=False):
+                    if buffer.is_floating_point() and buffer.dtype != torch.float64:
+                        saved[key].append(("b", name, buffer.dtype))
+                        setattr(module, name, buffer.double())  # a registered buffer's name: replaced as a buffer
+
+        def narrow(module: torch.nn.Module, *_: Any) -> None:
+            key = id(module)
+            depth[key] -= 1
+            if depth[key]:
+                return
+            with torch.inference_mode(False), torch.no_grad():
+                for kind, name, dtype in saved.pop(key):
+                    if kind == "p":
+                        param = getattr(module, name)
+                        param.data = param.data.to(dtype)
+                    else:
+                        setattr(module, name, getattr(module, name).to(dtype))
+
+        def own(module: torch.nn.Module) -> bool:
+            return any(True for _ in module.parameters(recurse=False)) or any(
+                True for _ in module.buffers(recurse=False))
+
+        owners = [m for m in self.model.modules() if own(m)]
+        handles = [h for m in owners for h in (m.register_forward_pre_hook(widen),
+                                               m.register_forward_hook(narrow, always_call=True))]
+        try:
+            return self.model(*args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 # --------------------------------------------------------------------------- the equivalent computations

@@ -68,7 +68,7 @@ class NoCacheRecompute:
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        self.model = load_lm(spec)
+        self.model = load_lm(spec, widened=True)
 
     @torch.inference_mode()
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float = 0.0) -> torch.Tensor:
