@@ -66,6 +66,14 @@ def _session_fixtures(run: Run) -> types.ModuleType:
     return holder
 
 
+def _deselect(config: pytest.Config, items: list[pytest.Item], left: list[pytest.Item]) -> int:
+    """Deselect `left` from `items` (in place, reported to pytest as deselected); how many."""
+    if left:
+        config.hook.pytest_deselected(items=left)
+        items[:] = [i for i in items if i not in left]
+    return len(left)
+
+
 def peak_memory() -> str:
     """The run's peak memory: host (this process's peak RSS, and the largest of its finished child processes': xdist
     workers, isolated engines), and each CUDA device's peak allocation where this process used one."""
@@ -120,6 +128,7 @@ class Run:
                                     "use 'declared', 'all' or 'none'")
         self.findings, self.deprecated_findings = run_findings(config, self.engines)
         self.finding_runs: dict[str, list[bool]] = {}  # stale-line -> absorbed? per test of it that ran (controller)
+        self.profile_left: int | None = None  # tests a smaller --kv-profile deselected (where this process collected)
 
     @cached_property
     def session(self):
@@ -174,26 +183,18 @@ class Run:
         if found is not None:
             found.stale_findings = stale
         if self.settings.fuzz is None:  # fuzzing is opt-in (--kv-fuzz=N): deselect, don't skip
-            fuzzing = [i for i in items
-                       if getattr(i, "originalname", "") == "test_fuzz" and "kv_engine" in i.fixturenames]
-            if fuzzing:
-                config.hook.pytest_deselected(items=fuzzing)
-                items[:] = [i for i in items if i not in fuzzing]
+            _deselect(config, items, [i for i in items if getattr(i, "originalname", "") == "test_fuzz"
+                                      and "kv_engine" in i.fixturenames])
         profile = PROFILES[self.settings.profile]
         if profile.name != "full":  # a smaller profile (--kv-profile): deselected, and named in the summary
             engine_tests = [i for i in items if "kv_engine_name" in getattr(getattr(i, "callspec", None), "params", {})]
-            left = [i for i in engine_tests if not (profile.runs(getattr(i, "originalname", i.name))
-                                                    and profile.runs_prompt(i.callspec.params.get("kv_prompt_name")))]
-            if left:
-                config.hook.pytest_deselected(items=left)
-                items[:] = [i for i in items if i not in left]
-            self.profile_left = len(left)
+            self.profile_left = _deselect(config, items, [
+                i for i in engine_tests if not (profile.runs(getattr(i, "originalname", i.name))
+                                                and profile.runs_prompt(i.callspec.params.get("kv_prompt_name")))])
         if self.settings.dtype not in MEASURED_DTYPES:  # constant rules (float32): no measured rate to power
-            constant = [i for i in items if getattr(i, "originalname", "") == "test_near_tie_rate"
-                        and "kv_engine" in i.fixturenames and not getattr(self.declaration(i), "kv_cache_dtype", None)]
-            if constant:
-                config.hook.pytest_deselected(items=constant)
-                items[:] = [i for i in items if i not in constant]
+            _deselect(config, items, [
+                i for i in items if getattr(i, "originalname", "") == "test_near_tie_rate"
+                and "kv_engine" in i.fixturenames and not getattr(self.declaration(i), "kv_cache_dtype", None)])
         engine_tests = [i for i in items if getattr(i, "callspec", None) and "kv_engine_name" in i.callspec.params]
         if not self.engines and engine_tests:
             if hasattr(config, "workerinput"):  # a UsageError here would crash the xdist worker: the fixtures error
@@ -231,7 +232,7 @@ class Run:
             out.append(f"checks left out: {', '.join(profile.leaves_out)}")
         if profile.prompts is not None:
             out.append(f"prompts left out: all but {', '.join(profile.prompts)} (batches as they are)")
-        count = getattr(self, "profile_left", None)
+        count = self.profile_left  # None on the xdist controller, which collects nothing
         out.append((f"{count} test(s) deselected; " if count is not None else "")
                    + f"the complete run: {options.PROFILE}=full (the default)")
         terminalreporter.write_sep("-", f"kvcompile: profile '{profile.name}' (a smaller run than 'full')")

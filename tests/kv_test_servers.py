@@ -210,6 +210,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def _send(self, status: int, body: object) -> None:
         data = json.dumps(body).encode()
+        self._answered()  # before the first byte: a client that read the answer sees it out of flight
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
@@ -232,15 +233,23 @@ class Handler(BaseHTTPRequestHandler):
         return True
 
     def handle_one_request(self) -> None:
-        twin = self.server
+        """A request is in flight (`peak`) from its arrival until its answer starts: inside the client's own interval
+        (its slot is held from before it connects until it read the answer), so a client keeping a cap is never seen
+        above it, however the threads are scheduled."""
+        twin, self.in_flight = self.server, True
         with twin.state:
             twin.active += 1
             twin.peak = max(twin.peak, twin.active)
         try:
             super().handle_one_request()
         finally:
-            with twin.state:
-                twin.active -= 1
+            self._answered()
+
+    def _answered(self) -> None:
+        if getattr(self, "in_flight", False):
+            self.in_flight = False
+            with self.server.state:
+                self.server.active -= 1
 
     def do_GET(self) -> None:
         if self._gone() or self._refused():

@@ -363,6 +363,40 @@ def test_https_verifies_the_certificate_against_the_system_or_the_given_bundle(t
         registry.server_url(f"openai+{server.url}?ca_bundle=/nonexistent/ca.pem")
 
 
+def test_a_load_cap_holds_across_every_process_of_the_run(tmp_path, monkeypatch):
+    """Each Pace object stands for a process of its own (an xdist worker): the slots are lock files, so 6 clients of
+    one server capped at 2 never have more than 2 requests in flight together, and their starts keep max_rps apart."""
+    import threading
+    import time
+
+    from pytest_kvcompile.engines.server_access import Limits, Pace
+
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    url, state, starts = "http://127.0.0.1:9/capped", {"active": 0, "peak": 0}, []
+    lock = threading.Lock()
+
+    def client() -> None:
+        pace = Pace(Limits(max_concurrency=2, max_rps=50), url)
+        for _ in range(3):
+            with pace.request():
+                with lock:
+                    starts.append(time.time())
+                    state["active"] += 1
+                    state["peak"] = max(state["peak"], state["active"])
+                time.sleep(0.03)
+                with lock:
+                    state["active"] -= 1
+
+    threads, began = [threading.Thread(target=client) for _ in range(6)], time.time()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert state["peak"] == 2, state  # reached, never passed
+    assert len(starts) == 18 and max(starts) - began >= 17 / 50, (began, sorted(starts))  # 1 / 50 s apart at least
+    assert (tmp_path / Pace(Limits(max_concurrency=2), url).folder.name / "slot-1").exists()
+
+
 def test_deployed_servers_in_one_run_keys_https_and_a_capped_load(kvtester, twin, monkeypatch):
     """One run: a keyed server passes; a server refusing the key fails with the 401 quoted, key redacted; an https
     server passes with its bundle and fails without it; a server capped at 2 requests at once never sees more, and the

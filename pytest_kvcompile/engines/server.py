@@ -104,7 +104,7 @@ class ServerEngine:
         self.timeout, self.top = timeout, min(top, spec.vocab_size)
         self.who = who or f"the {api} server at {self.url}"
         self.key, self.key_variable = api_key(api)
-        self.limits, self._pace = limits, Pace(limits)
+        self.limits, self._pace = limits, Pace(limits, self.url)
         self.ca_bundle = ca_bundle or os.environ.get(CA_VARIABLE) or None
         self._tls = ssl.create_default_context(cafile=self.ca_bundle) if self.url.startswith("https:") else None
         self.calls = 0

@@ -4,10 +4,18 @@ every message, and the load a run may put on it (`Limits`, kept by `Pace`). Used
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # Windows: the limits hold per process (Pace)
+    fcntl = None  # type: ignore[assignment]
 
 #: where a server's API key is read, in order (never from the command line: names and URLs reach test ids and reports)
 KEY_VARIABLES = {"openai": ("KVCOMPILE_API_KEY", "OPENAI_API_KEY"), "sglang": ("KVCOMPILE_API_KEY",),
@@ -49,29 +57,76 @@ class Limits:
 
 
 class Pace:
-    """`Limits` kept: a request waits for a free slot and its turn (`request()` is a context manager)."""
+    """`Limits` kept for one server across every process of the run (pytest-xdist workers, isolated engines) and every
+    thread: `request()` (a context manager) waits for a free slot and its turn. The slots are lock files under the
+    temporary directory named by the server's URL (an advisory ``flock`` on each, released by the kernel when a process
+    dies) and the next start time is a file read and written under a lock; without ``fcntl`` (Windows), the limits
+    hold per process."""
 
-    def __init__(self, limits: Limits) -> None:
+    POLL_S = 0.02
+
+    def __init__(self, limits: Limits, server: str = "") -> None:
         self.limits = limits
+        digest = hashlib.sha256(server.encode()).hexdigest()[:16]
+        self.folder = Path(tempfile.gettempdir()) / f"kvcompile-pace-{digest}"
         self._slots = threading.BoundedSemaphore(limits.max_concurrency) if limits.max_concurrency else None
         self._lock = threading.Lock()
         self._next = 0.0
 
     @contextlib.contextmanager
     def request(self):
-        if self._slots is not None:
-            self._slots.acquire()
-        try:
+        with self._slot():
             if self.limits.max_rps:
-                with self._lock:
-                    now = time.monotonic()
-                    start = max(now, self._next)
-                    self._next = start + 1.0 / self.limits.max_rps
-                time.sleep(max(0.0, start - now))
+                time.sleep(self._turn(1.0 / self.limits.max_rps))
             yield
-        finally:
-            if self._slots is not None:
-                self._slots.release()
+
+    @contextlib.contextmanager
+    def _slot(self):
+        if not self.limits.max_concurrency:
+            yield
+            return
+        if fcntl is None:
+            with self._slots:
+                yield
+            return
+        self.folder.mkdir(exist_ok=True)
+        while True:
+            for i in range(self.limits.max_concurrency):
+                handle = open(self.folder / f"slot-{i}", "a+")  # noqa: SIM115 (held open while the request runs)
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    handle.close()
+                    continue
+                try:
+                    yield
+                finally:
+                    fcntl.flock(handle, fcntl.LOCK_UN)
+                    handle.close()
+                return
+            time.sleep(self.POLL_S)
+
+    def _turn(self, spacing: float) -> float:
+        """Seconds to wait before this request starts: `spacing` after the previous one of any process."""
+        with self._lock:
+            if fcntl is None:
+                now = time.time()
+                start, self._next = max(now, self._next), max(now, self._next) + spacing
+                return start - now
+            self.folder.mkdir(exist_ok=True)
+            with open(self.folder / "next-start", "a+") as handle:
+                fcntl.flock(handle, fcntl.LOCK_EX)
+                handle.seek(0)
+                try:
+                    following = float(handle.read() or 0.0)
+                except ValueError:
+                    following = 0.0
+                now = time.time()
+                start = max(now, following)
+                handle.seek(0)
+                handle.truncate()
+                handle.write(repr(start + spacing))
+                return start - now
 
 
 NO_LIMITS = Limits()  # the default: no cap (a server the user runs on the loopback)

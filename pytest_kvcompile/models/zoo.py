@@ -31,6 +31,7 @@ their own K/V (5.23 agrees either way). Run "gemma4-kvshared" with a cache.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -191,6 +192,7 @@ ZOO: dict[str, ZooModel] = {
 }
 
 
+@functools.cache
 def code_hash(*packages: str) -> str:
     """A hash of the source of these subpackages of pytest_kvcompile (e.g. "models", "oracles"): what a store built by
     their code is keyed by, so an edit to any of their files builds it anew (the zoo, the oracle's store)."""

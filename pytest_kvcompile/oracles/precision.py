@@ -113,8 +113,12 @@ def load_lm(spec: ModelSpec, widened: bool = False, **kwargs: Any):
 
     through = getattr(spec, "weights_dtype", None) or spec.dtype
     if widened and spec.dtype == torch.float64:
-        stored = torch.float32 if through == torch.float64 else through
-        if str(getattr(spec.config, "torch_dtype", None) or getattr(spec.config, "dtype", "")) != "torch.float64":
+        # a 16-bit run's truth keeps the 16-bit weights; a float32 run's float64 path the float32 ones, unless the
+        # checkpoint itself is float64 (read from the config's own fields: the property warns on transformers 5)
+        saved = vars(spec.config).get("dtype", vars(spec.config).get("torch_dtype")) if spec.config else None
+        stored = through if through != torch.float64 else None if str(saved) in ("float64", "torch.float64") \
+            else torch.float32
+        if stored is not None:
             return Widened(pretrained(spec.path, stored, **kwargs).to(device=spec.device).eval())
     model = pretrained(spec.path, through, **kwargs)
     return model.to(device=spec.device, dtype=spec.dtype).eval()
