@@ -3,6 +3,7 @@ format (tests/kv_own_model.py) checked against its own eager mode; its compiled-
 score(), one whose score() is not its generate(), one wrong in float64 and one that is not eager are each named."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -251,6 +252,27 @@ def test_the_reference_cache_is_keyed_by_the_oracle(own_model):
     keys = [key("TinyGPT", "eager"), key("TinyGPTNoScore", "eager"), key("TinyGPTWrongCompiled", OWN + "TinyGPT"),
             key("TinyGPT", "eager", torch.bfloat16)]
     assert len(set(keys)) == len(keys) and key("TinyGPT", "eager") == keys[0]
+
+
+def test_the_oracle_store_is_keyed_by_the_checkpoints_content(own_model, tmp_path):
+    """Issue 54: a store recorded for a checkpoint (a nightly job's) is found for its copy at another path on another
+    machine, and not for a checkpoint differing in one byte; each file is read once (its digest kept by path, size
+    and modification time)."""
+    import shutil
+
+    from pytest_kvcompile.oracles.store import content_digest
+
+    copy = shutil.copytree(own_model, tmp_path / "elsewhere")
+    memo = tmp_path / "digests"
+    assert content_digest(copy, memo) == content_digest(own_model) == content_digest(copy, memo)
+    assert len(list(memo.iterdir())) == len([p for p in copy.iterdir() if p.is_file()])
+    weights = next(p for p in copy.iterdir() if p.suffix in (".safetensors", ".pt", ".bin"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    before = weights.stat().st_mtime_ns
+    weights.write_bytes(bytes(data))
+    os.utime(weights, ns=(before + 10**9, before + 10**9))  # a second later, even where mtimes are coarse
+    assert content_digest(copy, memo) != content_digest(own_model)  # a new modification time: read again
 
 
 def test_the_html_token_diff_of_an_oracle_without_logits():

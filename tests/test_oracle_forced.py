@@ -39,3 +39,19 @@ def test_the_store_judges_without_the_greedy_loop(zoo_cache, tmp_path, monkeypat
     assert tuple(rows.argmax(-1).tolist()) == want and loops == []  # judged: one forward, self-checked, no loop
     assert stored._checked == {((3, 1, 4, 1, 5), want)}  # the float64 self-check ran along the engine's tokens
     assert ref.tokens == want and len(loops) == 1  # read: decoded once, then memoized
+
+
+def test_a_run_finding_its_judgments_in_the_store_loads_no_oracle_model(zoo_cache, tmp_path):
+    """Issue 54: the oracle and its float64 self-check load their models on a miss only, so a later run (a pull
+    request's, over a store a nightly job recorded) judging the same tokens spends nothing on the oracle."""
+    path = zoo.checkpoint("llama", zoo_cache)
+    spec = ModelSpec("llama", path, AutoConfig.from_pretrained(path))
+    prompt = (3, 1, 4, 1, 5)
+    first = HFEagerOracle(spec)
+    tokens = first.reference(prompt, 8).tokens
+    StoredOracle(first, Strategy(), spec, 1e-3, tmp_path).reference(prompt, 8).given(tokens, 1e-3)
+    later = HFEagerOracle(spec)
+    stored = StoredOracle(later, Strategy(), spec, 1e-3, tmp_path)
+    rows = stored.reference(prompt, 8).given(tokens, 1e-3)
+    assert tuple(rows.argmax(-1).tolist()) == tokens and stored._checked  # judged and self-checked...
+    assert "model" not in vars(later) and "model" not in vars(stored._independent[0])  # ...from the store alone

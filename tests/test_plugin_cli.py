@@ -138,6 +138,7 @@ def test_bad_engine_targets_are_usage_errors(kvtester, name, message):
     ("--kv-max-new-tokens=0", "*--kv-max-new-tokens='0': give a whole number >= 1*"),
     ("--kv-tie-tolerance=-1", "*--kv-tie-tolerance='-1': give 'auto' or a logit gap >= 0*"),
     ("--kv-device=gpu0", "*--kv-device='gpu0' is not a torch device*"),
+    ("--kv-oracle-device=gpu0", "*--kv-oracle-device='gpu0' is not a torch device*"),
     ("--kv-zoo=llama,gpt9", "*--kv-zoo: unknown zoo model(s) ?'gpt9'?; choose from llama*"),
     ("--kv-zoo-head-dim=15", "*--kv-zoo-head-dim='15': give an even whole number >= 2 (RoPE rotates pairs), e.g. 32*"),
     ("--kv-model=/nonexistent/dir", "*--kv-model=/nonexistent/dir: not a local Hugging Face checkpoint directory*"),

@@ -15,6 +15,7 @@ from pytest_kvcompile.config.tolerances import FALSE_ALARM, binomial_tail, run_r
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
 from pytest_kvcompile.oracles import precision
+from pytest_kvcompile.oracles import truth as truth_module
 from pytest_kvcompile.oracles.hf import HFEagerOracle
 
 DTYPES = ("bfloat16", pytest.param("float16", marks=pytest.mark.full))  # float16: the full tier (tests/test_tiers.py)
@@ -271,13 +272,70 @@ def test_the_computations_share_one_copy_of_the_weights(zoo_cache, name):
     path = zoo.checkpoint(name, zoo_cache)
     spec = ModelSpec(name, path, AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
     shared = precision.Computations(spec)
-    assert isinstance(shared.sdpa, precision._Switched) and shared.sdpa.model is shared.eager
-    apart = precision.load_lm(spec, attn_implementation="sdpa")
+    home = shared.base.config._attn_implementation  # transformers' default (sdpa)
+    switched = shared.eager if home != "eager" else shared.sdpa
+    assert isinstance(switched, precision._Switched) and switched.model is shared.base
+    assert {shared.eager if home == "eager" else shared.sdpa} == {shared.base}
+    eager_apart = precision.load_lm(spec, attn_implementation="eager")
+    sdpa_apart = precision.load_lm(spec, attn_implementation="sdpa")
     prompt, tokens = [3, 1, 4, 1, 5, 9, 2, 6], [5, 3, 5, 8]
     with torch.inference_mode():
-        assert torch.equal(shared._whole(shared.sdpa, prompt, tokens), shared._whole(apart, prompt, tokens))
-        assert torch.equal(shared._padded(shared.sdpa, prompt, tokens), shared._padded(apart, prompt, tokens))
-    assert shared.eager.config._attn_implementation == "eager"  # switched back after each call
+        assert torch.equal(shared._whole(shared.sdpa, prompt, tokens), shared._whole(sdpa_apart, prompt, tokens))
+        assert torch.equal(shared._padded(shared.sdpa, prompt, tokens), shared._padded(sdpa_apart, prompt, tokens))
+        assert torch.equal(shared._cached(shared.eager, [prompt], tokens),
+                           shared._cached(eager_apart, [prompt], tokens))
+    assert shared.base.config._attn_implementation == home  # switched back after each call
+    truth = precision.load_lm(precision.high_precision(spec), widened=True)
+    assert truth.model is shared.base  # the truth too: one copy of the 16-bit weights in the harness
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4-kvshared"])
+def test_the_truths_greedy_reference_is_drafted_then_verified(zoo_cache, name, monkeypatch):
+    """Issue 54: the widened truth decodes its greedy reference as the stored 16-bit weights' drafts checked by one
+    widened forward each (a large model's weights are widened once per draft, not once per token): the tokens of
+    the float64 greedy loop, its logits to float64 rounding, in far fewer widened forwards than steps."""
+    path = zoo.checkpoint(name, zoo_cache)
+    spec = precision.high_precision(ModelSpec(name, path, AutoConfig.from_pretrained(path), dtype=torch.bfloat16))
+    oracle = HFEagerOracle(spec)
+    assert isinstance(oracle.model, precision.Widened)
+    calls = []
+    real = precision.Widened.__call__
+    monkeypatch.setattr(precision.Widened, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    flips = 0
+    for length in (5, 19, 40):
+        prompt = tuple((i * 37 + length) % 256 for i in range(length))
+        calls.clear()
+        tokens, rows = oracle._verified(prompt, 48)
+        widened = len(calls)
+        loop_tokens, loop_rows = oracle._run(prompt, 48)  # the greedy loop, one widened forward per token
+        assert tokens == loop_tokens, (length, tokens, loop_tokens)
+        # eager attention's softmax runs in float32 (transformers'), over another sum order in a prefill
+        torch.testing.assert_close(rows, loop_rows, rtol=1e-4, atol=1e-4)
+        drafted = oracle._run(prompt, 48, oracle.model.model)[0]
+        flips += widened - 1
+        assert widened <= 1 + sum(a != b for a, b in zip(tokens, drafted)) + 1 <= 48, (widened, length)
+    assert flips < 3 * 48 // 4  # most steps verified in bulk
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2-abspos"])
+def test_the_widened_vocabulary_is_projected_in_slices(zoo_cache, name, monkeypatch):
+    """Issue 54: a module over WIDE_AT_ONCE weights (a real vocabulary's embedding and output head: 233M for
+    Qwen2.5-1.5B) is never held in float64 whole: the embedding widens the rows it gathers, the head one slice of
+    output features at a time. The logits are the float64 copy's (the same dot products)."""
+    path = zoo.checkpoint(name, zoo_cache)
+    spec = ModelSpec(name, path, AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    wide = precision.high_precision(spec)
+    copy, widened = precision.load_lm(wide), precision.load_lm(wide, widened=True)
+    monkeypatch.setattr(truth_module, "WIDE_AT_ONCE", 1000)  # the zoo's 256 x 64 matrices in slices of 15 rows
+    seen, real = [], truth_module._sliced
+    monkeypatch.setattr(truth_module, "_sliced",
+                        lambda module, x: seen.append(type(module).__name__) or real(module, x))
+    ids = torch.tensor([[(i * 37 + 11) % 256 for i in range(21)]])
+    with torch.inference_mode():
+        want, got = copy(input_ids=ids, use_cache=False).logits, widened(input_ids=ids, use_cache=False).logits
+    assert {"Embedding", "Linear"} <= set(seen), seen
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert not any("forward" in vars(m) for m in widened.model.modules())  # the modules' own forward again
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-sw", "gemma4-kvshared", "gpt2-abspos"])

@@ -76,6 +76,10 @@ def test_reports_are_written(kvtester):
                                  f"PASS  {GREEDY}: 2 passed (1 model)"], consecutive=False)
     result.stdout.fnmatch_lines([f"kvcompile: {GREEDY} / llama: built in * s", "*kvcompile: slowest engine builds (2)*",
                                  f"* s  {GREEDY} / llama"])
+    result.stdout.fnmatch_lines(["*kvcompile: time in the engines vs the harness*", "* s  * / llama in generate()",
+                                 "engines * s of the tests' * s (*%; every worker's), the harness * s (*%: oracle, "
+                                 "checks, * s of engine builds, pytest)"])
+    assert greedy["generate_s"] > 0 and instant["generate_s"] > 0  # every generate() call's seconds
     md = (out / "r.md").read_text().splitlines()
     assert md[0] == "## pytest-kvcompile results"
     assert f"- :x: **FAIL** `{INSTANT}`: 1 passed, 1 failed (1 model)" in md
@@ -331,7 +335,7 @@ def _full_row(scale=1):
     return Row(
         "e", "m", "cpu", "float32", tests={"passed": 2 * scale, "failed": 1}, tokens={"identical": scale},
         near_ties=[f"tie {scale}"], verified_tokens=5, near_tie_tokens=1, token_checks=1, evicting=1, evictions=3,
-        builds=1, build_s=0.5, declared_skips=[f"why {scale}"], excluded_ids=[2], excluded_tokens=1,
+        builds=1, build_s=0.5, generate_s=0.25, declared_skips=[f"why {scale}"], excluded_ids=[2], excluded_tokens=1,
         oracle_errors=["bad"], checks={"test_x": {"ran": 1, "reason": ""}}, versions=["x==1"],
         failures=[FailureEntry(f"t{scale}", Kind.MEMORY, "grew")],
         compiles={"build": 1, "warmup": 2, "after_warmup": scale, "reasons": [f"r{scale}"], "graph_breaks": ["b"],

@@ -45,6 +45,7 @@ CALL_TIMEOUT = "--kv-call-timeout"
 ISOLATE = "--kv-isolate"
 ORACLE = "--kv-oracle"
 PROFILE = "--kv-profile"
+ORACLE_DEVICE = "--kv-oracle-device"
 
 NO_ENGINE = (f"no engine selected: pass {ENGINE}=NAME (or the ini key kv_engines); "
              f"pytest {LIST_ENGINES} lists the engines")
@@ -235,6 +236,10 @@ OPTIONS = [
            "head_dim of every zoo model (default: 16; an even number >= 2). Engines whose kernels need larger heads "
            "(vLLM's CPU attention: 32 and up) run the same zoo with e.g. 32", "N", _head_dim),
     Option(DEVICE, "kv_device", "cpu", "device for engines and oracle (default: cpu)", "DEVICE"),
+    Option(ORACLE_DEVICE, "kv_oracle_device", "",
+           "device for the oracle and the harness's reference computations when they should not share the engine's "
+           "(default: the engine's, --kv-device): e.g. cpu beside an 8B engine filling its GPU, or cuda:1",
+           "DEVICE"),
     Option(DTYPE, "kv_dtype", "float32", f"dtype for engines and oracle, one of {', '.join(DTYPES)} (default: float32)",
            "DTYPE", choice(*DTYPES)),
     Option(MAX_NEW_TOKENS, "kv_max_new_tokens", "16", "new tokens generated per prompt (default: 16)", "N", whole(1)),
@@ -340,6 +345,12 @@ class Settings:
     isolate: str | tuple[str, ...] = "auto"  # 'auto', 'declared', 'all', 'none' or engine names
     oracles: tuple[tuple[str, str], ...] = ()  # (engine or '' for every engine, 'hf' | 'eager' | NAME)
     profile: str = profiles.DEFAULT  # --kv-profile (config/profiles.py)
+    oracle_device: str = ""  # --kv-oracle-device; "": the engines' device
+
+    @property
+    def harness_device(self) -> str:
+        """Where the oracle and the equivalent computations run: --kv-oracle-device, else the engines' device."""
+        return self.oracle_device or self.device
 
     def oracle(self, engine: str) -> str:
         """The oracle of `engine`: its own --kv-oracle=ENGINE=ORACLE entry, else the run-wide one, else 'hf'
@@ -389,6 +400,7 @@ def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Se
         isolate=get(ISOLATE),
         oracles=tuple(get(ORACLE)),
         profile=get(PROFILE),
+        oracle_device=str(get(ORACLE_DEVICE) or "").strip(),
     )
 
 
@@ -401,20 +413,21 @@ def worker_device(device: str, worker: str | None, gpus: int) -> str:
     return f"cuda:{int(worker[2:]) % gpus}"
 
 
-def check_device(device: str) -> None:
-    """A usage error at start-up for a device string torch rejects, or a CUDA device this torch cannot use."""
+def check_device(device: str, flag: str = DEVICE) -> None:
+    """A usage error at start-up for a device string torch rejects, or a CUDA device this torch cannot use (named by
+    the option that gave it, `flag`)."""
     import torch
 
     try:
         parsed = torch.device(device)
     except RuntimeError:
-        raise pytest.UsageError(f"{DEVICE}={device!r} is not a torch device; e.g. cpu, cuda, cuda:1") from None
+        raise pytest.UsageError(f"{flag}={device!r} is not a torch device; e.g. cpu, cuda, cuda:1") from None
     if parsed.type == "cuda":
         if torch.version.cuda is None:
-            raise pytest.UsageError(f"{DEVICE}={device}: this torch ({torch.__version__}) is a build without CUDA; "
+            raise pytest.UsageError(f"{flag}={device}: this torch ({torch.__version__}) is a build without CUDA; "
                                     "install a CUDA build of torch (https://pytorch.org/get-started/locally/) or run "
-                                    f"on {DEVICE}=cpu")
+                                    f"on {flag}=cpu")
         if not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count():
-            raise pytest.UsageError(f"{DEVICE}={device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
+            raise pytest.UsageError(f"{flag}={device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
                                     f"{torch.cuda.device_count()} GPU(s); check the driver and CUDA_VISIBLE_DEVICES, "
-                                    f"or run on {DEVICE}=cpu")
+                                    f"or run on {flag}=cpu")

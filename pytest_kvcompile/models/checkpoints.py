@@ -65,6 +65,18 @@ def pretrained(path: Path | str, dtype: torch.dtype, **kwargs: Any):
     return AutoModelForCausalLM.from_pretrained(path, **{keyword: dtype}, **kwargs)
 
 
+def keep_last(model: Any, n: int) -> dict[str, int]:
+    """The keyword asking `model` for the logits of its last `n` positions only (``logits_to_keep``, before 4.50
+    ``num_logits_to_keep``), where its forward has one: the vocabulary projection of a long prompt is not computed."""
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    for name in ("logits_to_keep", "num_logits_to_keep"):
+        if name in parameters:
+            return {name: n}
+    return {}
+
+
 def per_layer_cache() -> bool:
     """Whether transformers' ``DynamicCache`` is built per layer from the model's config (4.56 on): before, one cache
     class served every model and some (Gemma3 on 4.5x) fail with it, so the oracles recompute the whole sequence at

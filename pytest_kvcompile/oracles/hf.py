@@ -16,16 +16,17 @@ Every oracle has ``reference(prompt, max_new_tokens) -> Reference`` (oracles/ref
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy
-from pytest_kvcompile.models.checkpoints import with_cache
+from pytest_kvcompile.models.checkpoints import keep_last, with_cache
 from pytest_kvcompile.oracles.eviction import POLICIES, EvictionOracle, policy_for
-from pytest_kvcompile.oracles.precision import load_lm
 from pytest_kvcompile.oracles.reference import Reference
+from pytest_kvcompile.oracles.truth import Widened, load_lm
 
 
 class HFEagerOracle:
@@ -37,21 +38,25 @@ class HFEagerOracle:
         from pytest_kvcompile.models.checkpoints import per_layer_cache
 
         self.spec = spec
-        self.model = load_lm(spec, widened=True)
         if not per_layer_cache():
             self.source = "transformers eager greedy, no cache (the whole sequence each step: transformers < 4.56)"
-        self._memo: dict[tuple[tuple[int, ...], int], Reference] = {}
 
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"
 
+    @functools.cached_property
+    def model(self) -> Any:
+        """The checkpoint, loaded on first use: a run whose references and logits all come from the disk store
+        (oracles/store.py) loads no oracle model."""
+        return load_lm(self.spec, widened=True)
+
     def reference(self, prompt: list[int] | tuple[int, ...], max_new_tokens: int) -> Reference:
-        key = (tuple(prompt), max_new_tokens)
-        if key not in self._memo:
-            tokens, rows = self._run(key[0], max_new_tokens, None)
-            self._memo[key] = Reference(key[0], tokens, rows, self.source,
-                                        lambda got, tol, p=key[0]: self.teacher_forced(p, got, tol))
-        return self._memo[key]
+        """The greedy reference, computed anew each call (oracles/store.py memoizes: one copy of its [steps, vocab]
+        rows, 300 MB for 500 steps of a 152k vocabulary)."""
+        prompt = tuple(prompt)
+        greedy = self._verified if isinstance(self.model, Widened) else self._run
+        tokens, rows = greedy(prompt, max_new_tokens)
+        return Reference(prompt, tokens, rows, self.source, lambda got, tol: self.teacher_forced(prompt, got, tol))
 
     #: teacher_forced is one forward (oracles/store.py judges an engine's tokens with it and decodes the greedy
     #: reference only where something reads it)
@@ -63,43 +68,72 @@ class HFEagerOracle:
         over prompt + tokens[:-1] through a fresh cache (a prefill, as every engine's; KV-sharing layers need one in
         some transformers versions), without a cache before 4.56 (`per_layer_cache`). The same function as the greedy
         loop's steps, computed at once: rows differ from the loop's by rounding alone (~1e-6 in float32)."""
+
+        return self._forced(prompt, [int(t) for t in tokens], self.model).float().cpu()
+
+    def _forced(self, prompt: Sequence[int], tokens: list[int], model: Any) -> torch.Tensor:
+        """`teacher_forced`'s logits in the model's own dtype, on its device."""
         from pytest_kvcompile.models.checkpoints import dynamic_cache, per_layer_cache
 
-        tokens = [int(t) for t in tokens]
         if not tokens:
             return torch.empty(0, self.spec.vocab_size)
         ids = torch.tensor([list(prompt) + tokens[:-1]], device=self.spec.device)
-        cache = dynamic_cache(self.model.config) if per_layer_cache() else None
-        logits = self.model(input_ids=ids, **with_cache(cache), use_cache=cache is not None,
-                            **keep_last(self.model, len(tokens))).logits[0, -len(tokens):]
-        return logits.float().cpu()
+        cache = dynamic_cache(model.config) if per_layer_cache() else None
+        return model(input_ids=ids, **with_cache(cache), use_cache=cache is not None,
+                     **keep_last(model, len(tokens))).logits[0, -len(tokens):]
 
     @torch.inference_mode()
-    def _run(self, prompt: tuple[int, ...], steps: int, forced: tuple[int, ...] | None):
+    def _run(self, prompt: tuple[int, ...], steps: int, model: Any = None):
+        """Greedy decoding, one forward per token through a cache (`model`: another one, e.g. the stored weights)."""
         from pytest_kvcompile.models.checkpoints import dynamic_cache, per_layer_cache
 
-        cache = dynamic_cache(self.model.config) if per_layer_cache() else None
+        model = model or self.model
+        cache = dynamic_cache(model.config) if per_layer_cache() else None
         sequence, tokens, rows = list(prompt), [], []
         for step in range(steps):
             fed = sequence if cache is None or step == 0 else sequence[-1:]  # no cache: the whole sequence again
             ids = torch.tensor([fed], device=self.spec.device)
-            logits = self.model(input_ids=ids, **with_cache(cache), use_cache=cache is not None).logits[0, -1]
+            logits = model(input_ids=ids, **with_cache(cache), use_cache=cache is not None).logits[0, -1]
             rows.append(logits.float().cpu())
-            tokens.append(int(logits.argmax()) if forced is None else forced[step])
+            tokens.append(int(logits.argmax()))
             sequence.append(tokens[-1])
         return tuple(tokens), torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
 
+    @torch.inference_mode()
+    def _verified(self, prompt: tuple[int, ...], steps: int):
+        """The widened truth's greedy decoding without widening its weights once per token (the cost of a step of a
+        large model: reading them all): the stored weights draft the rest greedily in their own dtype, one widened
+        forward over the draft (through the truth's float64 cache of what it verified) gives the truth's logits at
+        every drafted step, and the draft is kept up to its first token that is not the truth's argmax, which the
+        truth's own replaces (the cache cropped back to it); then the next draft. Each token is the truth's argmax
+        after the truth's own tokens, through its own cache: the greedy loop's tokens and logits (rounding apart), in
+        1 + (the 16-bit flip count) widened forwards, each position computed about once."""
+        from pytest_kvcompile.models.checkpoints import dynamic_cache, per_layer_cache
 
-def keep_last(model: Any, n: int) -> dict[str, int]:
-    """The keyword asking `model` for the logits of its last `n` positions only (``logits_to_keep``, before 4.50
-    ``num_logits_to_keep``), where its forward has one: the vocabulary projection of a long prompt is not computed."""
-    import inspect
-
-    parameters = inspect.signature(model.forward).parameters
-    for name in ("logits_to_keep", "num_logits_to_keep"):
-        if name in parameters:
-            return {name: n}
-    return {}
+        sequence, tokens, rows = list(prompt), [], []
+        cache, cached = (dynamic_cache(self.model.config), 0) if per_layer_cache() else (None, 0)
+        while len(tokens) < steps:
+            draft = list(self._run(tuple(sequence), steps - len(tokens), self.model.model)[0])
+            if cache is None:  # before 4.56: the whole sequence again
+                truth = self._forced(sequence, draft, self.model)
+            else:
+                ids = torch.tensor([sequence[cached:] + draft[:-1]], device=self.spec.device)
+                truth = self.model(input_ids=ids, **with_cache(cache), use_cache=True,
+                                   **keep_last(self.model, len(draft))).logits[0, -len(draft):]
+            for row, drafted in zip(truth, draft):
+                best = int(row.argmax())
+                rows.append(row.float().cpu())
+                tokens.append(best)
+                sequence.append(best)
+                if best != drafted:
+                    break
+            cached = len(sequence) - 1  # fed: all but the last token; the cache holds the rest of the draft too
+            if cache is not None and cache.get_seq_length() > cached:
+                try:
+                    cache.crop(cached)
+                except (AttributeError, NotImplementedError, ValueError, RuntimeError):  # a layer that cannot crop
+                    cache, cached = dynamic_cache(self.model.config), 0
+        return tuple(tokens), torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
 
 
 class NoOracle(LookupError):

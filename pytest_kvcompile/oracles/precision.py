@@ -1,9 +1,9 @@
 """Verdicts in reduced precision: what a bfloat16 or float16 engine may legitimately choose (issue 23).
 
 **The truth.** The model's weights rounded to the run's 16-bit dtype (what every engine holds), evaluated in float64
-(`HighPrecisionSpec`, `load_lm`): the function the engine computes, without the engine's own rounding. In a 16-bit
-run the oracle *is* this truth (the same oracle class, float64); transformers' own 16-bit path is one of the
-computations below, never the judge, so a doubt about it never reds an engine.
+(oracles/truth.py: `HighPrecisionSpec`, `load_lm`, `Widened`): the function the engine computes, without the engine's
+own rounding. In a 16-bit run the oracle *is* this truth (the same oracle class, float64); transformers' own 16-bit
+path is one of the computations below, never the judge, so a doubt about it never reds an engine.
 
 **The noise.** Equivalent 16-bit computations of the same model (`COMPUTATIONS`: transformers eager with its cache,
 which is the 16-bit oracle's own path; SDPA without a cache; SDPA in a left-padded batch; eager with the prompt
@@ -52,6 +52,7 @@ engine whose scheme is noisier than this fails, as its own twin shows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -66,7 +67,9 @@ from pytest_kvcompile.config.tolerances import (
     power,
 )
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
-from pytest_kvcompile.models.checkpoints import with_cache
+from pytest_kvcompile.models.checkpoints import keep_last, with_cache
+from pytest_kvcompile.oracles.truth import HighPrecisionSpec, Widened, high_precision, load_lm  # noqa: F401 (re-exported)
+from pytest_kvcompile.recompiles.hooks import attention_kernel
 
 REDUCED = MEASURED_DTYPES  # dtypes judged by this module's rule
 NOISE_FACTOR = 1.5
@@ -89,106 +92,6 @@ def reduced(dtype: torch.dtype | str) -> bool:
     return (dtype if isinstance(dtype, str) else dtype_name(dtype)) in REDUCED
 
 
-@dataclasses.dataclass(frozen=True)
-class HighPrecisionSpec(ModelSpec):
-    """A ModelSpec whose weights are rounded to `weights_dtype` before they are cast to `dtype` (the truth)."""
-
-    weights_dtype: torch.dtype = torch.bfloat16
-
-
-def high_precision(spec: ModelSpec) -> HighPrecisionSpec:
-    """The truth of a 16-bit `spec`: its weights rounded to spec.dtype, evaluated in float64."""
-    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(ModelSpec)}
-    return HighPrecisionSpec(**{**fields, "dtype": torch.float64}, weights_dtype=spec.dtype)
-
-
-def load_lm(spec: ModelSpec, widened: bool = False, **kwargs: Any):
-    """transformers' model of the checkpoint in spec.dtype on spec.device, eval mode; a `HighPrecisionSpec`'s weights
-    pass through its weights_dtype first. Every oracle loads its model here.
-
-    `widened` (a float64 spec, for callers that only call the model): the weights stay in the dtype they pass through
-    (the run's 16-bit dtype; float32 for a float32 checkpoint's float64 path) and the model runs in float64 one module
-    at a time (`Widened`): the same function, a quarter (or half) of the memory (issue 54)."""
-    from pytest_kvcompile.models.checkpoints import pretrained
-
-    through = getattr(spec, "weights_dtype", None) or spec.dtype
-    if widened and spec.dtype == torch.float64:
-        # a 16-bit run's truth keeps the 16-bit weights; a float32 run's float64 path the float32 ones, unless the
-        # checkpoint itself is float64 (read from the config's own fields: the property warns on transformers 5)
-        saved = vars(spec.config).get("dtype", vars(spec.config).get("torch_dtype")) if spec.config else None
-        stored = through if through != torch.float64 else None if str(saved) in ("float64", "torch.float64") \
-            else torch.float32
-        if stored is not None:
-            return Widened(pretrained(spec.path, stored, **kwargs).to(device=spec.device).eval())
-    model = pretrained(spec.path, through, **kwargs)
-    return model.to(device=spec.device, dtype=spec.dtype).eval()
-
-
-class Widened:
-    """`model`, its weights in a lower dtype, evaluated in float64 one module at a time: as a module's forward starts,
-    its own parameters and floating-point buffers are cast to float64, and back as it ends. Exact both ways (every
-    bfloat16, float16 and float32 value is a float64 value), so the model computes what its float64 copy computes,
-    while the whole model is never held in float64: at most the modules being run (a layer, the embedding, the output
-    head). Call it as the model; other attributes (config, ...) are the model's. For callers that only call it: a
-    submodule called on its own runs in the stored dtype. A constant a model computes when it is built (Gemma's
-    embedding scale) has the precision of the dtype it was built in: bit for bit a 16-bit run's float64 copy (also
-    built through the 16-bit dtype), ~1e-7 relative from a float32 checkpoint loaded straight into float64."""
-
-    def __init__(self, model: Any):
-        self.model = model
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "model":
-            raise AttributeError(name)
-        return getattr(self.model, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        depth: dict[int, int] = {}
-        saved: dict[int, list[tuple[str, str, torch.dtype]]] = {}
-
-        def widen(module: torch.nn.Module, *_: Any) -> None:
-            key = id(module)
-            depth[key] = depth.get(key, 0) + 1
-            if depth[key] > 1:
-                return
-            saved[key] = []
-            with torch.inference_mode(False), torch.no_grad():
-                for name, param in module.named_parameters(recurse=False):
-                    if param.is_floating_point() and param.dtype != torch.float64:
-                        saved[key].append(("p", name, param.dtype))
-                        param.data = param.data.double()
-                for name, buffer in module.named_buffers(recurse=False):
-                    if buffer.is_floating_point() and buffer.dtype != torch.float64:
-                        saved[key].append(("b", name, buffer.dtype))
-                        setattr(module, name, buffer.double())  # a registered buffer's name: replaced as a buffer
-
-        def narrow(module: torch.nn.Module, *_: Any) -> None:
-            key = id(module)
-            depth[key] -= 1
-            if depth[key]:
-                return
-            with torch.inference_mode(False), torch.no_grad():
-                for kind, name, dtype in saved.pop(key):
-                    if kind == "p":
-                        param = getattr(module, name)
-                        param.data = param.data.to(dtype)
-                    else:
-                        setattr(module, name, getattr(module, name).to(dtype))
-
-        def own(module: torch.nn.Module) -> bool:
-            return any(True for _ in module.parameters(recurse=False)) or any(
-                True for _ in module.buffers(recurse=False))
-
-        owners = [m for m in self.model.modules() if own(m)]
-        handles = [h for m in owners for h in (m.register_forward_pre_hook(widen),
-                                               m.register_forward_hook(narrow, always_call=True))]
-        try:
-            return self.model(*args, **kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
-
-
 # --------------------------------------------------------------------------- the equivalent computations
 
 
@@ -199,13 +102,33 @@ class Computations:
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        self.eager = load_lm(spec, attn_implementation="eager")
-        # one copy of the weights for both kernels where transformers switches a model's attention in place (5.x);
-        # else a second copy (issue 54: the harness's memory is the engine's order, not a multiple of it)
-        switch = getattr(self.eager, "set_attn_implementation", None)
-        can = getattr(self.eager, "_can_set_attn_implementation", lambda: False)
-        self.sdpa = _Switched(self.eager, "sdpa", "eager") if switch is not None and can() else \
-            load_lm(spec, attn_implementation="sdpa")
+
+    @functools.cached_property
+    def base(self) -> Any:
+        """The model in the run's dtype with transformers' default attention, loaded on first use (measured noise and
+        local rows come from the disk store when they are there): the same object as the 16-bit run's truth holds
+        (oracles/truth.py: `load_lm`), so the harness keeps one copy of the weights."""
+        return load_lm(self.spec)
+
+    @functools.cached_property
+    def eager(self) -> Any:
+        return self._kernel("eager")
+
+    @functools.cached_property
+    def sdpa(self) -> Any:
+        return self._kernel("sdpa")
+
+    def _kernel(self, kernel: str) -> Any:
+        """The base model computing attention with `kernel`: itself, or switched per call where transformers switches
+        a model's attention in place (5.x), else a second copy (issue 54: the harness's memory is the engine's
+        order, not a multiple of it)."""
+        home = attention_kernel(self.base)
+        if home == kernel:
+            return self.base
+        switch = getattr(self.base, "set_attn_implementation", None)
+        can = getattr(self.base, "_can_set_attn_implementation", lambda: False)
+        return _Switched(self.base, kernel, home) if switch is not None and can() else \
+            load_lm(self.spec, attn_implementation=kernel)
 
     @torch.inference_mode()
     def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -236,7 +159,8 @@ class Computations:
 
     def _whole(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         ids = prompt + tokens[:-1]
-        return model(input_ids=self._ids(ids), use_cache=False).logits[0, len(prompt) - 1:]
+        return model(input_ids=self._ids(ids), use_cache=False,
+                     **keep_last(self.base, len(tokens))).logits[0, -len(tokens):]
 
     def _padded(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
         """The sequence left-padded beside a companion 7 tokens longer (positions count real tokens only)."""
@@ -247,8 +171,8 @@ class Computations:
         batch = torch.tensor([[0] * 7 + ids, companion], device=self.spec.device)
         mask = torch.tensor([[0] * 7 + [1] * len(ids), [1] * width], device=self.spec.device)
         logits = model(input_ids=batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                       use_cache=False).logits
-        return logits[0, 7 + len(prompt) - 1:]
+                       use_cache=False, **keep_last(self.base, len(tokens))).logits
+        return logits[0, -len(tokens):]  # from 7 + len(prompt) - 1 on
 
 
 class _Switched:

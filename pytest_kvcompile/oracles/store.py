@@ -30,7 +30,9 @@ docs/gpu-results.md), while a cache bug moves logits by whole units.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import hashlib
 import inspect
 import os
@@ -45,13 +47,14 @@ import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import OracleUnreliable
+from pytest_kvcompile.models.checkpoints import keep_last
 from pytest_kvcompile.models.zoo import code_hash, shared_kv_layers
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.engine import EngineOracle
 from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
 from pytest_kvcompile.oracles.hf import oracle_for
-from pytest_kvcompile.oracles.precision import load_lm
 from pytest_kvcompile.oracles.reference import LazyReference, Reference
+from pytest_kvcompile.oracles.truth import load_lm
 from pytest_kvcompile.verdicts.rows import OracleFacts
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
@@ -68,13 +71,16 @@ class NoCacheRecompute:
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
-        self.model = load_lm(spec, widened=True)
+
+    @functools.cached_property
+    def model(self) -> Any:  # on first use: rows found in the disk store need none
+        return load_lm(self.spec, widened=True)
 
     @torch.inference_mode()
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float = 0.0) -> torch.Tensor:
         ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=self.spec.device)
-        logits = self.model(input_ids=ids, use_cache=False).logits[0, len(prompt) - 1:]
-        return logits.float().cpu()
+        logits = self.model(input_ids=ids, use_cache=False, **keep_last(self.model, len(tokens))).logits
+        return logits[0, -len(tokens):].float().cpu()
 
 
 def independent(strategy: Strategy, spec: ModelSpec, oracle: Any = None) -> tuple[Any, str]:
@@ -95,17 +101,43 @@ def independent(strategy: Strategy, spec: ModelSpec, oracle: Any = None) -> tupl
     return path, f"the same oracle in float64 (not cache-free: {why})"
 
 
-def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec) -> str:
+def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec, memo: Path | None = None) -> str:
+    """The oracle store's key: the oracle, its code, the strategy, the checkpoint's content (`content_digest`: the same
+    wherever the checkpoint is copied, so a store recorded elsewhere is found), device, dtypes and versions."""
     from importlib.metadata import version
 
     module = sys.modules[type(oracle).__module__]
-    files = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in Path(spec.path).iterdir() if p.is_file())
     who = oracle.identity() if isinstance(oracle, EngineOracle) else version("transformers")  # an engine: its own
     parts = [type(oracle).__qualname__, inspect.getsource(module), code_hash("models", "oracles"), str(strategy),
-             str(Path(spec.path).resolve()),
-             repr(files), str(spec.device), dtype_name(spec.dtype), str(getattr(spec, "weights_dtype", "")),
-             torch.__version__, who]
+             content_digest(Path(spec.path), memo), str(spec.device), dtype_name(spec.dtype),
+             str(getattr(spec, "weights_dtype", "")), torch.__version__, who]
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
+
+
+def content_digest(path: Path, memo: Path | None = None) -> str:
+    """sha256 over a checkpoint directory's files (names and bytes). Each file's own digest is kept under `memo` by
+    its resolved path, size and modification time: a checkpoint is read once (a few seconds a GB), not every run."""
+    total = hashlib.sha256()
+    for file in sorted(p for p in path.iterdir() if p.is_file()):
+        stat = file.stat()
+        seen = f"{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+        known = memo / hashlib.sha256(seen.encode()).hexdigest()[:32] if memo is not None else None
+        digest = known.read_text().strip() if known is not None and known.is_file() else ""
+        if len(digest) != 64:
+            one = hashlib.sha256()
+            with file.open("rb") as source:
+                for chunk in iter(lambda: source.read(1 << 24), b""):
+                    one.update(chunk)
+            digest = one.hexdigest()
+            if known is not None:
+                with contextlib.suppress(OSError):
+                    known.parent.mkdir(parents=True, exist_ok=True)
+                    fd, tmp = tempfile.mkstemp(dir=known.parent, prefix=".tmp-")
+                    with os.fdopen(fd, "w") as out:
+                        out.write(digest)
+                    os.replace(tmp, known)
+        total.update(f"{file.name}\0{digest}\0".encode())
+    return total.hexdigest()
 
 
 class DiskMemo:
@@ -146,7 +178,8 @@ class StoredOracle:
                  cache_root: Path | None, check: bool = True, computations: Any = None):
         self.oracle, self.strategy, self.spec, self.tie_tolerance = oracle, strategy, spec, tie_tolerance
         self.source = oracle.source
-        self._disk = DiskMemo(cache_root / _fingerprint(oracle, strategy, spec) if cache_root else None)
+        self._disk = DiskMemo(cache_root / _fingerprint(oracle, strategy, spec, cache_root / "digests")
+                              if cache_root else None)
         self._memo: dict[tuple, Any] = {}
         self._check = check
         # 16-bit (oracles/precision.py): the equivalent computations in the run's dtype, for the noise along tokens

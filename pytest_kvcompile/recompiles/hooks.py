@@ -97,7 +97,8 @@ PRIVATE_APIS = (
 #: On CUDA builds only (`check_private_apis()` tries them there).
 CUDA_PRIVATE_APIS = ("torch._C._cuda_clearCublasWorkspaces",)
 #: transformers' private names used here; `check_private_apis()` tries them once transformers is imported.
-TRANSFORMERS_PRIVATE_APIS = ("transformers.generation.configuration_utils.CompileConfig._compile_all_devices",)
+TRANSFORMERS_PRIVATE_APIS = ("transformers.generation.configuration_utils.CompileConfig._compile_all_devices",
+                             "transformers.configuration_utils.PretrainedConfig._attn_implementation")
 #: Imported where used, not at each start (too slow); a missing one raises `DynamoHooksBroken` there.
 IMPORTED_ON_USE = ("torch._inductor.compile_fx",)
 _METRICS_FIELDS = ("compile_id", "co_name", "co_filename", "co_firstlineno", "recompile_reason", "fail_type",
@@ -188,6 +189,12 @@ def clear_cublas_workspaces() -> None:
     """Free cuBLAS's per-(handle, stream) workspaces, as torch's own CUDA leak check does; nothing off CUDA builds."""
     if torch.version.cuda:
         resolve("torch._C._cuda_clearCublasWorkspaces")()
+
+
+def attention_kernel(model: Any) -> str | None:
+    """The attention implementation transformers runs `model` with ("eager", "sdpa", ...: its config's private
+    ``_attn_implementation``, which transformers itself reads to choose the kernel)."""
+    return getattr(model.config, "_attn_implementation", None)
 
 
 def mark_unbacked(tensor: torch.Tensor, dim: int, **kwargs: Any) -> None:

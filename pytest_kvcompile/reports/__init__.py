@@ -42,6 +42,7 @@ from pytest_kvcompile.verdicts.rows import (
     FailureEntry,
     Outcomes,
     Results,
+    Row,
     RunInfo,
     Status,
     coverage_line,
@@ -111,6 +112,7 @@ class ResultsPlugin:
         self.outputs = {flag: Path(v).expanduser() for flag in _FORMAT if (v := _value(config, flag))}
         # live reports (reports/live.py): finished tests, this process's beat, crashed workers, the JSON so far
         self.finished, self.beat = 0, None
+        self.test_s = 0.0  # the tests' own seconds (setup, call, teardown; every worker's): engine time's whole
         self.crashed: list[Crash] = []
         self._json_body: str | None = None
         self._run: RunInfo | None = None
@@ -197,6 +199,7 @@ class ResultsPlugin:
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if self.worker:
             return
+        self.test_s += getattr(report, "duration", 0.0) or 0.0
         delta = getattr(report, "kv_results", None)
         if delta:  # an xdist worker's rows of this test (JSON)
             self.workers.append(Results.from_json(delta))
@@ -324,6 +327,11 @@ class ResultsPlugin:
             for r in builds:
                 times = f" ({r.builds} builds)" if r.builds > 1 else ""
                 tr.write_line(f"{r.build_s:8.1f} s  {r.engine} / {r.model}{times}")
+        timed = sorted((r for r in rows if r.generate_s), key=lambda r: -r.generate_s)
+        if timed and self.test_s:
+            tr.write_sep("-", "kvcompile: time in the engines vs the harness")
+            for line in time_lines(timed, self.test_s):
+                tr.write_line(line)
         declared = sorted({f"{r.engine} / {r.model}: {why}" for r in rows for why in r.declared_skips})
         if declared:
             tr.write_sep("-", f"kvcompile: not checked, declared or known limitations ({len(declared)})")
@@ -354,6 +362,18 @@ class ResultsPlugin:
                 tr.write_line(f"not compared: {note}")
         for flag, path in self.outputs.items():
             tr.write_line(f"kvcompile: wrote {flag.removeprefix('--kv-report-')} report to {path}")
+
+
+def time_lines(rows: list[Row], test_s: float) -> list[str]:
+    """Where the tests' time went: each engine x model's generate() seconds (the 5 largest), then all of them as a
+    share of the tests' own seconds; the rest is the harness (oracle, checks, engine builds) and pytest."""
+    engine_s, build_s = sum(r.generate_s for r in rows), sum(r.build_s for r in rows)
+    lines = [f"{r.generate_s:8.1f} s  {r.engine} / {r.model} in generate()" for r in rows[:5]]
+    share = engine_s / test_s
+    lines.append(f"engines {engine_s:.1f} s of the tests' {test_s:.1f} s ({share:.0%}; every worker's), the harness "
+                 f"{max(test_s - engine_s, 0.0):.1f} s ({1 - share:.0%}: oracle, checks, {build_s:.1f} s of engine "
+                 "builds, pytest)")
+    return lines
 
 
 class RunNotes:

@@ -86,6 +86,8 @@ class EngineUnderTest:
     progress: Callable[[str], None] = field(default=lambda line: None, repr=False)  # long work, as it happens
     #: (engine, model, call, calls served before) before each call: the live reports' beat (reports/live.py)
     on_call: Callable[[str, str, str, int], None] = field(default=lambda *beat: None, repr=False)
+    #: seconds each generate() call took (wall, the pipe to an isolated engine included): the run's engine time
+    spent: Callable[[float], None] = field(default=lambda seconds: None, repr=False)
     call_timeout: float = 0.0  # --kv-call-timeout, for in-process engines (isolated ones enforce it in the parent)
     broken: str | None = None  # why this engine object must not serve another test (a call timed out, its process died)
     excluded: tuple[int, ...] = ()  # ids it declares it never emits on this model (Declaration.never_emits)
@@ -124,6 +126,7 @@ class EngineUnderTest:
                 return engine_io.generate(self.ref, self.engine, [p.ids for p in prompts], n, self.spec.vocab_size,
                                           outside=outside)
         finally:
+            self.spent(time.perf_counter() - started)
             if allocated is not None and self.cuda_grown is not None:
                 self.cuda_grown += cuda_allocated(self.spec.device) - allocated
             seen = seen or Observed()  # (the recorder itself failed to start)
@@ -178,12 +181,13 @@ class EngineUnderTest:
         self.on_call(self.name, self.spec.name, f"{len(calls)} concurrent calls: {'; '.join(shown)}", len(self.history))
         threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"kvcompile-call-{i}")
                    for i in range(len(calls))]
-        deadline = time.monotonic() + limit
+        deadline, started = time.monotonic() + limit, time.perf_counter()
         with self.host.observing() as seen:
             for thread in threads:
                 thread.start()
             for thread in threads:
                 thread.join(max(0.0, deadline - time.monotonic()))
+        self.spent(time.perf_counter() - started)  # the round's wall time: the calls overlap
         events = seen.compiles
         self.history += [Call(tuple(len(p) for p in call), n, events if i == 0 else ()) for i, call in enumerate(calls)]
         hung = [i for i, thread in enumerate(threads) if thread.is_alive()]

@@ -17,6 +17,7 @@ from pytest_kvcompile.config.options import (
     MAX_NEAR_TIE_RATE,
     MAX_NEAR_TIES,
     NO_ENGINE,
+    ORACLE_DEVICE,
     TIE_TOLERANCE,
     Settings,
     check_device,
@@ -89,8 +90,17 @@ class Session:
             self._specs[model] = models.spec_for(entry, self.settings)
         return self._specs[model]
 
+    def _harness_spec(self, model: str) -> ModelSpec:
+        """The model's spec where the oracle and the equivalent computations run (--kv-oracle-device)."""
+        spec = self.spec(model)
+        device = self.settings.harness_device
+        return spec if device == spec.device or not self.settings.oracle_device else dataclasses.replace(
+            spec, device=device)
+
     def __post_init__(self) -> None:
         check_device(self.settings.device)
+        if self.settings.oracle_device:
+            check_device(self.settings.oracle_device, ORACLE_DEVICE)
         if self.settings.device == "cuda":  # one GPU per xdist worker where there are several (worker_device)
             import torch
 
@@ -166,6 +176,7 @@ class Session:
             max_near_ties=rules.max_near_ties, score_tolerance=rules.score_tolerance,
             cuda_grown=host.cuda_grown, progress=self.progress, on_call=self.on_call, excluded=tuple(sorted(excluded)),
             noise=rules.noise, host=host,
+            spent=lambda seconds: self.collector.add(name, model, generate_s=round(seconds, 4)),
         )
         if ref.source == SERVER_SOURCE:
             self._check_served(built)
@@ -243,9 +254,10 @@ class Session:
                 return found
             raw = EngineOracle(choice, spec, self.settings.compile_backend, rules.tie_tolerance)
             local = precision.reduced(spec.dtype) and not self.models[model].own and strategy.kind == "exact"
-            self._oracles[key] = StoredOracle(raw, strategy, spec, rules.tie_tolerance,
-                                              self.settings.cache_dir / "oracle", check=self.settings.oracle_check,
-                                              computations=precision.Computations(spec) if local else None)
+            self._oracles[key] = StoredOracle(
+                raw, strategy, spec, rules.tie_tolerance, self.settings.cache_dir / "oracle",
+                check=self.settings.oracle_check,
+                computations=precision.Computations(self._harness_spec(model)) if local else None)
         return self._oracles[key]
 
     def _stored(self, strategy: Strategy, model: str, who: str) -> StoredOracle | str:
@@ -258,7 +270,7 @@ class Session:
                                       "load it; check it against the engine's eager mode (--kv-oracle=eager) or "
                                       "another engine (--kv-oracle=NAME)")
                 return self._oracles[key]
-            spec = self.spec(model)
+            spec = self._harness_spec(model)
             reduced = precision.reduced(spec.dtype)
             judged = precision.high_precision(spec) if reduced else spec
             try:
@@ -297,7 +309,7 @@ class Session:
                 truth = self._stored(Strategy(), model, f"the noise of a KV cache stored as {kv_cache_dtype}")
                 if isinstance(truth, str):
                     raise NotApplicable(truth)
-                kv = truth.kv_noise(self.spec(model), kv_cache_dtype)
+                kv = truth.kv_noise(self._harness_spec(model), kv_cache_dtype)
                 self.progress(f"{model}: {kv.describe()}")
                 self._rules[key] = self.rules(model).with_kv(kv, self.settings.max_new_tokens)
             return self._rules[key]

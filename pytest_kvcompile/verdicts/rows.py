@@ -491,6 +491,7 @@ class Row(Record):
     evictions: int = rule(_add, 0, types=INT)  # cache entries the oracle evicted along them
     builds: int = rule(_add, 0, types=INT)  # engine objects built for the model
     build_s: float = rule(_add, 0.0, types=NUMBER)  # seconds spent building them (--kv-fresh-engine included)
+    generate_s: float = rule(_add, 0.0, types=NUMBER)  # seconds its generate() calls took (the rest: the harness)
     declared_skips: list[str] = rule(_union, factory=list, types=LIST)  # why this engine x model could not run
     excluded_ids: list[int] = rule(_union, factory=list, types=LIST)  # ids it declares it never emits (never_emits)
     excluded_tokens: int = rule(_add, 0, types=INT)  # verified steps where the oracle's best was one of them
@@ -550,6 +551,7 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "evictions": ("verdicts.rows:run_problems",),
     "builds": ("reports:ResultsPlugin.pytest_terminal_summary",),
     "build_s": ("reports:ResultsPlugin.pytest_terminal_summary",),
+    "generate_s": ("reports:ResultsPlugin.pytest_terminal_summary",),
     "declared_skips": ("reports:ResultsPlugin.pytest_terminal_summary",),
     "excluded_ids": ("reports.table:verdicts",), "excluded_tokens": ("reports.table:verdicts",),
     "oracle_errors": ("reports.table:verdicts",),

@@ -1,0 +1,186 @@
+"""The suite's cost at the sizes users run (issue 54): random-weight checkpoints of real shapes (the real vocabularies
+of 49k-152k tokens), one pytest run of suites/ each, measured side by side on this machine: wall time, the peak memory
+of the run's processes together (sampled from /proc every 0.2 s), and the share of the tests' time spent in the
+engine's generate() (the run's "time in the engines vs the harness" summary, from its JSON report).
+
+    python benchmarks/bench_scale.py --shapes smollm-135m --dtypes float32,bfloat16          # every suite
+    python benchmarks/bench_scale.py --shapes qwen2.5-1.5b --dtypes bfloat16 \\
+        -k "test_token_identity and not batched" --md scale.md
+
+Checkpoints are built once under $KVCOMPILE_CACHE_DIR/scale (bfloat16 safetensors: 3 GiB for 1.5B parameters) with
+the zoo's seeded weights (models/zoo.py: the same gains, so greedy decoding is not degenerate). One model at a time,
+nothing else running: two torch processes on 2 cores run several times slower. docs/performance.md has the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: real shapes: (transformers config class, its fields); random weights, the real vocabularies and tied embeddings
+SHAPES: dict[str, tuple[str, dict]] = {
+    "smollm-135m": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                                        num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
+                                        max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5)),
+    "qwen2.5-0.5b": ("Qwen2Config", dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936,
+                                         max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen2.5-1.5b": ("Qwen2Config", dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                         num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                                         max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)),
+    "qwen2.5-3b": ("Qwen2Config", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+                                       num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
+                                       max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)),
+}
+
+
+@dataclass
+class Measured:
+    shape: str
+    dtype: str
+    parameters: int
+    exit: int
+    wall_s: float
+    peak_gib: float  # the run's processes together
+    engine_s: float  # in generate(), every engine of the run
+    test_s: float  # the tests' own seconds (setup, call, teardown)
+    summary: str  # pytest's last line
+
+
+def parameters(config) -> int:
+    """Parameters of a tied-embedding decoder of `config` (embedding, attention, MLP, norms), without building it."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    head = h // config.num_attention_heads
+    kv = config.num_key_value_heads * head
+    attention = h * h * 2 + h * kv * 2 + (h + 2 * kv if "Qwen2" in type(config).__name__ else 0)  # Qwen2: qkv bias
+    return vocab * h + layers * (attention + 3 * h * config.intermediate_size + 2 * h) + h
+
+
+def checkpoint(shape: str, cache: Path) -> Path:
+    """The shape's random-weight checkpoint (bfloat16), built once (models/zoo.py: built_once, seeded weights)."""
+    import torch
+    import transformers
+
+    from pytest_kvcompile.models import zoo
+
+    kind, fields = SHAPES[shape]
+    config = getattr(transformers, kind)(**fields, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
+                                         pad_token_id=None)
+
+    def build(tmp: Path) -> None:
+        torch.set_default_dtype(torch.bfloat16)  # one 16-bit copy in memory while it is built (3B: 6 GiB)
+        try:
+            zoo._build_model(config).save_pretrained(tmp)
+        finally:
+            torch.set_default_dtype(torch.float32)
+
+    return zoo.built_once(cache / f"{shape}-seed{zoo.SEED}-tf{transformers.__version__}", build)
+
+
+def _tree_rss(pid: int) -> int:
+    """Resident bytes of `pid` and every process under it (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    total, todo = 0, [pid]
+    while todo:
+        current = todo.pop()
+        todo += children.get(current, [])
+        try:
+            total += int((Path(f"/proc/{current}/statm")).read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+def run(shape: str, dtype: str, path: Path, engine: str, expression: str | None, extra: list[str]) -> Measured:
+    """One pytest run of suites/ on the checkpoint, its peak memory sampled while it runs."""
+    from transformers import AutoConfig
+
+    with tempfile.TemporaryDirectory() as out:
+        report = Path(out) / "report.json"
+        cmd = [sys.executable, "-m", "pytest", str(ROOT / "suites"), f"--kv-engine={engine}", f"--kv-model={path}",
+               "--kv-zoo=none", f"--kv-dtype={dtype}", "-q", "-p", "no:cacheprovider", "-p", "no:benchmark",
+               f"--kv-report-json={report}", "--rootdir", out, *(["-k", expression] if expression else []), *extra]
+        started, peak = time.perf_counter(), [0]
+        proc = subprocess.Popen(cmd, cwd=out, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        done = threading.Event()
+
+        def sample() -> None:
+            while not done.wait(0.2):
+                peak[0] = max(peak[0], _tree_rss(proc.pid))
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        output = proc.communicate()[0]
+        wall = time.perf_counter() - started
+        done.set()
+        sampler.join()
+        rows = json.loads(report.read_text())["rows"] if report.exists() else []
+    lines = output.strip().splitlines() or ["(no output)"]
+    test_s = next((float(line.split("of the tests' ")[1].split(" s")[0]) for line in lines
+                   if line.startswith("engines ") and "of the tests'" in line), 0.0)
+    return Measured(shape, dtype, parameters(AutoConfig.from_pretrained(path)), proc.returncode, round(wall, 1),
+                    round(peak[0] / 2**30, 2), round(sum(r.get("generate_s", 0.0) for r in rows), 1), test_s,
+                    lines[-1])
+
+
+def markdown(found: list[Measured]) -> str:
+    lines = ["| shape | parameters | dtype | wall | peak memory (all processes) | engine's generate() | harness "
+             "| result |", "|---|---:|---|---:|---:|---:|---:|---|"]
+    for m in found:
+        harness = f"{1 - m.engine_s / m.test_s:.0%}" if m.test_s else "-"
+        engine = f"{m.engine_s:.0f} s ({m.engine_s / m.test_s:.0%})" if m.test_s else f"{m.engine_s:.0f} s"
+        lines.append(f"| {m.shape} | {m.parameters / 1e6:,.0f}M | {m.dtype} | {m.wall_s:,.0f} s | {m.peak_gib:.1f} GiB "
+                     f"| {engine} | {harness} | {m.summary} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="smollm-135m", help=f"comma-separated, of: {', '.join(SHAPES)}")
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--engine", default="hf-eager")
+    parser.add_argument("-k", dest="expression", help="pytest -k expression (default: every suite)")
+    parser.add_argument("--md", type=Path, help="write the table here too")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("extra", nargs="*", help="more pytest options, after --")
+    args = parser.parse_args(argv)
+    unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if unknown:
+        parser.error(f"unknown shape(s) {', '.join(unknown)}; known: {', '.join(SHAPES)}")
+    sys.path.insert(0, str(ROOT))
+    cache = Path(os.environ.get("KVCOMPILE_CACHE_DIR", ROOT / ".kvcompile-cache")) / "scale"
+    found = []
+    for shape in args.shapes.split(","):
+        path = checkpoint(shape, cache)
+        for dtype in args.dtypes.split(","):
+            found.append(run(shape, dtype, path, args.engine, args.expression, args.extra))
+            print(markdown(found[-1:]).splitlines()[-1], flush=True)
+    table = markdown(found)
+    print(table)
+    if args.md:
+        args.md.write_text(table)
+    if args.json:
+        args.json.write_text(json.dumps([m.__dict__ for m in found], indent=2))
+    return 0 if all(m.exit == 0 for m in found) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
