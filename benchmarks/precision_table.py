@@ -2,7 +2,7 @@
 (pytest_kvcompile/oracles/precision.py), the tolerance and budgets it derived, the near-tie rate of correct
 engines run through the suites' token checks (their JSON report: near-tie tokens / verified tokens), and the power
 table (issue 44): positions verified per engine, the measured flip rate, the chance a 5x engine fails there
-(verdicts/rows.py: RunRate), and the score() rate beside the computations'.
+(verdicts/run_rules.py: RunRate), and the score() rate beside the computations'.
 
     python benchmarks/precision_table.py --md precision-table.md          # hf-eager + reference engines, ~15 min
     python benchmarks/precision_table.py --engines hf-eager --dtypes bfloat16 --models llama
@@ -80,7 +80,8 @@ def markdown(runs: list[dict]) -> str:
 def power_table(runs: list[dict]) -> list[str]:
     """Per model, dtype and engine: the run-level rates (RunRate) over the positions its run verified."""
     from pytest_kvcompile.verdicts.failures import Kind
-    from pytest_kvcompile.verdicts.rows import Row, run_rates
+    from pytest_kvcompile.verdicts.rows import Row
+    from pytest_kvcompile.verdicts.run_rules import run_rates
 
     lines = ["| model | dtype | calibration: positions, flips | flip rate (bound) | positions the check adds | engine "
              "| positions verified | its near-tie rate, p | a 5x engine fails | score() beyond the noise: engine vs "

@@ -19,7 +19,8 @@ from pytest_kvcompile import check_engine
 from pytest_kvcompile.reports import WRITERS, matrix, write
 from pytest_kvcompile.reports.json_file import ResultsFileError, load
 from pytest_kvcompile.reports.live import atomic_write
-from pytest_kvcompile.verdicts.rows import MergeError, merge
+from pytest_kvcompile.verdicts.record import MergeError
+from pytest_kvcompile.verdicts.results import merge
 
 
 def _parser() -> argparse.ArgumentParser:

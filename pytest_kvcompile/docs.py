@@ -239,6 +239,7 @@ def schema_table() -> str:
     """The results JSON (``--kv-report-json``): its version, the versions read back, and every record's fields with
     their types and merge rules (the dataclasses of verdicts/rows.py, which write and read the file)."""
     from pytest_kvcompile.reports import json_file
+    from pytest_kvcompile.verdicts import record as record_module
     from pytest_kvcompile.verdicts import rows as row_module
 
     reads = ", ".join(str(v) for v in json_file.READS)
@@ -253,7 +254,7 @@ def schema_table() -> str:
         seen.add(kind)
         hints = typing.get_type_hints(kind)
         fields = [(f"`{f.name}`", f"`{_type_name(hints.get(f.name, f.type))}`",
-                   row_module.rule_name(f.metadata["merge"])) for f in dataclasses.fields(kind)]
+                   record_module.rule_name(f.metadata["merge"])) for f in dataclasses.fields(kind)]
         todo += [f.metadata["record"] for f in dataclasses.fields(kind) if f.metadata["record"] is not None]
         summary = (inspect.getdoc(kind) or "").split("\n\n")[0].replace("\n", " ")
         parts += [f"**`{kind.__name__}`**: {summary}", _table(("field", "type", "merge"), fields)]

@@ -1,9 +1,32 @@
-"""Errors the plugin raises on bad input. Each message names the fix."""
+"""The errors and test outcomes of pytest-kvcompile. Each message names the fix.
+
+The one module below the plugin's shell that imports pytest (tests/test_structure.py): the core raises a check's
+failure or skip through `fail` and `skip` and a bad option through `UsageError`, which are pytest's own outcome types,
+so the core never imports pytest itself and pytest reports them as it reports its own.
+"""
+
+from typing import NoReturn
 
 import pytest
 
+Failed = pytest.fail.Exception  # a check failed: pytest's own outcome (`fail`)
+Skipped = pytest.skip.Exception  # a check could not apply: pytest's own outcome (`skip`)
+UsageError = pytest.UsageError  # a bad option or argument: pytest stops before collecting and prints the message
 
-class EngineResolutionError(pytest.UsageError):
+
+def fail(reason: str, pytrace: bool = True) -> NoReturn:
+    """Fail the running test with `reason` (``pytest.fail``; `pytrace` False: the message alone, no traceback)."""
+    __tracebackhide__ = True
+    raise Failed(reason, pytrace=pytrace)
+
+
+def skip(reason: str) -> NoReturn:
+    """Skip the running test, saying why (``pytest.skip``)."""
+    __tracebackhide__ = True
+    raise Skipped(reason, allow_module_level=False)
+
+
+class EngineResolutionError(UsageError):
     """An engine NAME given to --kv-engine cannot be resolved or imported."""
 
 
@@ -11,7 +34,7 @@ class MalformedOutput(Exception):
     """An engine returned something that breaks the engine contract."""
 
 
-class NotApplicable(pytest.skip.Exception):
+class NotApplicable(Skipped):
     """A skip for a limitation declared or known up front (the engine raised ModelNotSupported, does not declare
     the device or dtype, the model is unavailable, no oracle covers the strategy): the engine x model is not
     failed as vacuous for it, and the reason is listed at the end of the run."""
@@ -26,7 +49,7 @@ class Unjudgeable(NotApplicable):
     does not excuse the engine x model from the vacuous rule (an engine on which no token was checked fails)."""
 
 
-class OracleUnreliable(pytest.skip.Exception):
+class OracleUnreliable(Skipped):
     """The oracle disagrees with an independent path: its references cannot judge an engine. A skip wherever it is
     raised (the check is not judged), named in the reports and counted in the engine's verdict line; never an error
     or a failure of the engine (issue 23)."""

@@ -28,7 +28,7 @@ from pytest_kvcompile.latency import marker as latency_marker
 from pytest_kvcompile.memory import marker as memory_marker
 from pytest_kvcompile.recompiles import marker as recompile_marker
 from pytest_kvcompile.run import fixtures, fuzz, grouping
-from pytest_kvcompile.verdicts.rows import Collector
+from pytest_kvcompile.verdicts.collect import Collector
 
 NO_ENGINE = options.NO_ENGINE
 OPTIONS = [*options.OPTIONS, *fuzz.OPTIONS, *latency_marker.OPTIONS, *reports.OPTIONS]

@@ -19,7 +19,8 @@ from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.models.prompts import Prompt, of_length
 from pytest_kvcompile.oracles.token_match import TokenMismatch
 from pytest_kvcompile.verdicts.failures import Where
-from pytest_kvcompile.verdicts.rows import Round, concurrency_line
+from pytest_kvcompile.verdicts.lines import concurrency_line
+from pytest_kvcompile.verdicts.rows import Round
 
 ROUNDS = (2, 4, 8)  # concurrent requests per round, the target among them; the last again once the cache is warm
 TARGET, SHARED, TAIL = 23, 16, 8

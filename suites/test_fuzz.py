@@ -9,7 +9,7 @@ import pytest
 from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.oracles.hf import budget_of
 from pytest_kvcompile.run import fuzz
-from pytest_kvcompile.verdicts.rows import coverage_line
+from pytest_kvcompile.verdicts.lines import coverage_line
 
 
 def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, kv_check_tokens):

@@ -1,9 +1,9 @@
 """Enough positions to decide (runs whose verdict numbers are measured: bfloat16, float16, or an engine storing its KV
 cache lower; the plugin deselects it elsewhere). The run-level rules compare the engine's near ties, and its score()
 rows beyond the computations' median error, over every distinct verified position with the rates the dtype's equivalent
-computations show (verdicts/rows.py: RunRate; oracles/precision.py). Their power depends on the positions: this check
-runs the engine on the calibration's own prompts (the positions those rates were measured on: 32 steps each, in
-batches of up to 8 where the engine batches) until an engine flipping 5x as often as the computations fails the
+computations show (verdicts/run_rules.py: RunRate; oracles/precision.py). Their power depends on the positions:
+this check runs the engine on the calibration's own prompts (the positions those rates were measured on: 32 steps
+each, in batches of up to 8 where the engine batches) until an engine flipping 5x as often as the computations fails the
 near-tie rule with probability >= 90% (`precision.positions_needed`; every other check's positions add to it). Each
 sequence is verified like any token check; an engine declaring score() has it checked on each (kv_check_score).
 

@@ -23,8 +23,8 @@ generated token exactly once under one convention of its own, decided by its fir
 not, then each step's accepted + 1: oracles/speculation.py `Convention`), and must have kept, at every step, exactly
 the drafts a correct engine keeps (a draft model may propose the runner-up at an oracle near tie), and its
 steps go to the reports; a speculative engine whose reported steps never accepted and rejected a draft fails the run
-as vacuous (verdicts/rows.py: run_problems). An engine declaring kv_cache_bytes and a kv_layout must hold, after each
-call, exactly the layout's bytes: rejected K/V rolled back.
+as vacuous (verdicts/run_rules.py: run_problems). An engine declaring kv_cache_bytes and a kv_layout must hold, after
+each call, exactly the layout's bytes: rejected K/V rolled back.
 """
 
 from __future__ import annotations

@@ -234,7 +234,7 @@ class FlipJustOutside(_OneFlip):
 class _LogitsDrift(Greedy):
     """The tokens of the correct Greedy loop; its logits (generate's and score()'s) moved at every EVERY-th step: the
     best's seven runners-up lowered by DELTA (4x the computations' median error on llama, within the score()
-    tolerance), so no token flips and only the run's score() rate (verdicts/rows.py: RunRate) can tell."""
+    tolerance), so no token flips and only the run's score() rate (verdicts/run_rules.py: RunRate) can tell."""
 
     kv_declaration = Declaration(batching=True, scoring=True, description="test engine: logits drifting, no flip")
     EVERY = 1

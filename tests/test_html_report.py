@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_kvcompile.reports import json_file
-from pytest_kvcompile.verdicts.rows import Collector
+from pytest_kvcompile.verdicts.collect import Collector
 
 WRONG = "kv_test_engines:WrongLateToken"
 RECOMPILING = "kv_test_engines:RecompilingGreedy"

@@ -7,8 +7,10 @@ import pytest
 
 from pytest_kvcompile import cli
 from pytest_kvcompile.reports import json_file, matrix
+from pytest_kvcompile.verdicts.collect import Collector
 from pytest_kvcompile.verdicts.failures import Kind, Problem
-from pytest_kvcompile.verdicts.rows import Check, Collector, RunInfo, merge
+from pytest_kvcompile.verdicts.results import merge
+from pytest_kvcompile.verdicts.rows import Check, RunInfo
 
 RUN = {"started": "2026-11-24T10:00:00+00:00", "torch": "2.13.0", "pytest_kvcompile": "0.1.0"}
 

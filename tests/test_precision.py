@@ -52,7 +52,11 @@ def test_the_truth_is_the_16_bit_weights_in_float64(llama_bf16):
 def test_calibration_measures_the_noise_of_equivalent_computations(llama_bf16):
     noise = precision.calibrate(llama_bf16, HFEagerOracle(precision.high_precision(llama_bf16)))
     lengths, steps, _ = precision.CALIBRATION
-    assert noise.positions == len(lengths) * steps and set(noise.per_computation) == set(precision.COMPUTATIONS)
+    longer = precision.long_prompts(llama_bf16.vocab_size, 512)  # the zoo's Llama: 512 positions
+    assert [len(p) for p in longer] == [256, 512 - steps - precision.COMPANION]  # up to its last position (issue 59)
+    assert noise.attended == 512 - precision.COMPANION and noise.long_scale > 0
+    assert noise.positions == (len(lengths) + len(longer)) * steps
+    assert set(noise.per_computation) == set(precision.COMPUTATIONS)
     assert 0 < noise.median_error <= noise.scale <= noise.max_error
     assert noise.tolerance == pytest.approx(precision.NOISE_FACTOR * noise.scale)
     assert 0 < noise.max_near_ties(16) < 16 and noise.flip_rate <= noise.flip_rate_bound
@@ -79,8 +83,11 @@ CORRECT = ("kv_test_engines_verdicts:Recompute", "kv_test_engines_precision:Chun
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_correct_engines_pass_in_16_bit(kvtester, dtype):
+    """At every length a check uses (issue 59): the prefix suite's flood of 256-token prompts and its 512-position
+    extensions, the long generations to the models' last position, judged by the noise measured up to there."""
     result = run_suites(kvtester, *(f"--kv-engine={e}" for e in CORRECT), f"--kv-dtype={dtype}",
-                        "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k", TOKEN_CHECKS)
+                        "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k",
+                        f"{TOKEN_CHECKS} or prefix_cache or long_generation")
     assert result.ret == 0, result.stdout.str()[-4000:]
     assert "failed" not in result.parseoutcomes()
     for engine in CORRECT:  # (the verdict lines' order is the report's, not the options')

@@ -13,19 +13,11 @@ from conftest import run_suites
 from pytest_kvcompile import cli
 from pytest_kvcompile.reports import baseline, html, json_file, markdown
 from pytest_kvcompile.reports.json_file import SCHEMA_VERSION, ResultsFileError
+from pytest_kvcompile.verdicts.collect import Collector
 from pytest_kvcompile.verdicts.failures import Kind, Problem
-from pytest_kvcompile.verdicts.rows import (
-    SHOWN,
-    Collector,
-    Compiles,
-    FailureEntry,
-    MergeError,
-    Record,
-    Results,
-    Row,
-    RunInfo,
-    merge,
-)
+from pytest_kvcompile.verdicts.record import MergeError, Record
+from pytest_kvcompile.verdicts.results import Results, merge
+from pytest_kvcompile.verdicts.rows import SHOWN, Compiles, FailureEntry, Row, RunInfo
 
 GREEDY = "kv_test_engines:Greedy"
 INSTANT = "kv_test_engines_latency:Instant"
@@ -320,7 +312,7 @@ def _records(kind=Row, seen=None):
 
 
 def test_every_field_of_every_record_has_a_merge_rule_and_survives_json():
-    """A field declared without its rule (verdicts/rows.py: rule) would be dropped by a merge or the JSON."""
+    """A field declared without its rule (verdicts/record.py: rule) would be dropped by a merge or the JSON."""
     kinds = _records()
     assert {"Row", "Compiles", "TimelineCall", "Compile", "KVBytes", "LayerBytes", "Timings", "Speculation",
             "OracleFacts", "Round", "Check", "FailureEntry", "Outcomes", "Tokens"} <= set(kinds)
@@ -356,7 +348,7 @@ def _full_row(scale=1):
 def test_a_row_reads_back_field_by_field_and_merges_every_field():
     """The JSON schema is the dataclasses (verdicts/rows.py): what is written reads back equal; a merge keeps every
     field (a field written but never merged is a failure here)."""
-    from pytest_kvcompile.verdicts.rows import _typed
+    from pytest_kvcompile.verdicts.collect import _typed
 
     row = Row(**{f.name: _typed(f.name, getattr(_full_row(), f.name)) for f in dataclasses.fields(Row)})
     default = Row("e", "m", "cpu", "float32")

@@ -1,8 +1,8 @@
 """16-bit verdicts with power (issue 44): the run-level rates of an engine x model over every distinct verified
-position (verdicts/rows.py: RunRate) against the rates of the dtype's equivalent computations (oracles/precision.py),
-the positions that give them power (suites/test_near_tie_rate.py), and the twins: numerics one format coarser than
-the model, RoPE angles in the model's dtype, a rounded softmax scale, and score() rows drifting just inside / just
-outside the dtype's noise without a token flip (tests/kv_test_engines_precision.py)."""
+position (verdicts/run_rules.py: RunRate) against the rates of the dtype's equivalent computations
+(oracles/precision.py), the positions that give them power (suites/test_near_tie_rate.py), and the twins:
+numerics one format coarser than the model, RoPE angles in the model's dtype, a rounded softmax scale, and score()
+rows drifting just inside / just outside the dtype's noise without a token flip (tests/kv_test_engines_precision.py)."""
 
 import copy
 import math
@@ -13,7 +13,9 @@ from conftest import run_suites
 from pytest_kvcompile.config.tolerances import FALSE_ALARM, POWER, POWER_MULTIPLE, binomial_tail, critical, power
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.verdicts.failures import Kind
-from pytest_kvcompile.verdicts.rows import Results, Row, merge, new_row, run_problems, run_rates
+from pytest_kvcompile.verdicts.results import Results, merge
+from pytest_kvcompile.verdicts.rows import Row, new_row
+from pytest_kvcompile.verdicts.run_rules import run_problems, run_rates
 
 P = "--kv-engine=kv_test_engines_precision:"
 

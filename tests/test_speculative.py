@@ -27,7 +27,9 @@ from pytest_kvcompile.oracles.speculation import (
     simulate,
     swap_rejects,
 )
-from pytest_kvcompile.verdicts.rows import Speculation, new_row, run_problems, speculation_line
+from pytest_kvcompile.verdicts.lines import speculation_line
+from pytest_kvcompile.verdicts.rows import Speculation, new_row
+from pytest_kvcompile.verdicts.run_rules import run_problems
 from reference_impls.speculative import PromptLookup
 
 T = "kv_test_engines_speculative:"

@@ -34,7 +34,7 @@ def test_the_entry_point_imports_neither_torch_nor_transformers():
 
 def test_kvcompile_merge_never_imports_torch(tmp_path):
     from pytest_kvcompile.reports import json_file
-    from pytest_kvcompile.verdicts.rows import Results
+    from pytest_kvcompile.verdicts.results import Results
 
     for name in ("a", "b"):
         (tmp_path / f"{name}.json").write_text(json_file.dumps(Results()))
@@ -87,15 +87,9 @@ def _modules() -> dict[str, Path]:
 def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
     """pytest_kvcompile modules `name` imports, at module level or in a function, not under TYPE_CHECKING
     (``from package import module`` counts as the module; the root's lazy public names as imports)."""
-    tree = ast.parse(path.read_text())
-    skipped = {id(sub) for node in ast.walk(tree)
-               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
-               for stmt in node.body for sub in ast.walk(stmt)}
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = set()
-    for node in ast.walk(tree):
-        if id(node) in skipped:
-            continue
+    for node in _runtime_imports(path):
         if isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -108,6 +102,16 @@ def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
 
         found.update(pytest_kvcompile._PUBLIC.values())
     return {m for m in found if m in modules and m != name}
+
+
+def _runtime_imports(path: Path) -> list[ast.Import | ast.ImportFrom]:
+    """The import statements of a module that run (at module level or in a function), not under TYPE_CHECKING."""
+    tree = ast.parse(path.read_text())
+    skipped = {id(sub) for node in ast.walk(tree)
+               if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+               for stmt in node.body for sub in ast.walk(stmt)}
+    return [node for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in skipped]
 
 
 def _graph() -> dict[str, set[str]]:
@@ -154,6 +158,31 @@ def test_nothing_imports_the_plugin_back():
     lazily = [str(p.relative_to(PACKAGE.parent)) for p in PACKAGE.rglob("*.py")
               if p.name != "plugin.py" and "pytest_kvcompile.plugin" in p.read_text()]
     assert importers == [] and lazily == []
+
+
+#: The plugin's shell: the modules that may import pytest (issue 55). The hooks, the fixtures, the markers' hooks and
+#: fixtures, the xdist scheduler and the terminal summary; and errors.py, which gives the core its outcomes as pytest's
+#: own exception types (`fail`, `skip`, `UsageError`), so that nothing else of the core imports pytest.
+PYTEST_SHELL = {"plugin", "run.fixtures", "run.grouping", "config.markers", "recompiles.marker", "latency.marker",
+                "memory.marker", "reports", "errors"}
+MAX_LINES = 600  # one job per module: none longer
+
+
+def test_only_the_plugins_shell_imports_pytest():
+    importers = sorted(name.removeprefix("pytest_kvcompile.") for name, path in _modules().items()
+                       if any(a.name.split(".")[0] in ("pytest", "_pytest") for node in _runtime_imports(path)
+                              for a in node.names if isinstance(node, ast.Import))
+                       or any(isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0]
+                              in ("pytest", "_pytest") for node in _runtime_imports(path)))
+    assert set(importers) - PYTEST_SHELL == set(), (
+        "core modules import pytest (raise through pytest_kvcompile.errors: fail, skip, UsageError; annotate pytest's "
+        f"types under TYPE_CHECKING): {sorted(set(importers) - PYTEST_SHELL)}")
+
+
+def test_no_module_is_longer_than_one_job():
+    long = {str(path.relative_to(PACKAGE.parent)): n for path in PACKAGE.rglob("*.py")
+            if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert long == {}, f"modules over {MAX_LINES} lines (split them along their seams): {long}"
 
 
 @pytest.mark.parametrize(("ini", "message"), [

@@ -13,9 +13,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvcompile.config import profiles
 from pytest_kvcompile.config.tolerances import (
@@ -23,6 +21,10 @@ from pytest_kvcompile.config.tolerances import (
     DEFAULT_MAX_NEAR_TIES,
     DEFAULT_TIE_TOLERANCE,
 )
+from pytest_kvcompile.errors import UsageError
+
+if TYPE_CHECKING:
+    import pytest
 
 ENGINE = "--kv-engine"
 LIST_ENGINES = "--kv-list-engines"
@@ -105,7 +107,7 @@ def value(config: pytest.Config, option: Option) -> Any:
     try:
         return [option.parse(line) for line in raw] if option.ini_type == "linelist" else option.parse(raw)
     except ValueError as exc:
-        raise pytest.UsageError(f"ini {option.ini} / {option.flag}={raw!r}: {exc}") from None
+        raise UsageError(f"ini {option.ini} / {option.flag}={raw!r}: {exc}") from None
 
 
 # --- parsers: text -> value, ValueError naming the fix ----------------------------------------------------------------
@@ -421,13 +423,13 @@ def check_device(device: str, flag: str = DEVICE) -> None:
     try:
         parsed = torch.device(device)
     except RuntimeError:
-        raise pytest.UsageError(f"{flag}={device!r} is not a torch device; e.g. cpu, cuda, cuda:1") from None
+        raise UsageError(f"{flag}={device!r} is not a torch device; e.g. cpu, cuda, cuda:1") from None
     if parsed.type == "cuda":
         if torch.version.cuda is None:
-            raise pytest.UsageError(f"{flag}={device}: this torch ({torch.__version__}) is a build without CUDA; "
+            raise UsageError(f"{flag}={device}: this torch ({torch.__version__}) is a build without CUDA; "
                                     "install a CUDA build of torch (https://pytorch.org/get-started/locally/) or run "
                                     f"on {flag}=cpu")
         if not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count():
-            raise pytest.UsageError(f"{flag}={device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
+            raise UsageError(f"{flag}={device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
                                     f"{torch.cuda.device_count()} GPU(s); check the driver and CUDA_VISIBLE_DEVICES, "
                                     f"or run on {flag}=cpu")

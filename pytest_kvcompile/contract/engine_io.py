@@ -13,16 +13,18 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-import pytest
 import torch
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.errors import (
     EngineProcessDied,
+    Failed,
     MalformedOutput,
     NotApplicable,
     RemoteError,
+    fail,
+    skip,
 )
 
 
@@ -43,11 +45,11 @@ def _fail_raised(ref: EngineRef, what: str, exc: Exception, lengths: Sequence[in
     if isinstance(exc, EngineProcessDied):  # its message is the whole failure (a process died, a server failed)
         from pytest_kvcompile.verdicts.failures import Kind
 
-        error = pytest.fail.Exception(str(exc), pytrace=False)
+        error = Failed(str(exc), pytrace=False)
         error.kind = Kind(getattr(exc, "kind", Kind.CRASH.value)).value
         raise error from None  # the message says it all: not the exception it replaces again
     kind = exc.remote_type if isinstance(exc, RemoteError) else type(exc).__name__
-    error = pytest.fail.Exception(f"engine '{ref.name}' raised {kind} in {what}: {exc}\n"
+    error = Failed(f"engine '{ref.name}' raised {kind} in {what}: {exc}\n"
                                   f"The engine's traceback:\n{_engine_traceback(exc)}", pytrace=False)
     error.raised, error.lengths = kind, tuple(lengths)
     raise error
@@ -63,14 +65,14 @@ def build(ref: EngineRef, spec: ModelSpec, compile_backend: str) -> Any:
     except Exception as exc:
         _fail_raised(ref, f"its factory {ref.target}(ModelSpec(name='{spec.name}', ...))", exc)
     if not callable(getattr(engine, "generate", None)):
-        pytest.fail(
+        fail(
             f"engine '{ref.name}': its factory returned a {type(engine).__name__} without a generate() method; "
             "the engine contract needs generate(prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]",
             pytrace=False,
         )
     for capability, method in (("scoring", "score"), ("kv_cache_bytes", "kv_cache_bytes")):
         if getattr(ref.declaration, capability) and not callable(getattr(engine, method, None)):
-            pytest.fail(
+            fail(
                 f"engine '{ref.name}' declares {capability}=True but has no {method}() method: "
                 f"add it or drop the declaration",
                 pytrace=False,
@@ -82,7 +84,7 @@ def build(ref: EngineRef, spec: ModelSpec, compile_backend: str) -> Any:
         needed["acceptance"] = "acceptance=True"
     for method, declared in needed.items():
         if not callable(getattr(engine, method, None)):
-            pytest.fail(f"engine '{ref.name}' declares Speculative({declared}) but has no {method}() method: add it "
+            fail(f"engine '{ref.name}' declares Speculative({declared}) but has no {method}() method: add it "
                         "or drop it from the declaration (pytest_kvcompile/contract/speculative.py)", pytrace=False)
     return engine
 
@@ -111,7 +113,7 @@ def acceptance(ref: EngineRef, engine: Any, rows: int, k: int) -> list[list[tupl
     except (TypeError, ValueError):
         ok = False
     if not ok:
-        pytest.fail(f"engine '{ref.name}' returned malformed output from acceptance(): {rule}; got "
+        fail(f"engine '{ref.name}' returned malformed output from acceptance(): {rule}; got "
                     f"{str(found)[:300]}", pytrace=False)
     return steps
 
@@ -128,13 +130,13 @@ def generate(ref: EngineRef, engine: Any, prompts: Sequence[Sequence[int]], max_
         if outside:
             kind = exc.remote_type if isinstance(exc, RemoteError) else type(exc).__name__
             first = (str(exc).strip().splitlines() or [""])[0][:200]
-            pytest.skip(f"{outside}, and the engine refused it ({kind}: {first})")
+            skip(f"{outside}, and the engine refused it ({kind}: {first})")
         _fail_raised(ref, f"generate(<{len(prompts)} prompt(s) of lengths {lengths}>, "
                           f"max_new_tokens={max_new_tokens})", exc, lengths)
     try:
         return validate_generate(out, len(prompts), max_new_tokens, vocab_size)
     except MalformedOutput as exc:
-        pytest.fail(
+        fail(
             f"engine '{ref.name}' returned malformed output from generate(<{len(prompts)} prompt(s) of lengths "
             f"{lengths}>, max_new_tokens={max_new_tokens}): {exc}",
             pytrace=False,
@@ -154,7 +156,7 @@ def score(ref: EngineRef, engine: Any, vocab_size: int):
         expected = (len(continuation), vocab_size)
         if not isinstance(logits, torch.Tensor) or tuple(logits.shape) != expected:
             got = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-            pytest.fail(
+            fail(
                 f"engine '{ref.name}' returned malformed output from score(): expected a tensor of shape "
                 f"{expected} (one row of logits per continuation token), got {got}",
                 pytrace=False,

@@ -192,7 +192,7 @@ def _validate(arguments: dict[str, Any], item: pytest.Item) -> dict[str, Any]:
 
 @contextmanager
 def _log(arguments: dict[str, Any], item: pytest.Item):
-    from pytest_kvcompile.verdicts.rows import NOTE
+    from pytest_kvcompile.verdicts.collect import NOTE
 
     log = item.stash[LOG] = Log(note=lambda category, line: item.user_properties.append((NOTE, (category, line))))
     try:

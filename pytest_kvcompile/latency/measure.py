@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-import pytest
 import torch
 
+from pytest_kvcompile.errors import skip
 from pytest_kvcompile.models.prompts import Prompt, of_length, variant
 from pytest_kvcompile.verdicts.rows import Timings
 
@@ -82,7 +82,7 @@ def timer_for(device: str) -> tuple[str, Callable[[Callable[[], object]], float]
     """(name, time_ms(fn)): CUDA events on a CUDA device, perf_counter elsewhere."""
     if torch.device(device).type == "cuda":
         if not torch.cuda.is_available():
-            pytest.skip(f"latency on device '{device}' needs CUDA, which this torch does not have")
+            skip(f"latency on device '{device}' needs CUDA, which this torch does not have")
 
         def cuda_ms(fn):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -12,11 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from pytest_kvcompile.config.options import MODEL, ZOO, Settings
 from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.errors import UsageError
 from pytest_kvcompile.models import zoo
 
 
@@ -127,7 +127,7 @@ def collect(settings: Settings) -> dict[str, ModelEntry]:
     names = [n for n, m in zoo.ZOO.items() if m.in_all] if settings.zoo is None else list(settings.zoo)
     unknown = [n for n in names if n not in zoo.ZOO]
     if unknown:
-        raise pytest.UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; "
+        raise UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; "
                                 f"choose from {', '.join(zoo.ZOO)}, 'all' or 'none'")
     entries: dict[str, ModelEntry] = {}
     for name in names:
@@ -166,7 +166,7 @@ def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
     if not (path / "config.json").is_file():
         own = ('; checked against an engine, a directory whose config.json (a JSON object) gives "vocab_size" also '
                "works" if own_allowed else fix)
-        raise pytest.UsageError(f"{MODEL}={path}: not a local Hugging Face checkpoint directory (no config.json "
+        raise UsageError(f"{MODEL}={path}: not a local Hugging Face checkpoint directory (no config.json "
                                 f"there){own}")
     from transformers import AutoConfig
 
@@ -174,15 +174,15 @@ def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
         return ModelEntry(name, AutoConfig.from_pretrained(path, local_files_only=True), path)
     except Exception as exc:
         if not own_allowed:
-            raise pytest.UsageError(f"{MODEL}={path}: transformers cannot read its config.json: {exc}{fix}") from None
+            raise UsageError(f"{MODEL}={path}: transformers cannot read its config.json: {exc}{fix}") from None
         unreadable = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     try:
         raw = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
-        raise pytest.UsageError(f"{MODEL}={path}: its config.json is not JSON ({exc})") from None
+        raise UsageError(f"{MODEL}={path}: its config.json is not JSON ({exc})") from None
     vocab = raw.get("vocab_size") if isinstance(raw, dict) else None
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
-        raise pytest.UsageError(f"{MODEL}={path}: transformers cannot read its config.json and it gives no "
+        raise UsageError(f"{MODEL}={path}: transformers cannot read its config.json and it gives no "
                                 f"\"vocab_size\" (a whole number >= 2; got {vocab!r}): the suite draws prompt token "
                                 "ids from it")
     return ModelEntry(name, OwnConfig(raw, unreadable), path, own=True)

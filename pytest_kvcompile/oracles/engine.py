@@ -36,13 +36,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.errors import OracleUnreliable
+from pytest_kvcompile.errors import Failed, OracleUnreliable, UsageError, fail
 from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 
@@ -81,17 +80,17 @@ def choose(name: str, ref: EngineRef, wanted: str, resolve) -> Choice:
         counterpart = ref.declaration.eager
         if not counterpart:
             if not ref.declaration.compiled:
-                raise pytest.UsageError(
+                raise UsageError(
                     f"--kv-oracle=eager: engine '{name}' declares neither compiled=True nor an eager counterpart, so "
                     f"its eager mode is itself and would agree with itself; give it another oracle "
                     f"(--kv-oracle={name}=hf or ={name}=NAME), or declare Declaration(compiled=True) if it compiles")
             return Choice(EAGER, ref, forced=True)
         if counterpart == name:
-            raise pytest.UsageError(f"engine '{name}' declares eager='{name}', itself: declare its eager "
+            raise UsageError(f"engine '{name}' declares eager='{name}', itself: declare its eager "
                                     "counterpart's NAME, or nothing (its own factory under force_eager)")
         return _same_strategy(name, ref, Choice(EAGER, resolve(counterpart)))
     if wanted == name:
-        raise pytest.UsageError(f"--kv-oracle: engine '{name}' cannot be its own oracle (it would agree with itself); "
+        raise UsageError(f"--kv-oracle: engine '{name}' cannot be its own oracle (it would agree with itself); "
                                 f"use --kv-oracle={name}=eager for its eager mode, or name another engine")
     return _same_strategy(name, ref, Choice("engine", resolve(wanted)))
 
@@ -101,12 +100,12 @@ def _same_strategy(name: str, ref: EngineRef, choice: Choice) -> Choice:
     semantics."""
     mine, theirs = ref.declaration.strategy, choice.ref.declaration.strategy
     if mine != theirs:
-        raise pytest.UsageError(f"--kv-oracle: engine '{name}' declares strategy {mine} but its oracle "
+        raise UsageError(f"--kv-oracle: engine '{name}' declares strategy {mine} but its oracle "
                                 f"'{choice.ref.name}' declares {theirs}: an oracle must claim the same cache semantics")
     return choice
 
 
-class OracleNotEager(pytest.fail.Exception):
+class OracleNotEager(Failed):
     """The eager oracle ran compiled code: a failure (never a verdict by compiled-against-compiled)."""
 
 
@@ -191,7 +190,7 @@ class EngineOracle:
                                                   self.spec.vocab_size)[0])
         except OracleNotEager:
             raise
-        except pytest.fail.Exception as exc:  # it raised or broke the contract: no reference, so not judged
+        except Failed as exc:  # it raised or broke the contract: no reference, so not judged
             self._refused[prompt, max_new_tokens] = (
                 f"oracle unreliable: {self.source} gave no reference for a prompt of length {len(prompt)} on model "
                 f"'{self.spec.name}': {str(exc.msg).splitlines()[0].rstrip('.')}. This prompt's token checks are not "
@@ -223,7 +222,7 @@ class EngineOracle:
                          + (" (a constant row)" if gap == 0.0 else "") + ". Its score() does not compute what its "
                          "generate() does")
                 if self.choice.forced:  # the engine's own code, eager: its score() and generate() disagree
-                    pytest.fail(f"engine '{self.choice.ref.name}' in its own eager mode: {found}: score() must return "
+                    fail(f"engine '{self.choice.ref.name}' in its own eager mode: {found}: score() must return "
                                 "the logits of the same path as generate() (the engine contract)", pytrace=False)
                 raise OracleUnreliable(f"oracle unreliable: {found}, so it cannot judge near ties; its token checks "
                                        "are skipped as not judged (no verdict on the engine): fix the oracle engine's "

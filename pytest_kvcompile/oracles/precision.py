@@ -9,7 +9,8 @@ path is one of the computations below, never the judge, so a doubt about it neve
 which is the 16-bit oracle's own path; SDPA without a cache; SDPA in a left-padded batch; eager with the prompt
 prefilled in chunks of 5) differ from the truth by rounding alone. What can flip a correct engine's choice between
 the truth's best token b and another token e is the error a computation makes on the difference t[b] - t[e]. Per
-model and dtype, along the truth's greedy path on `CALIBRATION` prompts (`calibrate`, stored with the oracle):
+model and dtype, along the truth's greedy path on `CALIBRATION` prompts and one of each `LONG_CALIBRATION` length (up
+to the longest a check attends over: `calibrate`, stored with the oracle):
 
 - scale = the 99th percentile, over positions and computations, of the largest such error among the truth's top 8;
 - flip rate = the largest share of positions where one computation's argmax is not the truth's;
@@ -29,7 +30,7 @@ tokens (`LocalNoise`): positions where the network amplifies rounding are noisy 
 local term covers them without widening the rule elsewhere. NOISE_FACTOR covers computations the four do not
 (fused kernels, other reduction orders); its twin in tests/ fails just outside it. A sequence may hold as many near
 ties as a correct engine flipping at the flip rate's upper bound shows with probability >= `FALSE_ALARM`
-(binomial); so may a whole run, over all its distinct verified positions (verdicts/rows.py: `RunRate`), and the
+(binomial); so may a whole run, over all its distinct verified positions (verdicts/run_rules.py: `RunRate`), and the
 run's score() rows beyond the median error, against the beyond rate. `positions_needed`: how many
 positions give those run rules the power (`POWER`) to fail an engine `POWER_MULTIPLE` x as noisy; the suites' check
 of them (suites/test_near_tie_rate.py) runs the engine on the calibration's own prompts. The numbers per zoo model:
@@ -67,7 +68,7 @@ from pytest_kvcompile.config.tolerances import (
     power,
 )
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
-from pytest_kvcompile.models.checkpoints import keep_last, with_cache
+from pytest_kvcompile.models.checkpoints import keep_last, max_positions, with_cache
 from pytest_kvcompile.oracles.truth import HighPrecisionSpec, Widened, high_precision, load_lm  # noqa: F401 (re-exported)
 from pytest_kvcompile.recompiles.hooks import attention_kernel
 
@@ -77,9 +78,14 @@ TOP = 8  # the truth's top tokens whose differences to the best are measured
 QUANTILE = 0.99  # of the per-position errors: the scale
 # one block of calibration prompts: their lengths, steps per prompt, the seed of the first block
 CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60, 12, 33, 70, 5, 110, 48, 21, 9), 32, 230)
+#: then one prompt of each length past the blocks' longest, so the noise covers every length a check attends over (the
+#: prefix suite's flood and its extended prompts, the concurrency suite's long requests, the long generations up to
+#: 1024 positions), each capped where the model's positions end (`long_prompts`; issue 59)
+LONG_CALIBRATION = (256, 480, 990)
 MIN_FLIPS = 8  # calibration adds blocks until the noisiest computation flipped this often...
 MAX_BLOCKS = 8  # ...or this many blocks (4096 positions)
 CHUNK = 5  # prefill chunk of the chunked computation
+COMPANION = 7  # tokens the left-padded computation's companion sequence is longer by
 COMPUTATIONS = ("eager, cache", "sdpa, no cache", "sdpa, left-padded batch", "eager, chunked prefill")
 # a KV format flipping this share of greedy choices (upper bound): its near ties, budgeted at that rate, let through
 # nearly any token, so no token check can tell a bug from it
@@ -163,13 +169,13 @@ class Computations:
                      **keep_last(self.base, len(tokens))).logits[0, -len(tokens):]
 
     def _padded(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        """The sequence left-padded beside a companion 7 tokens longer (positions count real tokens only)."""
+        """The sequence left-padded beside a companion COMPANION tokens longer (positions count real tokens only)."""
         ids = prompt + tokens[:-1]
         vocab = self.spec.vocab_size
-        companion = [(t * 7 + 3) % vocab for t in ids] + [(i * 11 + 1) % vocab for i in range(7)]
+        companion = [(t * 7 + 3) % vocab for t in ids] + [(i * 11 + 1) % vocab for i in range(COMPANION)]
         width = len(companion)
-        batch = torch.tensor([[0] * 7 + ids, companion], device=self.spec.device)
-        mask = torch.tensor([[0] * 7 + [1] * len(ids), [1] * width], device=self.spec.device)
+        batch = torch.tensor([[0] * COMPANION + ids, companion], device=self.spec.device)
+        mask = torch.tensor([[0] * COMPANION + [1] * len(ids), [1] * width], device=self.spec.device)
         logits = model(input_ids=batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                        use_cache=False, **keep_last(self.base, len(tokens))).logits
         return logits[0, -len(tokens):]  # from 7 + len(prompt) - 1 on
@@ -250,6 +256,16 @@ def calibration_prompts(vocab_size: int, blocks: int) -> list[list[int]]:
             for _ in range(blocks) for length in lengths]
 
 
+def long_prompts(vocab_size: int, positions: int | None) -> list[list[int]]:
+    """One calibration prompt of each `LONG_CALIBRATION` length, capped so that it and the steps fit in `positions`
+    (the model's limit; None: none) beside the padded computation's longer companion, those not longer than the
+    blocks' longest left out."""
+    lengths, steps, seed = CALIBRATION
+    capped = sorted({min(n, positions - steps - COMPANION) if positions else n for n in LONG_CALIBRATION})
+    generator = torch.Generator().manual_seed(seed + 1)
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in capped if n > max(lengths)]
+
+
 def difference_errors(truth: torch.Tensor, computed: torch.Tensor, best: torch.Tensor,
                       others: torch.Tensor) -> torch.Tensor:
     """|(c[b] - c[o]) - (t[b] - t[o])| for each row's best b [n] and other tokens o [n, k]: [..., n, k]."""
@@ -278,6 +294,8 @@ class Noise:
     beyond: int = 0  # positions where the noisiest computation's error exceeds the median error (`logit_threshold`)
     #: the largest ratio, at one position, of one family's logit error to the other's (`score_spread`)
     spread: float = NOISE_FACTOR
+    attended: int = 0  # the most positions attended in calibration (its longest prompt + steps; 0: not recorded)
+    long_scale: float = 0.0  # QUANTILE of the errors at the long prompts' positions alone (`long_prompts`)
 
     @property
     def tolerance(self) -> float:
@@ -334,20 +352,24 @@ class Noise:
     def from_dict(cls, data: dict[str, Any]) -> Noise:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
+    @property
+    def _lengths(self) -> str:
+        return f" attending up to {self.attended}, p99 {self.long_scale:.3g} on the long ones" if self.attended else ""
+
     def describe(self) -> str:
         if self.kv_dtype:
             return (f"noise of '{self.model}' with K and V stored as {self.kv_dtype} ({self.dtype} run): scale "
                     f"{self.scale:.3g} (p99 of the error on top-{TOP} logit differences vs the oracle over "
-                    f"{self.positions} positions; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = "
-                    f"{NOISE_FACTOR:g} x scale, flip rate {self.flip_rate:.1%}, score tolerance "
+                    f"{self.positions} positions{self._lengths}; max {self.max_error:.3g}), tie tolerance "
+                    f"{self.tolerance:.3g} = {NOISE_FACTOR:g} x scale, flip rate {self.flip_rate:.1%}, score tolerance "
                     f"{self.score_tolerance:.3g}")
         oracle = self.per_computation.get(COMPUTATIONS[0], {})
         return (f"{self.dtype} noise of '{self.model}': scale {self.scale:.3g} (p99 of the error on top-{TOP} logit "
                 f"differences of {len(COMPUTATIONS)} equivalent computations vs float64 over {self.positions} "
-                f"positions; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = {NOISE_FACTOR:g} x scale "
-                f"(or x the noise at the position), flip rate {self.flip_rate:.1%}; transformers' own "
-                f"{self.dtype} path flips vs the truth at {int(oracle.get('flips', 0))}/{self.positions} positions "
-                "(verdicts use the truth)")
+                f"positions{self._lengths}; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = "
+                f"{NOISE_FACTOR:g} x scale (or x the noise at the position), flip rate {self.flip_rate:.1%}; "
+                f"transformers' own {self.dtype} path flips vs the truth at {int(oracle.get('flips', 0))}/"
+                f"{self.positions} positions (verdicts use the truth)")
 
 
 def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComputation | None = None) -> Noise:
@@ -359,7 +381,10 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     names = computations.names
     top_errors, logit_rows, flips = [], [], torch.zeros(len(names), dtype=torch.long)
     prompts = calibration_prompts(spec.vocab_size, MAX_BLOCKS)
-    for i, prompt in enumerate(prompts):
+    longer = long_prompts(spec.vocab_size, max_positions(spec.config))
+
+    def measure(prompt: list[int]) -> None:
+        nonlocal flips
         ref = truth.reference(prompt, steps)
         t = ref.logits.double()
         computed = computations.along(prompt, ref.tokens)  # [K, steps, vocab]
@@ -367,9 +392,15 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
         top_errors.append(difference_errors(t, computed, best, others).amax(-1))  # [K, steps]
         logit_rows.append((computed - t).abs().amax(-1))  # [K, steps]
         flips += (computed.argmax(-1) != best).sum(-1)
+
+    for i, prompt in enumerate(prompts):
+        measure(prompt)
         if (i + 1) % len(lengths) == 0 and int(flips.max()) >= MIN_FLIPS:
             break
+    for prompt in longer:
+        measure(prompt)
     errors = torch.cat(top_errors, dim=1)  # [K, positions]
+    tail = errors[:, errors.size(1) - len(longer) * steps:]  # the long prompts' positions
     median = float(errors.flatten().median())
     beyond = (errors > median).sum(-1)
     per = {name: {"max": float(errors[i].max()), "p99": float(errors[i].quantile(QUANTILE)), "flips": int(flips[i]),
@@ -377,7 +408,9 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     logits = torch.cat(logit_rows, dim=1)  # [K, positions]
     return Noise(spec.name, dtype_name(spec.dtype), float(errors.flatten().quantile(QUANTILE)), float(errors.max()),
                  median, int(flips.max()), errors.size(1), float(logits.max()), per,
-                 getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names))
+                 getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names),
+                 max(len(p) for p in prompts[:i + 1] + longer) + steps,
+                 float(tail.flatten().quantile(QUANTILE)) if longer else 0.0)
 
 
 def family_spread(logits: torch.Tensor, names: Sequence[str]) -> float:
@@ -434,7 +467,7 @@ class LocalNoise:
 class Rules:
     """The verdict numbers on one model: tie tolerance, near-tie budget per sequence (None: none), score()
     tolerance, and the noise the 16-bit ones were measured from (None: the options' values, or float32's constants).
-    The run's near-tie rate is a reports rule (verdicts/rows.py: run_problems, from each row's noise)."""
+    The run's near-tie rate is a reports rule (verdicts/run_rules.py: run_problems, from each row's noise)."""
 
     tie_tolerance: float
     max_near_ties: int | None

@@ -2,7 +2,7 @@
 terminal results table and the run notes.
 
 The plugin adds `OPTIONS` and calls ``register(config, settings, collector)``. Under pytest-xdist each worker
-collects the rows of its own tests and returns them as JSON (verdicts/rows.py: Results) in ``config.workeroutput``;
+collects the rows of its own tests and returns them as JSON (verdicts/results.py: Results) in ``config.workeroutput``;
 only the controller merges them, compares with the baseline and writes files.
 """
 
@@ -31,32 +31,12 @@ from pytest_kvcompile.reports.live import (
     write_heartbeat,
 )
 from pytest_kvcompile.reports.table import text_table, verdict_lines
+from pytest_kvcompile.verdicts.collect import NOTE, WORKER_KEY, Collector, outcome, params, run_metadata
 from pytest_kvcompile.verdicts.failures import Failure, Kind, Problem, kind_of
-from pytest_kvcompile.verdicts.rows import (
-    NOTE,
-    WORKER_KEY,
-    Beat,
-    Check,
-    Collector,
-    Crash,
-    FailureEntry,
-    Outcomes,
-    Results,
-    Row,
-    RunInfo,
-    Status,
-    coverage_line,
-    eviction_noise_line,
-    first_lines,
-    merge,
-    noise_line,
-    outcome,
-    params,
-    run_metadata,
-    run_problems,
-    run_rates,
-    skipped_everywhere,
-)
+from pytest_kvcompile.verdicts.lines import coverage_line, eviction_noise_line, first_lines, noise_line
+from pytest_kvcompile.verdicts.results import Results, merge
+from pytest_kvcompile.verdicts.rows import Beat, Check, Crash, FailureEntry, Outcomes, Row, RunInfo, Status
+from pytest_kvcompile.verdicts.run_rules import run_problems, run_rates, skipped_everywhere
 
 REPORT_JSON = "--kv-report-json"
 REPORT_MD = "--kv-report-md"

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pytest_kvcompile.verdicts.rows import Results, Row
+from pytest_kvcompile.verdicts.results import Results
+from pytest_kvcompile.verdicts.rows import Row
 
 SYNTAX = "latency:10%,memory:5%,recompiles:0"
 PERCENT_NAMES = ("latency", "memory")

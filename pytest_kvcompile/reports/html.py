@@ -16,7 +16,9 @@ from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
 from pytest_kvcompile.verdicts.failures import Failure
-from pytest_kvcompile.verdicts.rows import FailureEntry, KVBytes, Results, Row, TimelineCall, coverage_line, stats
+from pytest_kvcompile.verdicts.lines import coverage_line
+from pytest_kvcompile.verdicts.results import Results
+from pytest_kvcompile.verdicts.rows import FailureEntry, KVBytes, Row, TimelineCall, stats
 
 STYLE = """body{font-family:system-ui,sans-serif;margin:2em;color:#222}table{border-collapse:collapse;margin:1em 0}
 td,th{border:1px solid #ccc;padding:.3em .6em;font-size:.9em;text-align:left}th{background:#f3f3f3}

@@ -35,7 +35,7 @@ inconsistent, recompile, memory, latency, crash, other); a token verdict's ``fai
 with a ``kv_dtype`` is the measured noise of a KV cache stored that way (Declaration.kv_cache_dtype), not the model's.
 ``problems`` are the run rules that failed (`Problem`: vacuous, no_eviction, run_drift, logit_drift), each naming its
 engine in a field. A row's ``scored`` (measured runs, engines declaring score()): distinct scored sequences ->
-[positions, those beyond the typical noise] (verdicts/rows.py: RunRate).
+[positions, those beyond the typical noise] (verdicts/run_rules.py: RunRate).
 Schema 2 files read as schema 3 (3 made every row, run and status a typed record; the keys are the same).
 Schema 1 files (before typed verdicts) are read and upgraded: a failure's kind comes from its token diff (else
 "other"), the diff becomes its ``failure`` (its ``where`` string the note of its ``where``), ``problems`` is empty.
@@ -59,7 +59,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from pytest_kvcompile.verdicts.rows import READS, RESULTS_KIND, SCHEMA_VERSION, Results
+from pytest_kvcompile.verdicts.results import READS, RESULTS_KIND, SCHEMA_VERSION, Results
 
 KIND = RESULTS_KIND
 __all__ = ["KIND", "READS", "SCHEMA_VERSION", "ResultsFileError", "dumps", "load", "loads"]

@@ -19,7 +19,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from pytest_kvcompile.verdicts.rows import Beat, Crash, Results, Status
+from pytest_kvcompile.verdicts.results import Results
+from pytest_kvcompile.verdicts.rows import Beat, Crash, Status
 
 HEARTBEAT_KEY = "kvcompile_heartbeat_dir"  # workerinput: where the workers' heartbeat files go
 

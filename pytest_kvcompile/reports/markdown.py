@@ -5,7 +5,8 @@ from __future__ import annotations
 from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
-from pytest_kvcompile.verdicts.rows import Results, concurrency_line
+from pytest_kvcompile.verdicts.lines import concurrency_line
+from pytest_kvcompile.verdicts.results import Results
 
 
 def _escape(cell: str) -> str:

@@ -18,7 +18,8 @@ from html import escape
 from pathlib import Path
 
 from pytest_kvcompile.reports.table import verdicts
-from pytest_kvcompile.verdicts.rows import Check, Results, Row, RunInfo
+from pytest_kvcompile.verdicts.results import Results
+from pytest_kvcompile.verdicts.rows import Check, Row, RunInfo
 
 PASS, FAIL, KNOWN, SKIP = "pass", "fail", "known", "skip"
 MARKS = {PASS: "✅", FAIL: "❌", KNOWN: "⚠️", SKIP: "⏭️"}  # Markdown (GitHub draws emoji)

@@ -15,8 +15,8 @@ from pytest_kvcompile.config.options import NO_ENGINE, Settings
 from pytest_kvcompile.errors import NotApplicable, OracleUnreliable, Unjudgeable
 from pytest_kvcompile.latency.marker import Probe
 from pytest_kvcompile.models.prompts import Prompt, batch
+from pytest_kvcompile.verdicts.collect import Recorder
 from pytest_kvcompile.verdicts.failures import Where
-from pytest_kvcompile.verdicts.rows import Recorder
 
 if TYPE_CHECKING:  # torch-heavy: the fixtures module is imported by every run, they only when a fixture runs
     from pytest_kvcompile.oracles.reference import Reference
@@ -167,7 +167,7 @@ def kv_check_score(kv_engine: EngineUnderTest, kv_record: Recorder, kv_session: 
     gives them), the largest logit difference returned (None: nothing to check). Where the verdict numbers are
     measured (16-bit, a KV cache stored lower) and the oracle is the float64 truth they were measured against (not
     an engine, --kv-oracle), its steps beyond the dtype's median noise are recorded for the run's score() rate
-    (verdicts/rows.py: RunRate)."""
+    (verdicts/run_rules.py: RunRate)."""
     truth = getattr(kv_session.oracles.get(kv_engine.name), "ref", None) is None
 
     def check_score(reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:

@@ -40,13 +40,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
-
-import pytest
+from typing import TYPE_CHECKING, Any
 
 from pytest_kvcompile.config.options import FuzzSettings, Option, choice, number, value, whole
 from pytest_kvcompile.models.prompts import Prompt, of_length
 from pytest_kvcompile.verdicts import failures
+
+if TYPE_CHECKING:
+    import pytest
 
 PROFILES = ("ci", "dev")
 FUZZ, FUZZ_PROFILE, FUZZ_BUDGET, FUZZ_SEED = "--kv-fuzz", "--kv-fuzz-profile", "--kv-fuzz-budget", "--kv-fuzz-seed"

@@ -20,13 +20,11 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
-
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.engines.server import ServerEngine
-from pytest_kvcompile.errors import CallTimeout, EngineProcessDied
+from pytest_kvcompile.errors import CallTimeout, EngineProcessDied, Failed, fail
 from pytest_kvcompile.memory.measure import Held
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.reference import Reference
@@ -195,7 +193,7 @@ class EngineUnderTest:
             self.broken = (f"engine '{self.name}' on model '{self.spec.name}': call {hung[0] + 1} of {len(calls)} sent "
                            f"concurrently, {shown[hung[0]]}, did not return within {limit:g} s "
                            f"({CALL_TIMEOUT} or {CONCURRENT_TIMEOUT_S:g} s); {len(hung)} call(s) still running")
-            pytest.fail(self.broken + "\n  The next test of this engine x model builds it anew.", pytrace=False)
+            fail(self.broken + "\n  The next test of this engine x model builds it anew.", pytrace=False)
         raised = next((result[1] for result in found if result[0] == "raised"), None)
         if raised is not None:
             raise raised
@@ -242,11 +240,11 @@ class EngineUnderTest:
         except CallTimeout:
             self.broken = (f"engine '{self.name}' on model '{self.spec.name}': {call} did not return within "
                            f"{self.call_timeout:g} s ({CALL_TIMEOUT}); the call was interrupted (SIGALRM)")
-            pytest.fail(f"{self.broken}\n{self.served(len(self.history))}\n  The run goes on: the next test of this "
+            fail(f"{self.broken}\n{self.served(len(self.history))}\n  The run goes on: the next test of this "
                         "engine x model builds it anew. If the call is only slow, raise "
                         f"{CALL_TIMEOUT}; if it hangs inside C code, isolate the engine (--kv-isolate={self.name})",
                         pytrace=False)
-        except pytest.fail.Exception:
+        except Failed:
             if self.host.dead:
                 self.broken = self.host.dead
             raise
@@ -263,7 +261,7 @@ class EngineUnderTest:
             return what()
         except EngineProcessDied as exc:
             self.broken = str(exc)
-            pytest.fail(str(exc), pytrace=False)
+            fail(str(exc), pytrace=False)
 
     @contextlib.contextmanager
     def tensor_census(self) -> Iterator[Callable[[], int]]:
@@ -394,7 +392,7 @@ class EngineUnderTest:
                 rows = self.engine.teacher_forced(prompt.ids, got)
             except EngineProcessDied as exc:
                 self.broken = self.host.dead
-                pytest.fail(str(exc), pytrace=False)
+                fail(str(exc), pytrace=False)
         if rows is None:
             return None
         return check_logprobs(reference, got, rows, tie_tolerance=self.tie_tolerance,

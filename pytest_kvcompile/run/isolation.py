@@ -35,7 +35,7 @@ import time
 import weakref
 from typing import Any
 
-from pytest_kvcompile.errors import EngineProcessDied, RemoteError
+from pytest_kvcompile.errors import EngineProcessDied, Failed, RemoteError, Skipped, fail, skip
 
 _HEADER = struct.Struct("<Q")
 LOG_TAIL_LINES = 30
@@ -73,9 +73,8 @@ class IsolatedEngine:
                 timeout=self.timeout and BUILD_TIMEOUT_FACTOR * self.timeout)
         except RemoteError as exc:
             self.close()
-            import pytest
 
-            pytest.fail(f"engine '{name}' raised {exc.remote_type} in {what} (in its own process): {exc}\n"
+            fail(f"engine '{name}' raised {exc.remote_type} in {what} (in its own process): {exc}\n"
                         f"The traceback:\n{exc.remote_traceback}", pytrace=False)
         except BaseException:
             self.close()
@@ -139,15 +138,14 @@ class IsolatedEngine:
             return payload[0] if len(payload) == 1 else payload
         if status == "raised":
             raise RemoteError(*payload)
-        import pytest
 
         from pytest_kvcompile.errors import NotApplicable
 
         if status == "not-applicable":
             raise NotApplicable(payload[0])
         if status == "skip":
-            pytest.skip(payload[0])
-        pytest.fail(payload[0], pytrace=False)
+            skip(payload[0])
+        fail(payload[0], pytrace=False)
 
     def _read(self, size: int, what: str, deadline: float | None) -> bytes:
         fd, chunks, got = self.proc.stdout.fileno(), [], 0
@@ -394,15 +392,13 @@ def _synchronize() -> None:
 def _failure(exc: BaseException) -> tuple:
     import traceback
 
-    import pytest
-
     from pytest_kvcompile.errors import NotApplicable
 
     if isinstance(exc, NotApplicable):
         return ("not-applicable", exc.msg)
-    if isinstance(exc, pytest.skip.Exception):
+    if isinstance(exc, Skipped):
         return ("skip", exc.msg)
-    if isinstance(exc, pytest.fail.Exception):
+    if isinstance(exc, Failed):
         return ("fail", exc.msg)
     frames = traceback.extract_tb(exc.__traceback__)
     frames = [f for f in frames if f.filename != __file__]

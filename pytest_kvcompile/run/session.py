@@ -11,8 +11,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import pytest
-
 from pytest_kvcompile.config.options import (
     MAX_NEAR_TIE_RATE,
     MAX_NEAR_TIES,
@@ -32,7 +30,7 @@ from pytest_kvcompile.contract.engine import (
     never_emitted,
 )
 from pytest_kvcompile.contract.registry import SERVER_SOURCE, EngineRef
-from pytest_kvcompile.errors import NotApplicable, Unjudgeable
+from pytest_kvcompile.errors import NotApplicable, Skipped, Unjudgeable, fail
 from pytest_kvcompile.latency.marker import Settings as LatencySettings
 from pytest_kvcompile.models import checkpoints as models
 from pytest_kvcompile.models.checkpoints import ModelEntry
@@ -44,7 +42,7 @@ from pytest_kvcompile.recompiles.hooks import import_inductor_quietly
 from pytest_kvcompile.recompiles.recorder import reset_dynamo
 from pytest_kvcompile.run import host as hosts
 from pytest_kvcompile.run.harness import EngineUnderTest
-from pytest_kvcompile.verdicts.rows import Collector
+from pytest_kvcompile.verdicts.collect import Collector
 
 SERVED_PROBE = (1, 7, 23)  # prompt lengths a user's server answers before anything is judged (Session._check_served)
 
@@ -119,7 +117,7 @@ class Session:
             if isinstance(built, NotApplicable):  # the factory said ModelNotSupported: it will say it again
                 raise NotApplicable(built.msg)
             if isinstance(built, str):
-                pytest.fail(built + " (see its first failure for the traceback)", pytrace=False)
+                fail(built + " (see its first failure for the traceback)", pytrace=False)
             broken = built.broken or built.host.dead  # a call timed out, its process died, its server is gone
             if not broken:
                 return built
@@ -131,7 +129,7 @@ class Session:
         except NotApplicable as exc:  # remembered: an isolated engine would start a process per test to say it
             self._built[key] = exc
             raise
-        except pytest.skip.Exception:
+        except Skipped:
             del self._built[key]
             raise
         return self._built[key]
@@ -139,7 +137,7 @@ class Session:
     def fresh_engine(self, name: str, model: str) -> EngineUnderTest:
         """A new engine object for the model, not shared with other tests (checks of what a first call leaves)."""
         if name is None:  # the "no-engine" parameter on an xdist worker (the controller raises the usage error)
-            pytest.fail(NO_ENGINE, pytrace=False)
+            fail(NO_ENGINE, pytrace=False)
         ref, spec = self.engines[name], self.spec(model)
         missing = missing_capability(ref.declaration, spec)
         if missing:
@@ -147,7 +145,7 @@ class Session:
         excluded = never_emitted(ref.declaration.never_emits, spec.config)
         beyond = sorted(i for i in excluded if not 0 <= i < spec.vocab_size)
         if beyond:
-            pytest.fail(f"engine '{name}' declares never_emits={ref.declaration.never_emits}: ids {beyond} are not in "
+            fail(f"engine '{name}' declares never_emits={ref.declaration.never_emits}: ids {beyond} are not in "
                         f"model '{model}''s vocabulary of {spec.vocab_size}", pytrace=False)
         if excluded:
             self.collector.add(name, model, excluded_ids=sorted(excluded))
@@ -208,7 +206,7 @@ class Session:
                 served = f"(not asked: {built.host.unreachable})" if built.host.unreachable else \
                     engine.served.describe()
                 gap = f" by a logit gap of {bad.gap:.4g}" if reference.scored else ""
-                pytest.fail(
+                fail(
                     f"engine '{name}' does not serve model '{model}' ({built.spec.path}): a probe prompt of length "
                     f"{length}, sent alone, starts {got[:4]} where that checkpoint gives {list(reference.tokens[:4])} "
                     f"(its first token: the checkpoint prefers {bad.expected}{gap} over {bad.got}); nothing was "
@@ -342,5 +340,5 @@ class Session:
             try:
                 self.engines[name] = registry.resolve(name)
             except EngineResolutionError as exc:
-                pytest.fail(f"{why}: {exc}", pytrace=False)
+                fail(f"{why}: {exc}", pytrace=False)
         return self.engine(name, model)

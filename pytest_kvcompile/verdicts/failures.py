@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NoReturn
 
-import pytest
+from pytest_kvcompile.errors import Failed
 
 
 class Kind(str, Enum):
@@ -219,6 +219,6 @@ def fail(kind: Kind, message: str) -> NoReturn:
     """``pytest.fail(message, pytrace=False)`` that tells the reports its kind (a suite's own check: two calls that
     differ, a memory or compile finding)."""
     __tracebackhide__ = True
-    error = pytest.fail.Exception(message, pytrace=False)
+    error = Failed(message, pytrace=False)
     error.kind = kind.value
     raise error
