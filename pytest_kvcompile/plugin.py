@@ -292,6 +292,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(NO_ENGINE)
     if settings.engines or settings.models:
         _ = run.session.models  # read configs now: a bad --kv-model/--kv-zoo is a usage error, not a collection error
+        if not hasattr(config, "workerinput"):  # the controller, once: a folder that cannot judge this run
+            run.session.check_references()
     if run.engines:
         from pytest_kvcompile.contract import registry
 

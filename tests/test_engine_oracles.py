@@ -260,7 +260,7 @@ def test_the_oracle_store_is_keyed_by_the_checkpoints_content(own_model, tmp_pat
     and modification time)."""
     import shutil
 
-    from pytest_kvcompile.oracles.store import content_digest
+    from pytest_kvcompile.oracles.recorded import content_digest
 
     copy = shutil.copytree(own_model, tmp_path / "elsewhere")
     memo = tmp_path / "digests"

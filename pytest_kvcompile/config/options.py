@@ -48,6 +48,8 @@ ISOLATE = "--kv-isolate"
 ORACLE = "--kv-oracle"
 PROFILE = "--kv-profile"
 ORACLE_DEVICE = "--kv-oracle-device"
+REFERENCES = "--kv-references"
+RECORD_REFERENCES = "--kv-record-references"
 
 NO_ENGINE = (f"no engine selected: pass {ENGINE}=NAME (or the ini key kv_engines); "
              f"pytest {LIST_ENGINES} lists the engines")
@@ -303,6 +305,14 @@ OPTIONS = [
                                                                  for p in profiles.PROFILES.values())
            + " (the summary names what a smaller profile left out)", "|".join(profiles.PROFILES),
            choice(*profiles.PROFILES)),
+    Option(RECORD_REFERENCES, "kv_record_references", "",
+           "record the oracle's references (its tokens, the truth along the engines' tokens, the 16-bit calibration) "
+           f"in DIR, with what they were recorded for, for later runs' {REFERENCES}=DIR (a nightly job, a bigger "
+           "machine)", "DIR"),
+    Option(REFERENCES, "kv_references", "",
+           f"judge from the references a run with {RECORD_REFERENCES}=DIR recorded: the oracle runs only where an "
+           "engine's tokens leave the recorded ones; a folder recorded for another checkpoint, dtype, device or "
+           "version is a usage error naming what differs", "DIR"),
     Option(ORACLE_CHECK, "kv_oracle_check", "on",
            "'on' (default): replay each oracle reference through an independent path (float64) before judging an "
            "engine with it; 'off' skips that check", "on|off", choice("on", "off")),
@@ -348,6 +358,8 @@ class Settings:
     oracles: tuple[tuple[str, str], ...] = ()  # (engine or '' for every engine, 'hf' | 'eager' | NAME)
     profile: str = profiles.DEFAULT  # --kv-profile (config/profiles.py)
     oracle_device: str = ""  # --kv-oracle-device; "": the engines' device
+    references: Path | None = None  # --kv-references or --kv-record-references: a folder of recorded references
+    record_references: bool = False  # True: this run records into `references` (--kv-record-references)
 
     @property
     def harness_device(self) -> str:
@@ -381,6 +393,13 @@ def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Se
     dtype, tol, ties, rate = get(DTYPE), get(TIE_TOLERANCE), get(MAX_NEAR_TIES), get(MAX_NEAR_TIE_RATE)
     zoo = str(get(ZOO)).strip()
     cache_dir = get(CACHE_DIR) or os.environ.get(CACHE_DIR_ENV) or Path.home() / ".cache" / "pytest-kvcompile"
+    use, record = str(get(REFERENCES) or "").strip(), str(get(RECORD_REFERENCES) or "").strip()
+    if use and record:
+        raise UsageError(f"{REFERENCES}={use} and {RECORD_REFERENCES}={record}: a run either records references or "
+                         "judges from recorded ones; give one of them")
+    if use and not Path(use).expanduser().is_dir():
+        raise UsageError(f"{REFERENCES}={use}: no such folder; record references into it first with "
+                         f"{RECORD_REFERENCES}={use}")
     return Settings(
         engines=tuple(dict.fromkeys(get(ENGINE))),
         models=tuple(Path(p).expanduser() for p in get(MODEL)),
@@ -403,6 +422,8 @@ def read_settings(config: pytest.Config, fuzz: FuzzSettings | None = None) -> Se
         oracles=tuple(get(ORACLE)),
         profile=get(PROFILE),
         oracle_device=str(get(ORACLE_DEVICE) or "").strip(),
+        references=Path(use or record).expanduser() if use or record else None,
+        record_references=bool(record),
     )
 
 

@@ -30,7 +30,6 @@ docs/gpu-results.md), while a cache bug moves logits by whole units.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -53,6 +52,7 @@ from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.engine import EngineOracle
 from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
 from pytest_kvcompile.oracles.hf import oracle_for
+from pytest_kvcompile.oracles.recorded import content_digest
 from pytest_kvcompile.oracles.reference import LazyReference, Reference
 from pytest_kvcompile.oracles.truth import load_lm
 from pytest_kvcompile.verdicts.rows import OracleFacts
@@ -114,32 +114,6 @@ def _fingerprint(oracle: Any, strategy: Strategy, spec: ModelSpec, memo: Path | 
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
 
 
-def content_digest(path: Path, memo: Path | None = None) -> str:
-    """sha256 over a checkpoint directory's files (names and bytes). Each file's own digest is kept under `memo` by
-    its resolved path, size and modification time: a checkpoint is read once (a few seconds a GB), not every run."""
-    total = hashlib.sha256()
-    for file in sorted(p for p in path.iterdir() if p.is_file()):
-        stat = file.stat()
-        seen = f"{file.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-        known = memo / hashlib.sha256(seen.encode()).hexdigest()[:32] if memo is not None else None
-        digest = known.read_text().strip() if known is not None and known.is_file() else ""
-        if len(digest) != 64:
-            one = hashlib.sha256()
-            with file.open("rb") as source:
-                for chunk in iter(lambda: source.read(1 << 24), b""):
-                    one.update(chunk)
-            digest = one.hexdigest()
-            if known is not None:
-                with contextlib.suppress(OSError):
-                    known.parent.mkdir(parents=True, exist_ok=True)
-                    fd, tmp = tempfile.mkstemp(dir=known.parent, prefix=".tmp-")
-                    with os.fdopen(fd, "w") as out:
-                        out.write(digest)
-                    os.replace(tmp, known)
-        total.update(f"{file.name}\0{digest}\0".encode())
-    return total.hexdigest()
-
-
 class DiskMemo:
     """tensors by key under one directory; load() None when absent or unreadable."""
 
@@ -160,8 +134,11 @@ class DiskMemo:
     def save(self, key: tuple, value: Any) -> None:
         if self.root is None:
             return
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        try:  # a store that cannot be written (a recorded folder mounted read-only) only memoizes in memory
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        except OSError:
+            return
         try:
             with os.fdopen(fd, "wb") as out:
                 torch.save(value, out)

@@ -9,6 +9,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from pytest_kvcompile.config.options import (
@@ -16,6 +17,8 @@ from pytest_kvcompile.config.options import (
     MAX_NEAR_TIES,
     NO_ENGINE,
     ORACLE_DEVICE,
+    RECORD_REFERENCES,
+    REFERENCES,
     TIE_TOLERANCE,
     Settings,
     check_device,
@@ -30,13 +33,15 @@ from pytest_kvcompile.contract.engine import (
     never_emitted,
 )
 from pytest_kvcompile.contract.registry import SERVER_SOURCE, EngineRef
-from pytest_kvcompile.errors import NotApplicable, Skipped, Unjudgeable, fail
+from pytest_kvcompile.errors import NotApplicable, Skipped, Unjudgeable, UsageError, fail
 from pytest_kvcompile.latency.marker import Settings as LatencySettings
 from pytest_kvcompile.models import checkpoints as models
 from pytest_kvcompile.models.checkpoints import ModelEntry
 from pytest_kvcompile.models.prompts import Prompt, prompt_set
+from pytest_kvcompile.models.zoo import code_hash
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
+from pytest_kvcompile.oracles.recorded import Recorded, References, content_digest
 from pytest_kvcompile.oracles.store import StoredOracle
 from pytest_kvcompile.recompiles.hooks import import_inductor_quietly
 from pytest_kvcompile.recompiles.recorder import reset_dynamo
@@ -235,6 +240,39 @@ class Session:
                     "checks still run; with no token verified the engine fails as vacuous on this model)")
         return found
 
+    def _store_root(self, model: str) -> Path:
+        """Where the oracle's references for `model` are stored: a recorded folder (--kv-references, or
+        --kv-record-references, which also writes what they are recorded for), else the run's cache."""
+        if self.settings.references is None:
+            return self.settings.cache_dir / "oracle"
+        folder = References(self.settings.references)
+        if self.settings.record_references:
+            folder.record(self._recorded(model))
+        return folder.store
+
+    def _recorded(self, model: str) -> Recorded:
+        """What references of `model` in this run are recorded for (oracles/recorded.py)."""
+        import torch
+        import transformers
+
+        spec = self._harness_spec(model)
+        return Recorded(model, content_digest(Path(spec.path), self.settings.cache_dir / "oracle" / "digests"),
+                        self.settings.dtype, str(spec.device), code_hash("models", "oracles"), torch.__version__,
+                        transformers.__version__)
+
+    def check_references(self) -> None:
+        """At start-up with --kv-references: a usage error where the folder cannot judge a model of this run (not
+        recorded, or recorded for another checkpoint, dtype, device or version: oracles/recorded.py)."""
+        if self.settings.references is None or self.settings.record_references:
+            return
+        folder = References(self.settings.references)
+        for model, entry in self.models.items():
+            if entry.own or entry.unavailable:  # judged by an engine oracle, or not at all: nothing recorded to load
+                continue
+            problem = folder.problem(self._recorded(model), REFERENCES, RECORD_REFERENCES)
+            if problem:
+                raise UsageError(problem)
+
     def _engine_oracle(self, choice: Any, strategy: Strategy, model: str) -> StoredOracle | str:
         """An engine as the oracle (oracles/engine.py), built once per oracle and model; a string: why it cannot be.
         In 16-bit on a transformers model, the equivalent 16-bit computations give the local noise term along the
@@ -253,7 +291,7 @@ class Session:
             raw = EngineOracle(choice, spec, self.settings.compile_backend, rules.tie_tolerance)
             local = precision.reduced(spec.dtype) and not self.models[model].own and strategy.kind == "exact"
             self._oracles[key] = StoredOracle(
-                raw, strategy, spec, rules.tie_tolerance, self.settings.cache_dir / "oracle",
+                raw, strategy, spec, rules.tie_tolerance, self._store_root(model),
                 check=self.settings.oracle_check,
                 computations=precision.Computations(self._harness_spec(model)) if local else None)
         return self._oracles[key]
@@ -280,7 +318,7 @@ class Session:
                 # the noise of equivalent 16-bit computations along an engine's tokens (exact attention only)
                 computations = precision.Computations(spec) if reduced and exact else None
                 stored = self._oracles[key] = StoredOracle(
-                    raw, strategy, judged, self.settings.tie_tolerance or 0.0, self.settings.cache_dir / "oracle",
+                    raw, strategy, judged, self.settings.tie_tolerance or 0.0, self._store_root(model),
                     # a 16-bit run's eviction truth is float64 already: its float64 replay would be itself
                     check=self.settings.oracle_check and (exact or not reduced), computations=computations)
                 if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
