@@ -66,6 +66,12 @@ def _session_fixtures(run: Run) -> types.ModuleType:
     return holder
 
 
+#: ``@pytest.mark.kv_only(condition)``: a suite check deselected (not skipped) unless the run meets the condition
+ONLY = {"fuzz": "the run gives --kv-fuzz=N (fuzzing is opt-in)",
+        "measured_rates": "the run's verdict numbers are measured (bfloat16, float16, or the engine stores its KV "
+                          "cache lower): there is a measured rate to give power to"}
+
+
 def _deselect(config: pytest.Config, items: list[pytest.Item], left: list[pytest.Item]) -> int:
     """Deselect `left` from `items` (in place, reported to pytest as deselected); how many."""
     if left:
@@ -182,24 +188,32 @@ class Run:
         found = config.stash.get(reports.PLUGIN, None)
         if found is not None:
             found.stale_findings = stale
-        if self.settings.fuzz is None:  # fuzzing is opt-in (--kv-fuzz=N): deselect, don't skip
-            _deselect(config, items, [i for i in items if getattr(i, "originalname", "") == "test_fuzz"
-                                      and "kv_engine" in i.fixturenames])
+        _deselect(config, items, [i for i in items if "kv_engine" in i.fixturenames and not self._runs(i)])
         profile = PROFILES[self.settings.profile]
         if profile.name != "full":  # a smaller profile (--kv-profile): deselected, and named in the summary
             engine_tests = [i for i in items if "kv_engine_name" in getattr(getattr(i, "callspec", None), "params", {})]
             self.profile_left = _deselect(config, items, [
                 i for i in engine_tests if not (profile.runs(getattr(i, "originalname", i.name))
                                                 and profile.runs_prompt(i.callspec.params.get("kv_prompt_name")))])
-        if self.settings.dtype not in MEASURED_DTYPES:  # constant rules (float32): no measured rate to power
-            _deselect(config, items, [
-                i for i in items if getattr(i, "originalname", "") == "test_near_tie_rate"
-                and "kv_engine" in i.fixturenames and not getattr(self.declaration(i), "kv_cache_dtype", None)])
         engine_tests = [i for i in items if getattr(i, "callspec", None) and "kv_engine_name" in i.callspec.params]
         if not self.engines and engine_tests:
             if hasattr(config, "workerinput"):  # a UsageError here would crash the xdist worker: the fixtures error
                 return
             raise pytest.UsageError(NO_ENGINE + f" ({len(engine_tests)} collected test(s) need one)")
+
+    def _runs(self, item: pytest.Item) -> bool:
+        """Whether this run's options meet the item's ``@pytest.mark.kv_only(condition)`` (`ONLY`; none: it runs)."""
+        mark = item.get_closest_marker("kv_only")
+        if mark is None:
+            return True
+        condition = mark.args[0] if mark.args else None
+        if condition == "fuzz":
+            return self.settings.fuzz is not None
+        if condition == "measured_rates":
+            return self.settings.dtype in MEASURED_DTYPES or bool(getattr(self.declaration(item), "kv_cache_dtype",
+                                                                          None))
+        raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.kv_only({condition!r}): the condition is one of "
+                                f"{', '.join(map(repr, ONLY))}")
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
@@ -302,6 +316,8 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(_session_fixtures(run), "kvcompile.session")
     config.pluginmanager.register(fixtures, "kvcompile.fixtures")
     markers.register(config, {"kv_requires": _kv_requires_spec(run)})
+    config.addinivalue_line("markers", "kv_only(condition): a suite check deselected unless the run meets the "
+                                       "condition: " + "; ".join(f"'{k}': {v}" for k, v in ONLY.items()))
     recompile_marker.register(config)
     memory_marker.register(config)
     latency_marker.register(config, run.latency)

@@ -12,6 +12,7 @@ from pytest_kvcompile.run import fuzz
 from pytest_kvcompile.verdicts.lines import coverage_line
 
 
+@pytest.mark.kv_only("fuzz")
 def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, kv_check_tokens):
     settings = kv_settings.fuzz
     if settings is None:  # deselected by the plugin; reached only when run by node id

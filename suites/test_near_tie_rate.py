@@ -20,6 +20,7 @@ from pytest_kvcompile.verdicts.failures import Where
 BATCH = 8
 
 
+@pytest.mark.kv_only("measured_rates")
 def test_near_tie_rate(kv_engine, kv_oracle, kv_check_tokens, kv_check_score):
     if kv_engine.noise is None:
         pytest.skip(f"the verdict numbers on model '{kv_engine.spec.name}' were given, not measured (a checkpoint "

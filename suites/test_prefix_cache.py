@@ -51,24 +51,29 @@ def _boundaries(kv_engine) -> tuple[int, ...]:
     return _fits(kv_engine, lengths)
 
 
+def _judge(kv_engine, oracle, check_tokens, prompt: Prompt, got: list[int], where: Where,
+           earlier: tuple[list[int], str] | None = None) -> None:
+    """One answer: against the oracle where there is one, and against the prompt's `earlier` answer (its tokens and
+    when they came, in words): the same prompt must not be served different state (beyond a near tie)."""
+    reference = None
+    if oracle is not None:
+        reference = oracle.reference(prompt.ids, kv_engine.max_new_tokens)
+        check_tokens(reference, got, prompt, where)
+    if earlier is not None and (why := kv_engine.differs(prompt, earlier[0], got, reference)):
+        fail(Kind.INCONSISTENT,
+             f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave {earlier[0]} "
+             f"{earlier[1]} and {got} at {where.describe()} (they differ {why}): a prefix cache or reused KV blocks "
+             "serve different state for the same prompt")
+
+
 def _serve(kv_engine, oracle, check_tokens, calls: list[Prompt], note: str) -> None:
     """Each prompt alone, in order, on one engine object: judged against the oracle, and against its earlier answer."""
-    served: dict[str, tuple[list[int], int]] = {}
+    served: dict[str, tuple[list[int], str]] = {}
     for i, prompt in enumerate(calls):
         got = kv_engine.generate([prompt])[0]
         where = Where(number=i + 1, calls=len(calls), before=tuple(p.name for p in calls[max(0, i - 3):i]), note=note)
-        reference = None
-        if oracle is not None:
-            reference = oracle.reference(prompt.ids, kv_engine.max_new_tokens)
-            check_tokens(reference, got, prompt, where)
-        why = kv_engine.differs(prompt, served[prompt.name][0], got, reference) if prompt.name in served else None
-        if why:
-            before, when = served[prompt.name]
-            fail(Kind.INCONSISTENT,
-                 f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave {before} on "
-                 f"call {when + 1} and {got} on {where.describe()} (they differ {why}): a prefix cache or reused KV "
-                 "blocks serve different state for the same prompt")
-        served.setdefault(prompt.name, (got, i))
+        _judge(kv_engine, oracle, check_tokens, prompt, got, where, served.get(prompt.name))
+        served.setdefault(prompt.name, (got, f"on call {i + 1}"))
 
 
 def _pair(k: int, vocab: int) -> tuple[Prompt, Prompt]:
@@ -158,13 +163,7 @@ def test_shared_prefixes_batched(kv_engine, kv_oracle_or_none, kv_check_tokens):
         alone = [kv_engine.generate([p])[0] for p in batch]
         for i, (prompt, got) in enumerate(zip(batch, outputs)):
             where = Where(index=i, lengths=lengths, note=f"sharing their first {k} tokens")
-            if kv_oracle_or_none is not None:
-                reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-                kv_check_tokens(reference, got, prompt, where)
-            elif why := kv_engine.differs(prompt, alone[i], got):
-                fail(Kind.INCONSISTENT,
-                     f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
-                     f"{alone[i]} alone but {got} at {where.describe()}: they differ {why}")
+            _judge(kv_engine, kv_oracle_or_none, kv_check_tokens, prompt, got, where, (alone[i], "alone"))
 
 
 @pytest.mark.kv_requires("batching")
@@ -176,19 +175,12 @@ def test_cold_warm_alone_batched(kv_engine, kv_oracle_or_none, kv_check_tokens):
     other = Prompt(f"cold{block + 1}+tail", first.ids[:block + 1] + of_length(TAIL, vocab, salt=81).ids)
     if not _fits(kv_engine, [len(first), len(other)]):
         pytest.skip(f"model '{kv_engine.spec.name}' has too few positions for prompts of {len(first)} tokens")
-    answers: dict[str, list[int]] = {}
+    answers: dict[str, tuple[list[int], str]] = {}
     calls = [[first], [first], [first, other, first], [other]]
     for number, call in enumerate(calls, 1):
         lengths = tuple(len(p) for p in call)
         for i, (prompt, got) in enumerate(zip(call, kv_engine.generate(call))):
             where = Where(index=i, lengths=lengths, number=number, calls=len(calls),
                           note=("cold" if number == 1 else "warm") + ", cold/warm check")
-            reference = None
-            if kv_oracle_or_none is not None:
-                reference = kv_oracle_or_none.reference(prompt.ids, kv_engine.max_new_tokens)
-                kv_check_tokens(reference, got, prompt, where)
-            if prompt.name in answers and (why := kv_engine.differs(prompt, answers[prompt.name], got, reference)):
-                fail(Kind.INCONSISTENT,
-                     f"engine '{kv_engine.name}' on model '{kv_engine.spec.name}': prompt '{prompt.name}' gave "
-                     f"{answers[prompt.name]} first and {got} at {where.describe()}: they differ {why}")
-            answers.setdefault(prompt.name, got)
+            _judge(kv_engine, kv_oracle_or_none, kv_check_tokens, prompt, got, where, answers.get(prompt.name))
+            answers.setdefault(prompt.name, (got, "first"))

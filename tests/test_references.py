@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import run_suites
 
+from conftest import run_suites
 from pytest_kvcompile.oracles.recorded import Recorded, References
 
 CHECK = ("--kv-engine=hf-eager", "-k", "token_identity and short7 and not batched")
