@@ -61,7 +61,7 @@ def test_concurrent_requests(concurrent_engine, kv_oracle, kv_check_tokens, kv_r
     longest = min(LONGEST, limit - n) if limit else LONGEST
     target = Prompt(f"target{TARGET}", of_length(TARGET, spec.vocab_size, salt=50).ids)
     others = _others(spec.vocab_size, longest, max(ROUNDS) - 1)
-    cap = getattr(getattr(kv_engine.engine, "limits", None), "max_concurrency", None)  # a server's ?max_concurrency
+    cap = kv_engine.host.max_concurrency  # a server's ?max_concurrency
     sizes = [size for size in ROUNDS if cap is None or size <= cap]
     left_out = [size for size in ROUNDS if size not in sizes]
     if not sizes:

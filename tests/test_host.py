@@ -1,5 +1,6 @@
 """Where an engine runs is its host (pytest_kvcompile/run/host.py): one interface, an in-process and a subprocess
-implementation. The rest of the package and the suites use the host's methods and never ask which host an engine has:
+implementation, and a server's (`Server`: an engine over HTTP). The rest of the package and the suites use the
+host's methods and never ask which host an engine has:
 `no_isolation_branch_outside_the_hosts` keeps it that way. The hosts' own behaviour, with fakes (no process started);
 tests/test_isolation.py and tests/test_crash_safety.py run real isolated engines."""
 
@@ -52,6 +53,11 @@ def _isolation_uses(where: str, tree: ast.AST) -> list[str]:
             found.append(f"{at}: {ast.unparse(node)} (the isolated engine's proxy: only its host reads it)")
         elif isinstance(node, ast.Attribute) and node.attr in ("observed", "last_ms"):
             found.append(f"{at}: {ast.unparse(node)} (the isolated engine's proxy: only its host reads it)")
+        elif isinstance(node, ast.Name) and node.id == "ServerEngine" and not where.startswith(
+                "pytest_kvcompile/engines/server"):
+            found.append(f"{at}: ServerEngine (a server is its host: run/host.py, Server; ask the host what differs)")
+        elif isinstance(node, ast.Attribute) and node.attr == "limits" and ast.unparse(node.value).endswith("engine"):
+            found.append(f"{at}: {ast.unparse(node)} (a server's limits: ask its host, host.max_concurrency)")
         elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("getattr", "hasattr") and len(node.args) > 1 \
                 and isinstance(node.args[1], ast.Constant) and node.args[1].value in PROXY_ONLY:
             found.append(f"{at}: {ast.unparse(node)} (duck typing on the isolated engine's proxy: use the host)")
@@ -65,9 +71,11 @@ def test_no_isolation_branch_outside_the_hosts():
 
 def test_the_rule_catches_a_branch():
     code = ("if eut.isolated:\n    x = eut.engine.last_ms\nremote = getattr(eut.engine, 'observed', None)\n"
-            "ok = settings.isolated('e', ref.declaration.isolated, True)\n")
+            "ok = settings.isolated('e', ref.declaration.isolated, True)\n"
+            "served = isinstance(eut.engine, ServerEngine)\ncap = eut.engine.limits\n")
     found = _isolation_uses("x.py", ast.parse(code))
-    assert sorted(line.split(" ")[0] for line in found) == ["x.py:1:", "x.py:2:", "x.py:3:"], found
+    assert sorted(line.split(" ")[0] for line in found) == ["x.py:1:", "x.py:2:", "x.py:3:", "x.py:5:",
+                                                            "x.py:6:"], found
 
 
 # --- the two hosts, with fakes ----------------------------------------------------------------------------------------

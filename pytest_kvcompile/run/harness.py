@@ -23,7 +23,6 @@ from typing import Any
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.engines.server import ServerEngine
 from pytest_kvcompile.errors import CallTimeout, EngineProcessDied, Failed, fail
 from pytest_kvcompile.memory.measure import Held
 from pytest_kvcompile.models.prompts import Prompt
@@ -293,13 +292,13 @@ class EngineUnderTest:
             engine=self.name,
             model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
             context=self.served(len(self.history) - 1), excluded=self.excluded,
-            engine_top=self.engine.top_logprobs(prompt.ids, got) if self.server else None,
+            engine_top=self.host.top_logprobs(prompt.ids, got),
         )
 
     @property
     def server(self) -> bool:
-        """The engine is a server over HTTP (engines/server.py): its answers carry its own top-k log-probabilities."""
-        return isinstance(self.engine, ServerEngine)
+        """The engine is a server over HTTP (run/host.py: Server): its answers carry its own top-k log-probabilities."""
+        return self.host.server
 
     def near_tie_budget(self, steps: int) -> int | None:
         """Near ties one sequence of `steps` may hold: the run's budget, set for --kv-max-new-tokens steps; a longer
@@ -389,7 +388,7 @@ class EngineUnderTest:
         what = f"prompt log-probabilities(<prompt of length {len(prompt)}>, <continuation of length {len(got)}>)"
         with self._guarded(what):
             try:
-                rows = self.engine.teacher_forced(prompt.ids, got)
+                rows = self.host.prompt_logprobs(prompt.ids, got)
             except EngineProcessDied as exc:
                 self.broken = self.host.dead
                 fail(str(exc), pytrace=False)

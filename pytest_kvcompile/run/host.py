@@ -1,4 +1,4 @@
-"""Where an engine under test runs: its host, one interface (`Host`) with two implementations.
+"""Where an engine under test runs: its host, one interface (`Host`) with three implementations.
 
 - `InProcess`: the engine object lives in the pytest process. A call is bounded by --kv-call-timeout with SIGALRM
   (`deadline`), dynamo is observed here, memory is measured on the object itself, the caller times a call.
@@ -7,6 +7,9 @@
   comes back with every call and is merged with what the parent saw; memory, the tensor census and dynamo resets
   happen in the child; a generate() is timed in the child, without the pipe. Its death (a signal, a kill after the
   timeout) is `dead`, and what fails the test is `EngineProcessDied` with the whole message.
+- `Server`: an engine over HTTP (engines/server.py), its client in process: its answers carry the server's top-k
+  log-probabilities (`top_logprobs`, `prompt_logprobs`), it takes concurrent requests up to its own cap
+  (`max_concurrency`), and `close` stops it.
 
 Everything that differs between the two lives here and in run/isolation.py: the engine under test
 (run/harness.py: EngineUnderTest), the session, the latency rule and the suites use a host's methods and never ask
@@ -21,7 +24,7 @@ import signal
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,6 +115,23 @@ class Host(ABC):
     #: why `engine` answers only the contract's calls, not the engine object's own attributes (a server's
     #: `served`), or None
     unreachable: str | None = None
+    #: the engine is a server over HTTP (`Server`): its answers carry its own top-k log-probabilities
+    server: bool = False
+
+    def top_logprobs(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[dict[int, float]] | None:
+        """The engine's own top-k log-probabilities along `tokens` where its answers carry them (a server), else
+        None."""
+        return None
+
+    def prompt_logprobs(self, prompt: Sequence[int], tokens: Sequence[int]) -> Any:
+        """The engine's own top-k log-probabilities teacher-forced along `tokens` where its API gives them (a server:
+        engines/server.py, ServerEngine.teacher_forced), else None."""
+        return None
+
+    @property
+    def max_concurrency(self) -> int | None:
+        """Requests the engine takes at once by its own limit (a server's ``?max_concurrency=N``), None: no limit."""
+        return None
 
     @property
     def where(self) -> str:
@@ -227,10 +247,30 @@ class InProcess(Host):
         return time_ms(call)
 
     def close(self) -> None:
-        """A server is stopped (a managed one's process; engines/server.py); other engines are left to the garbage
-        collector."""
-        if isinstance(self.engine, ServerEngine):
-            self.engine.close()
+        """Nothing: the engine is left to the garbage collector."""
+
+
+class Server(InProcess):
+    """An engine reached over HTTP (engines/server.py: ServerEngine): its client object in this process, the model
+    in the server's. Its answers carry the server's top-k log-probabilities, it takes concurrent requests up to its
+    own cap, and closing it stops the server (a managed one's process)."""
+
+    server = True
+    engine: ServerEngine
+
+    def top_logprobs(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[dict[int, float]] | None:
+        return self.engine.top_logprobs(prompt, tokens)
+
+    def prompt_logprobs(self, prompt: Sequence[int], tokens: Sequence[int]) -> Any:
+        return self.engine.teacher_forced(prompt, tokens)
+
+    @property
+    def max_concurrency(self) -> int | None:
+        limits = getattr(self.engine, "limits", None)
+        return getattr(limits, "max_concurrency", None)
+
+    def close(self) -> None:
+        self.engine.close()
 
 
 class Subprocess(Host):
@@ -298,9 +338,16 @@ def build(ref: EngineRef, spec: ModelSpec, compile_backend: str, call_timeout: f
     """The engine built for `spec` where the run says it runs (config.options.Settings.isolated)."""
     if isolated:
         return Subprocess.build(ref, spec, compile_backend, call_timeout)
-    return InProcess.build(ref, spec, compile_backend)
+    return _served(InProcess.build(ref, spec, compile_backend))
+
+
+def _served(host: InProcess) -> InProcess:
+    """A server's client is a `Server` host."""
+    if isinstance(host.engine, ServerEngine):
+        return Server(host.engine, host.build_compiles, host.build_captures, host.cuda_grown)
+    return host
 
 
 def host_of(engine: Any) -> Host:
     """The host of an engine object built elsewhere (an EngineUnderTest constructed without one)."""
-    return Subprocess(engine) if isinstance(engine, IsolatedEngine) else InProcess(engine)
+    return Subprocess(engine) if isinstance(engine, IsolatedEngine) else _served(InProcess(engine))

@@ -205,7 +205,7 @@ class Session:
             reference = oracle.reference(prompt.ids, built.max_new_tokens)
             got = engine_io.generate(built.ref, engine, [prompt.ids], built.max_new_tokens, built.spec.vocab_size)[0]
             verdict = token_verdict(reference, got, built.tie_tolerance, None, built.excluded,
-                                    engine.top_logprobs(prompt.ids, got) if built.server else None)
+                                    built.host.top_logprobs(prompt.ids, got))
             bad = verdict.mismatch
             if bad is not None and bad.step == 0:
                 served = f"(not asked: {built.host.unreachable})" if built.host.unreachable else \
