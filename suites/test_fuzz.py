@@ -10,6 +10,7 @@ from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.oracles.hf import budget_of
 from pytest_kvcompile.run import fuzz
 from pytest_kvcompile.verdicts.lines import coverage_line
+from pytest_kvcompile.verdicts.rows import Coverage
 
 
 @pytest.mark.kv_only("fuzz")
@@ -25,10 +26,11 @@ def test_fuzz(kv_engine, kv_oracle_or_none, kv_settings, kv_prompts, kv_record, 
     limit = (max_positions(kv_engine.spec.config) or 512) - max(fuzz.NEW_TOKENS)
     lengths = fuzz.lengths_for(kv_engine.window, (budget,) if budget else (), limit)
     key = f"{kv_engine.name}|{kv_engine.spec.name}|{kv_settings.dtype}|{kv_settings.device}"
-    covered = {}
+    covered: list[Coverage] = []
     examples = fuzz.run(kv_engine, kv_oracle_or_none, lengths, kv_engine.compiled_observed, settings, by_len[7],
                         kv_settings.cache_dir / "fuzz-db", key, kv_check_tokens,
-                        on_coverage=lambda found: (covered.update(found), kv_record.metric(fuzz_coverage=found)))
-    kv_record("fuzz", f"{kv_engine.name} / {kv_engine.spec.name}: covering walk: {coverage_line(covered)}; then "
+                        on_coverage=lambda found: (covered.append(Coverage(**found)),
+                                                   kv_record.metric(fuzz_coverage=covered[-1])))
+    kv_record("fuzz", f"{kv_engine.name} / {kv_engine.spec.name}: covering walk: {coverage_line(covered[-1])}; then "
               f"{examples} hypothesis example(s) of up to {8 if settings.profile == 'ci' else 24} calls, profile "
               f"{settings.profile}, no failure")

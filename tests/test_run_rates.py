@@ -14,7 +14,7 @@ from pytest_kvcompile.config.tolerances import FALSE_ALARM, POWER, POWER_MULTIPL
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.verdicts.failures import Kind
 from pytest_kvcompile.verdicts.results import Results, merge
-from pytest_kvcompile.verdicts.rows import Row, new_row
+from pytest_kvcompile.verdicts.rows import MeasuredNoise, Row, new_row
 from pytest_kvcompile.verdicts.run_rules import run_problems, run_rates
 
 P = "--kv-engine=kv_test_engines_precision:"
@@ -68,7 +68,7 @@ def test_logit_errors_are_the_calibrations_statistic():
 # --- the run-level rules from the rows ----------------------------------------------------------------------------
 def _row(engine: str, ties: list[int], beyond: list[int], steps: int = 32) -> Row:
     row = new_row(engine, "llama", "cpu", "float16")
-    row.noise = _noise(15, 1536, beyond=806).to_dict()  # llama float16's calibration: 1.0% flips, 52% beyond
+    row.noise = MeasuredNoise(**_noise(15, 1536, beyond=806).to_dict())  # llama float16's calibration: 1.0% flips, 52% beyond
     row.sequences = {f"s{i}": [steps, t] for i, t in enumerate(ties)}
     row.scored = {f"s{i}": [steps, b] for i, b in enumerate(beyond)}
     return row

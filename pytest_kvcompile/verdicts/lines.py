@@ -3,16 +3,14 @@ summary and the Markdown and HTML reports print them."""
 
 from __future__ import annotations
 
-from typing import Any
-
-from pytest_kvcompile.verdicts.rows import Round, Row, Speculation
+from pytest_kvcompile.verdicts.rows import Coverage, EvictionNoise, MeasuredNoise, Round, Row, Speculation
 
 
-def coverage_line(found: dict[str, Any]) -> str:
+def coverage_line(found: Coverage) -> str:
     """The conditions on two consecutive calls the fuzzer's covering walk made true (run/fuzz.py: Coverage)."""
-    parts = ", ".join(f"{p} {c}/{n}" for p, (c, n) in found["parts"].items())
-    return (f"{found['covered']}/{found['possible']} conditions on two consecutive calls covered ({parts}) in "
-            f"{found['calls']} calls, {found['seconds']} s")
+    parts = ", ".join(f"{p} {c}/{n}" for p, (c, n) in found.parts.items())
+    return (f"{found.covered}/{found.possible} conditions on two consecutive calls covered ({parts}) in "
+            f"{found.calls} calls, {found.seconds} s")
 
 
 def speculation_line(found: Speculation) -> str:
@@ -27,33 +25,33 @@ def concurrency_line(found: dict[str, Round]) -> str:
 
 
 def noise_line(row: Row) -> str:
-    """A row's 16-bit rule, or an engine's KV stored lower, as measured (oracles/precision.py: Noise.to_dict())."""
-    model, dtype, noise = row.model, row.dtype, row.noise or {}
-    if noise.get("kv_dtype"):
-        return (f"{model} ({dtype}) with K and V stored as {noise['kv_dtype']} (Declaration.kv_cache_dtype): tie "
-                f"tolerance {noise['tolerance']:.3g} ({noise['factor']:g} x noise scale {noise['scale']:.3g}), "
-                f"near-tie rate {noise['flip_rate']:.1%} (bound {noise['flip_rate_bound']:.1%}), score() tolerance "
-                f"{noise['score_tolerance']:.3g}: what storing the cache that way does to this model's logits, "
+    """A row's 16-bit rule, or an engine's KV stored lower, as measured (oracles/precision.py: Noise)."""
+    model, dtype, noise = row.model, row.dtype, row.noise or MeasuredNoise()
+    if noise.kv_dtype:
+        return (f"{model} ({dtype}) with K and V stored as {noise.kv_dtype} (Declaration.kv_cache_dtype): tie "
+                f"tolerance {noise.tolerance:.3g} ({noise.factor:g} x noise scale {noise.scale:.3g}), "
+                f"near-tie rate {noise.flip_rate:.1%} (bound {noise.flip_rate_bound:.1%}), score() tolerance "
+                f"{noise.score_tolerance:.3g}: what storing the cache that way does to this model's logits, "
                 "measured (oracles/precision.py: KVComputation); the engine is held to the larger of these and the "
                 "model's own numbers")
-    oracle = next(iter(noise["per_computation"].values()), {})
-    return (f"{model} ({dtype}): tie tolerance {noise['tolerance']:.3g} "
-            f"({noise['factor']:g} x noise scale {noise['scale']:.3g}, or x "
-            f"the noise at the position), near-tie rate of equivalent computations {noise['flip_rate']:.1%} (bound "
-            f"{noise['flip_rate_bound']:.1%}), score() tolerance {noise['score_tolerance']:.3g} (or "
-            f"{noise.get('score_spread', noise['factor']):.3g} x the computations' error at the position); "
-            f"judged against float64 "
+    oracle = next(iter(noise.per_computation.values()), {})
+    spread = noise.factor if noise.score_spread is None else noise.score_spread
+    attended = f" at up to {noise.attended} positions" if noise.attended else ""
+    return (f"{model} ({dtype}): tie tolerance {noise.tolerance:.3g} "
+            f"({noise.factor:g} x noise scale {noise.scale:.3g}{attended}, or x "
+            f"the noise at the position), near-tie rate of equivalent computations {noise.flip_rate:.1%} (bound "
+            f"{noise.flip_rate_bound:.1%}), score() tolerance {noise.score_tolerance:.3g} (or "
+            f"{spread:.3g} x the computations' error at the position); judged against float64 "
             f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"
-            f"{noise['positions']} calibration positions")
+            f"{noise.positions} calibration positions")
 
 
 def eviction_noise_line(row: Row) -> str:
-    """A row's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise.to_dict())."""
-    model, dtype, noise = row.model, row.dtype, row.eviction_noise or {}
-    return (f"{model} ({dtype}) {noise['policy']}: eviction near-tie tolerance {noise['tolerance']:.3g} relative "
-            f"({noise['factor']:g} x p99 {noise['scale']:.3g} of the score-difference errors of a {dtype} computation "
-            f"vs float64 at "
-            f"{noise['cuts']} calibration cuts; it kept another set at {noise['flips']})")
+    """A row's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise)."""
+    model, dtype, noise = row.model, row.dtype, row.eviction_noise or EvictionNoise()
+    return (f"{model} ({dtype}) {noise.policy}: eviction near-tie tolerance {noise.tolerance:.3g} relative "
+            f"({noise.factor:g} x p99 {noise.scale:.3g} of the score-difference errors of a {dtype} computation "
+            f"vs float64 at {noise.cuts} calibration cuts; it kept another set at {noise.flips})")
 
 
 def first_lines(text: str, n: int = 4, width: int = 300) -> str:

@@ -322,10 +322,66 @@ class Round(Record):
     wrong: int = rule(_add, 0, types=INT)
 
 
+@dataclass
+class MeasuredNoise(Record):
+    """A row's measured 16-bit noise (oracles/precision.py: Noise.to_dict()): of the model in the run's dtype, or of
+    an engine's KV cache stored lower (`kv_dtype`), and the verdict numbers it gives."""
+
+    model: str = rule(None, "", types=TEXT)
+    dtype: str = rule(None, "", types=TEXT)
+    scale: float = rule(None, 0.0, types=NUMBER)
+    max_error: float = rule(None, 0.0, types=NUMBER)
+    median_error: float = rule(None, 0.0, types=NUMBER)
+    flips: int = rule(None, 0, types=INT)
+    positions: int = rule(None, 0, types=INT)
+    logit_error: float = rule(None, 0.0, types=NUMBER)
+    per_computation: dict[str, dict[str, float]] = rule(None, factory=dict, types=DICT)
+    kv_dtype: str | None = rule(None, types=TEXT)
+    beyond: int = rule(None, 0, types=INT)
+    spread: float = rule(None, 0.0, types=NUMBER)
+    attended: int = rule(None, 0, types=INT)
+    long_scale: float = rule(None, 0.0, types=NUMBER)
+    tolerance: float = rule(None, 0.0, types=NUMBER)
+    score_tolerance: float = rule(None, 0.0, types=NUMBER)
+    flip_rate: float = rule(None, 0.0, types=NUMBER)
+    flip_rate_bound: float = rule(None, 0.0, types=NUMBER)
+    factor: float = rule(None, 0.0, types=NUMBER)
+    logit_threshold: float | None = rule(None, types=NUMBER)
+    beyond_rate: float | None = rule(None, types=NUMBER)
+    beyond_rate_bound: float | None = rule(None, types=NUMBER)  # None: a file from before the score() rate
+    score_spread: float | None = rule(None, types=NUMBER)
+    positions_needed: int | None = rule(None, types=INT)
+
+
+@dataclass
+class EvictionNoise(Record):
+    """A row's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise.to_dict())."""
+
+    policy: str = rule(None, "", types=TEXT)
+    scale: float = rule(None, 0.0, types=NUMBER)
+    max_error: float = rule(None, 0.0, types=NUMBER)
+    cuts: int = rule(None, 0, types=INT)
+    flips: int = rule(None, 0, types=INT)
+    tolerance: float = rule(None, 0.0, types=NUMBER)
+    factor: float = rule(None, 0.0, types=NUMBER)
+
+
+@dataclass
+class Coverage(Record):
+    """The fuzzer's covering walk on one engine and model (run/fuzz.py: Coverage.to_dict())."""
+
+    covered: int = rule(None, 0, types=INT)
+    possible: int = rule(None, 0, types=INT)
+    parts: dict[str, list[int]] = rule(None, factory=dict, types=DICT)  # way -> [covered, possible]
+    calls: int = rule(None, 0, types=INT)
+    seconds: float = rule(None, 0.0, types=NUMBER)
+    seed: int | None = rule(None, types=INT)  # --kv-fuzz-seed's walk (None: the default walk)
+
+
 @described('the walk that covered most')
-def _coverage(a: dict, b: dict) -> dict:
+def _coverage(a: Coverage, b: Coverage) -> Coverage:
     """One walk per engine and model in a run; across runs, the one that covered most."""
-    return max(a, b, key=lambda x: (x["covered"], x["calls"]))
+    return max(a, b, key=lambda x: (x.covered, x.calls))
 
 
 @dataclass
@@ -358,9 +414,9 @@ class Row(Record):
     compiles: Compiles | None = rule(_records, record=Compiles)
     kv_bytes: KVBytes | None = rule(_larger_kv, record=KVBytes)
     latency: Timings | None = rule(_pool, record=Timings)
-    noise: dict[str, Any] | None = rule(_first, types=DICT)  # oracles.precision.Noise.to_dict(): 16-bit, KV lower
-    eviction_noise: dict[str, Any] | None = rule(_first, types=DICT)  # oracles.eviction.ScoreNoise.to_dict()
-    fuzz_coverage: dict[str, Any] | None = rule(_coverage, types=DICT)  # run.fuzz: the covering walk's conditions
+    noise: MeasuredNoise | None = rule(_first, record=MeasuredNoise)  # 16-bit, or a KV cache stored lower
+    eviction_noise: EvictionNoise | None = rule(_first, record=EvictionNoise)
+    fuzz_coverage: Coverage | None = rule(_coverage, record=Coverage)  # run.fuzz: the covering walk's conditions
     speculation: Speculation | None = rule(_records, record=Speculation)
     oracle: OracleFacts | None = rule(_records, record=OracleFacts)
     sequences: dict[str, list[int]] = rule(_update, factory=dict, types=DICT)  # key -> [verified tokens, near ties]
@@ -384,7 +440,7 @@ class Row(Record):
     @property
     def kv_stored(self) -> str:
         """The format its measured noise stores K and V in ('' : the model's dtype)."""
-        return (self.noise or {}).get("kv_dtype") or ""
+        return (self.noise.kv_dtype if self.noise else "") or ""
 
     @property
     def noise_key(self) -> tuple[str, str, str]:
@@ -393,7 +449,7 @@ class Row(Record):
 
     @property
     def eviction_policy(self) -> str:
-        return (self.eviction_noise or {}).get("policy", "")
+        return self.eviction_noise.policy if self.eviction_noise else ""
 
 
 #: Where people see each field of a row: the renderer reading it (module: function). A field written but shown

@@ -148,11 +148,11 @@ def run_rates(row: Row, max_near_tie_rate: float | None = None) -> list[RunRate]
     if max_near_tie_rate is None or row.kv_stored:
         distinct = row.sequences.values()
         found.append(RunRate(Kind.RUN_DRIFT, sum(t for _, t in distinct), sum(v for v, _ in distinct), len(distinct),
-                             noise["flip_rate"], noise["flip_rate_bound"], row.dtype, stored=row.kv_stored))
+                             noise.flip_rate, noise.flip_rate_bound, row.dtype, stored=row.kv_stored))
     scored = row.scored.values()
-    if scored and "beyond_rate_bound" in noise:
+    if scored and noise.beyond_rate_bound is not None:
         found.append(RunRate(Kind.LOGIT_DRIFT, sum(b for _, b in scored), sum(n for n, _ in scored), len(scored),
-                             noise["beyond_rate"], noise["beyond_rate_bound"], row.dtype, noise["logit_threshold"],
+                             noise.beyond_rate, noise.beyond_rate_bound, row.dtype, noise.logit_threshold,
                              row.kv_stored))
     return found
 
