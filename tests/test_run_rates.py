@@ -68,7 +68,8 @@ def test_logit_errors_are_the_calibrations_statistic():
 # --- the run-level rules from the rows ----------------------------------------------------------------------------
 def _row(engine: str, ties: list[int], beyond: list[int], steps: int = 32) -> Row:
     row = new_row(engine, "llama", "cpu", "float16")
-    row.noise = MeasuredNoise(**_noise(15, 1536, beyond=806).to_dict())  # llama float16's calibration: 1.0% flips, 52% beyond
+    # llama float16's calibration: 1.0% flips, 52% beyond
+    row.noise = MeasuredNoise(**_noise(15, 1536, beyond=806).to_dict())
     row.sequences = {f"s{i}": [steps, t] for i, t in enumerate(ties)}
     row.scored = {f"s{i}": [steps, b] for i, b in enumerate(beyond)}
     return row

@@ -30,13 +30,14 @@ from pytest_kvcompile.reports.live import (
     with_status,
     write_heartbeat,
 )
+from pytest_kvcompile.reports.sections import Section, sections
 from pytest_kvcompile.reports.table import text_table, verdict_lines
 from pytest_kvcompile.verdicts.collect import NOTE, WORKER_KEY, Collector, outcome, params, run_metadata
 from pytest_kvcompile.verdicts.failures import Failure, Kind, Problem, kind_of
-from pytest_kvcompile.verdicts.lines import coverage_line, eviction_noise_line, first_lines, noise_line
+from pytest_kvcompile.verdicts.lines import first_lines
 from pytest_kvcompile.verdicts.results import Results, merge
 from pytest_kvcompile.verdicts.rows import Beat, Check, Crash, FailureEntry, Outcomes, Row, RunInfo, Status
-from pytest_kvcompile.verdicts.run_rules import run_problems, run_rates, skipped_everywhere
+from pytest_kvcompile.verdicts.run_rules import run_problems, skipped_everywhere
 
 REPORT_JSON = "--kv-report-json"
 REPORT_MD = "--kv-report-md"
@@ -277,46 +278,15 @@ class ResultsPlugin:
             tr.write_sep("-", "kvcompile: results per engine and model")
             for line in text_table(rows):
                 tr.write_line(line)
-        noise = {r.noise_key: r for r in rows if r.noise}
-        if noise:
-            tr.write_sep("-", f"kvcompile: verdict rules measured per model ({len(noise)}): 16-bit, KV stored lower")
-            for _, row in sorted(noise.items()):
-                tr.write_line(noise_line(row))
-            evictions = {(r.model, r.dtype, r.eviction_policy): r for r in rows if r.eviction_noise}
-            for _, row in sorted(evictions.items()):
-                tr.write_line(eviction_noise_line(row))
-        rates = [(r, found) for r in rows for found in run_rates(r, self.settings.max_near_tie_rate)
-                 if found.positions]
-        if rates:
-            tr.write_sep("-", f"kvcompile: run-level rates vs the dtype's equivalent computations ({len(rates)})")
-            for row, found in rates:
-                tr.write_line(f"{row.engine} / {row.model} ({row.dtype}): {found.line()}", red=found.failed)
-        fuzzed = [r for r in rows if r.fuzz_coverage]
-        if fuzzed:
-            tr.write_sep("-", f"kvcompile: fuzz covering walk ({len(fuzzed)})")
-            for r in fuzzed:
-                tr.write_line(f"{r.engine} / {r.model}: {coverage_line(r.fuzz_coverage)}")
-        speculative = [r for r in rows if r.speculation]
-        if speculative:
-            tr.write_sep("-", f"kvcompile: speculative decoding, verify steps as reported ({len(speculative)})")
-            for r in speculative:
-                tr.write_line(f"{r.engine} / {r.model}: {r.speculation.line()}")
-        builds = sorted((r for r in rows if r.builds), key=lambda r: -r.build_s)[:5]
-        if builds:
-            tr.write_sep("-", f"kvcompile: slowest engine builds ({len(builds)})")
-            for r in builds:
-                times = f" ({r.builds} builds)" if r.builds > 1 else ""
-                tr.write_line(f"{r.build_s:8.1f} s  {r.engine} / {r.model}{times}")
+        found = sections(rows, self.settings.max_near_tie_rate)
+        for section in (found.measured, found.rates, found.fuzz, found.speculation, found.builds):
+            _write(tr, section)
         timed = sorted((r for r in rows if r.generate_s), key=lambda r: -r.generate_s)
         if timed and self.test_s:
             tr.write_sep("-", "kvcompile: time in the engines vs the harness")
             for line in time_lines(timed, self.test_s):
                 tr.write_line(line)
-        declared = sorted({f"{r.engine} / {r.model}: {why}" for r in rows for why in r.declared_skips})
-        if declared:
-            tr.write_sep("-", f"kvcompile: not checked, declared or known limitations ({len(declared)})")
-            for line in declared:
-                tr.write_line(line)
+        _write(tr, found.declared)
         if self.skipped_everywhere:
             tr.write_sep("-", f"kvcompile: checks skipped for every engine and model ({len(self.skipped_everywhere)})",
                          yellow=True)
@@ -342,6 +312,14 @@ class ResultsPlugin:
                 tr.write_line(f"not compared: {note}")
         for flag, path in self.outputs.items():
             tr.write_line(f"kvcompile: wrote {flag.removeprefix('--kv-report-')} report to {path}")
+
+
+def _write(tr: Any, section: Section) -> None:
+    """A section of the terminal summary: its heading, then its lines (bad ones red); nothing where it is empty."""
+    if section:
+        tr.write_sep("-", f"kvcompile: {section.heading}")
+        for i, line in enumerate(section.lines):
+            tr.write_line(line, red=bool(section.bad) and section.bad[i])
 
 
 def time_lines(rows: list[Row], test_s: float) -> list[str]:

@@ -14,9 +14,9 @@ from html import escape
 
 from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
+from pytest_kvcompile.reports.sections import Section, sections
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
 from pytest_kvcompile.verdicts.failures import Failure
-from pytest_kvcompile.verdicts.lines import coverage_line
 from pytest_kvcompile.verdicts.results import Results
 from pytest_kvcompile.verdicts.rows import FailureEntry, KVBytes, Row, TimelineCall, stats
 
@@ -58,11 +58,11 @@ def _table(rows: list[Row], all_rows: list[Row]) -> str:
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def _list(title: str, lines: list[str], css: str = "") -> str:
-    if not lines:
+def _list(section: Section, css: str = "") -> str:
+    if not section:
         return ""
-    items = "".join(f"<li>{escape(line)}</li>" for line in lines)
-    return f'<h4>{escape(title)} ({len(lines)})</h4><ul class="{css}">{items}</ul>'
+    items = "".join(f"<li>{escape(line)}</li>" for line in section.lines)
+    return f'<h4>{escape(section.heading)}</h4><ul class="{css}">{items}</ul>'
 
 
 def strip_chart(title: str, series: list[tuple[str, list[float]]], unit: str) -> str:
@@ -171,19 +171,15 @@ def _engine_section(engine: str, rows: list[Row], all_rows: list[Row]) -> str:
                                                                          for r in repeated], "ms")
                        + strip_chart(f"{engine}: decode, every repeat",
                                      [(r.model, r.latency.decode_ms_per_token) for r in repeated], "ms/token"))
-    reasons = [f"{r.model}: {x}" for r in rows if r.compiles for x in r.compiles.reasons]
+    found = sections(rows, label=lambda r: r.model)  # the engine's own section: its models name the lines
     timelines = "".join(compile_timeline(r.model, r.compiles.timeline) for r in rows
                         if r.compiles and r.compiles.timeline)
     layers = "".join(kv_layers(r.model, r.kv_bytes) for r in rows if r.kv_bytes and r.kv_bytes.layers)
     failures = [f for r in rows for f in r.failures]
     shown = (f'<h4>failures ({len(failures)})</h4>' + "".join(_failure(f) for f in failures)) if failures else ""
     return (f'<section class="engine" id="engine-{escape(engine)}"><h2>{escape(engine)}</h2>'
-            + _table(rows, all_rows) + charts + shown + _list("recompiles after warmup", reasons, "bad") + timelines
-            + layers + _list("fuzz covering walk", [f"{r.model}: {coverage_line(r.fuzz_coverage)}" for r in rows
-                                                    if r.fuzz_coverage])
-            + _list("speculative decoding: verify steps", [f"{r.model}: {r.speculation.line()}"
-                                                           for r in rows if r.speculation])
-            + _list("near ties", [t for r in rows for t in r.near_ties]) + "</section>")
+            + _table(rows, all_rows) + charts + shown + _list(found.recompiles, "bad") + timelines + layers
+            + _list(found.fuzz) + _list(found.speculation) + _list(found.near_ties) + "</section>")
 
 
 def baseline_table(changes: list[Change]) -> str:

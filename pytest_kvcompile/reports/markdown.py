@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pytest_kvcompile.reports.baseline import Change
 from pytest_kvcompile.reports.live import status_lines
+from pytest_kvcompile.reports.sections import sections
 from pytest_kvcompile.reports.table import HEADERS, cells, verdicts
-from pytest_kvcompile.verdicts.lines import concurrency_line
 from pytest_kvcompile.verdicts.results import Results
 
 
@@ -51,14 +51,10 @@ def render(results: Results, changes: list[Change] | None = None) -> str:
     lines += ["", *_runs(results), ""]
     lines += ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     lines += ["| " + " | ".join(_escape(c) for c in cells(row, rows)) + " |" for row in rows]
-    details = [("failures", [f.line() for row in rows for f in row.failures]),
-               ("recompiles after warmup", [f"{row.engine} / {row.model}: {reason}" for row in rows
-                                            if row.compiles for reason in row.compiles.reasons]),
-               ("near ties", [tie for row in rows for tie in row.near_ties]),
-               ("speculative decoding: verify steps", [f"{row.engine} / {row.model}: {row.speculation.line()}"
-                                                       for row in rows if row.speculation]),
-               ("concurrent requests per round", [f"{row.engine} / {row.model}: {concurrency_line(row.concurrency)}"
-                                                  for row in rows if row.concurrency])]
+    found = sections(rows)
+    details = [(section.title, list(section.lines)) for section in (found.failures, found.recompiles,
+                                                                   found.near_ties, found.speculation,
+                                                                   found.concurrency)]
     keep = None
     while True:
         text = "\n".join(lines + [x for title, found in details for x in _details(title, found, keep)]) + "\n"
