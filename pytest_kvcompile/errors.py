@@ -58,10 +58,18 @@ class OracleUnreliable(Skipped):
         super().__init__(reason, pytrace=False)
 
 
-class EngineProcessDied(Exception):
+class EngineFailed(Exception):
+    """A failure of the engine's side told in full: str(exc) is the whole failure (what broke, where, what to try),
+    shown as it is; `kind` is its verdict kind (a verdicts.failures.Kind value: errors sits below verdicts). A server's
+    failed request (engines/server.py: ServerError), an engine process's death."""
+
+    kind = "other"
+
+
+class EngineProcessDied(EngineFailed):
     """An isolated engine's process crashed or was killed after --kv-call-timeout; str(exc) is the failure."""
 
-    kind = "crash"  # verdicts.failures.Kind.CRASH (errors sits below verdicts)
+    kind = "crash"  # verdicts.failures.Kind.CRASH
 
 
 class CallTimeout(BaseException):

@@ -18,7 +18,7 @@ import torch
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.errors import (
-    EngineProcessDied,
+    EngineFailed,
     Failed,
     MalformedOutput,
     NotApplicable,
@@ -42,7 +42,7 @@ def _fail_raised(ref: EngineRef, what: str, exc: Exception, lengths: Sequence[in
     contract/findings.py): ``raised``, the exception's type name, and ``lengths``, a generate() call's prompt
     lengths (() for other calls)."""
     __tracebackhide__ = True
-    if isinstance(exc, EngineProcessDied):  # its message is the whole failure (a process died, a server failed)
+    if isinstance(exc, EngineFailed):  # its message is the whole failure (a process died, a server failed)
         from pytest_kvcompile.verdicts.failures import Kind
 
         error = Failed(str(exc), pytrace=False)

@@ -67,20 +67,21 @@ from pytest_kvcompile.engines.server_access import (
     redact,
 )
 from pytest_kvcompile.engines.server_wire import API, APIS, TOP_K, Answer, Malformed, Served
-from pytest_kvcompile.errors import EngineProcessDied
+from pytest_kvcompile.errors import EngineFailed
+from pytest_kvcompile.verdicts.failures import Kind
 
 REQUEST_TIMEOUT_S = 120.0  # one request, unless the URL says ?timeout=SECONDS
 ANSWER_SHOWN = 600  # characters of a body quoted in a failure
 
 
-class ServerError(EngineProcessDied):
+class ServerError(EngineFailed):
     """A request to a server engine failed; str(exc) is the whole failure (the server, the request, what to try), any
-    API key redacted. `kind`: "crash" where the server is gone (unreachable, dropped the connection, timed out), else
-    "other"."""
+    API key redacted. `gone`: the server is (unreachable, dropped the connection, timed out), a crash; else it answered
+    out of its API's format or with an error, another failure of the engine."""
 
     def __init__(self, message: str, gone: bool = False) -> None:
         super().__init__(redact(message))
-        self.kind = "crash" if gone else "other"
+        self.kind = Kind.CRASH if gone else Kind.OTHER
         self.gone = gone
 
 
@@ -173,10 +174,10 @@ class ServerEngine:
         data = self.post(*request, what)
         try:
             rows = self.api.rows(data, len(prompt), len(tokens))
-        except NotImplementedError:
-            return None
         except (Malformed, KeyError, TypeError, ValueError, IndexError) as exc:
             raise self._malformed(what, data, exc) from None
+        if rows is None:  # its API answers without them
+            return None
         if len(rows) != len(tokens):
             raise ServerError(f"{self.who}: {what}: it gave log-probabilities for {len(rows)} positions, expected "
                               f"{len(tokens)}{self.log_tail()}")

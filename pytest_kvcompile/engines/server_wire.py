@@ -73,7 +73,9 @@ class Api:
         has none."""
         return None
 
-    def rows(self, data: Any, start: int, count: int) -> list[dict[int, float]]:
+    def rows(self, data: Any, start: int, count: int) -> list[dict[int, float]] | None:
+        """The top-k log-probabilities of `count` positions from `start` in a `teacher_forced` answer; None where the
+        server answered without them (it does not implement them)."""
         raise NotImplementedError
 
     def served(self, get: Callable[[str], Any]) -> tuple[Served, str | None]:
@@ -118,9 +120,8 @@ class OpenAI(Api):
 
     def rows(self, data, start, count):
         found = self._choice(data).get("prompt_logprobs")
-        if not isinstance(found, list):
-            raise NotImplementedError("its answer has no choices[0].prompt_logprobs (the server does not implement "
-                                      "vLLM's prompt_logprobs)")
+        if not isinstance(found, list):  # the server does not implement vLLM's prompt_logprobs
+            return None
         return [{_token_id(k): float(v["logprob"] if isinstance(v, dict) else v) for k, v in (row or {}).items()}
                 for row in found[start:start + count]]
 

@@ -23,7 +23,7 @@ from typing import Any
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
-from pytest_kvcompile.errors import CallTimeout, EngineProcessDied, Failed, fail
+from pytest_kvcompile.errors import CallTimeout, EngineFailed, EngineProcessDied, Failed, fail
 from pytest_kvcompile.memory.measure import Held
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.reference import Reference
@@ -389,7 +389,7 @@ class EngineUnderTest:
         with self._guarded(what):
             try:
                 rows = self.host.prompt_logprobs(prompt.ids, got)
-            except EngineProcessDied as exc:
+            except EngineFailed as exc:  # a server gone (then broken) or answering out of its format
                 self.broken = self.host.dead
                 fail(str(exc), pytrace=False)
         if rows is None:
