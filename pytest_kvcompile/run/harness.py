@@ -27,17 +27,11 @@ from pytest_kvcompile.errors import CallTimeout, EngineFailed, EngineProcessDied
 from pytest_kvcompile.memory.measure import Held
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.reference import Reference
-from pytest_kvcompile.oracles.token_match import (
-    Verdict,
-    allowed_gap,
-    check_logprobs,
-    check_score,
-    check_tokens,
-    compared_rows,
-)
+from pytest_kvcompile.oracles.token_match import Verdict
 from pytest_kvcompile.recompiles.recorder import CompileEvent
 from pytest_kvcompile.run.host import Host, Observed, cuda_allocated, host_of
 from pytest_kvcompile.run.host import deadline as deadline  # defined in run/host.py, still importable from here
+from pytest_kvcompile.run.judge import Judge
 from pytest_kvcompile.verdicts.failures import Where
 
 FRESH_ENGINE = "--kv-fresh-engine"
@@ -282,18 +276,20 @@ class EngineUnderTest:
                 f"{' (the last 4)' if len(calls) > 4 else ''}: {shown}; to rule out state left by them, rerun with "
                 f"{FRESH_ENGINE} (a fresh engine per test)")
 
+    @property
+    def judge(self) -> Judge:
+        """How this engine's answers are judged on its model (run/judge.py): its verdict numbers, as they are now."""
+        return Judge(self.name, self.spec.name, self.max_new_tokens, self.tie_tolerance, self.window,
+                     self.max_near_ties, self.score_tolerance, self.excluded, self.noise,
+                     str(self.ref.declaration.strategy))
+
     def check_tokens(self, reference: Reference, got: Sequence[int], prompt: Prompt,
                      where: Where | str = "alone") -> Verdict:
         """token_match.check_tokens with this run's tolerances, the model's window and the engine's call history:
         the verdict, or TokenMismatch (the kv_check_tokens fixture records either for the reports)."""
         __tracebackhide__ = True
-        return check_tokens(
-            reference, got, tie_tolerance=self.tie_tolerance, max_near_ties=self.near_tie_budget(reference.steps),
-            engine=self.name,
-            model=self.spec.name, prompt=f"prompt '{prompt.name}'", where=where, window=self.window,
-            context=self.served(len(self.history) - 1), excluded=self.excluded,
-            engine_top=self.host.top_logprobs(prompt.ids, got),
-        )
+        return self.judge.tokens(reference, got, prompt, where, self.served(len(self.history) - 1),
+                                 self.host.top_logprobs(prompt.ids, got))
 
     @property
     def server(self) -> bool:
@@ -301,11 +297,8 @@ class EngineUnderTest:
         return self.host.server
 
     def near_tie_budget(self, steps: int) -> int | None:
-        """Near ties one sequence of `steps` may hold: the run's budget, set for --kv-max-new-tokens steps; a longer
-        sequence (a long generation) in 16-bit gets the measured noise's budget for its own length, never less."""
-        if self.max_near_ties is None or self.noise is None or steps <= self.max_new_tokens:
-            return self.max_near_ties
-        return max(self.max_near_ties, self.noise.max_near_ties(steps))
+        """Near ties one sequence of `steps` may hold (run/judge.py: Judge.near_tie_budget)."""
+        return self.judge.near_tie_budget(steps)
 
     def check(self, *args: Any, **kwargs: Any) -> Verdict:
         """Deprecated spelling of `check_tokens` (it checks the tokens and records nothing: use kv_check_tokens)."""
@@ -322,33 +315,8 @@ class EngineUnderTest:
         the position): on the oracle's logits given their shared prefix (`reference`, or a callable giving it, asked
         only on a difference), else on the engine's own declared score(). Without either, any difference is beyond a
         near tie: nothing can tell it from one (in 16-bit, other shapes legitimately flip near ties)."""
-        step = next((i for i, (a, b) in enumerate(zip(first, second)) if a != b), None)
-        if step is None:
-            return None if len(first) == len(second) else f"in length ({len(first)} and {len(second)} tokens)"
-        a, b = int(first[step]), int(second[step])
-        if callable(reference):
-            reference = reference()
-        if reference is not None and not reference.scored:  # an engine oracle without score(): equality is the rule
-            return (f"at step {step} ({a} vs {b}): the oracle declares no score(), "
-                    f"so nothing tells the difference from "
-                    "a near tie (the engine's own score() does not judge itself)")
-        if reference is not None:
-            row, judge = reference.given(first, self.tie_tolerance)[step], "the oracle"
-        elif self.ref.declaration.scoring:
-            with self._guarded(f"score(<prompt of length {len(prompt)}>, <continuation of length {len(first)}>)"):
-                scored = engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(first))
-            row, judge = scored[step].float(), "the engine's own score()"
-        else:
-            return (f"at step {step} ({a} vs {b}): no oracle covers strategy {self.ref.declaration.strategy} and the "
-                    "engine declares no score(), so the difference cannot be told from a near tie")
-        gap, allowed = abs(float(row[a] - row[b])), self.tie_tolerance
-        if reference is not None:
-            best, other = (a, b) if row[a] >= row[b] else (b, a)
-            allowed = allowed_gap(reference, first, step, best, other, gap, self.tie_tolerance)
-        if gap <= allowed:
-            return None
-        return (f"at step {step} ({a} vs {b}): {judge} separates the two by a logit gap of {gap:.4g} > {allowed:.4g}, "
-                "not a near tie")
+        scored = (lambda: self.scored(prompt, first)) if self.ref.declaration.scoring else None
+        return self.judge.difference(first, second, reference, scored)
 
     def scored(self, prompt: Prompt, got: Sequence[int]) -> Any:
         """The engine's declared score(prompt, got): logits [len(got), vocab], validated (None: it declares none)."""
@@ -359,26 +327,16 @@ class EngineUnderTest:
             return engine_io.score(self.ref, self.engine, self.spec.vocab_size)(list(prompt.ids), list(got))
 
     def beyond_noise(self, reference: Reference, got: Sequence[int], scored: Any) -> int:
-        """Steps where `scored` (score() of `got`) is farther from the oracle's rows than the typical noise of the
-        dtype's computations (oracles/precision.py: logit_threshold; measured runs and a scored oracle only)."""
-        from pytest_kvcompile.oracles.precision import logit_errors
-
-        truth = compared_rows(reference, got, scored, self.tie_tolerance, self.excluded).double().clone()
-        if self.excluded:
-            truth[:, list(self.excluded)] = -float("inf")  # out of the oracle's choice, as in the token checks
-        return int((logit_errors(truth, scored) > self.noise.logit_threshold).sum())
+        """Steps where `scored` is farther from the oracle's rows than the dtype's typical noise (run/judge.py)."""
+        return self.judge.beyond_noise(reference, got, scored)
 
     def check_score(self, reference: Reference, got: Sequence[int], prompt: Prompt, scored: Any = None) -> float | None:
         """A declared score(): its rows (`scored`, else asked now) against the oracle's along `got`, and its argmax
-        against `got`."""
+        against `got`; a server's log-probabilities where it declares none."""
         __tracebackhide__ = True
         if not self.ref.declaration.scoring:
             return self._check_logprobs(reference, got, prompt) if self.server else None
-        scored = self.scored(prompt, got) if scored is None else scored
-        return check_score(reference, got, scored, tie_tolerance=self.tie_tolerance,
-                           score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
-                           prompt=f"prompt '{prompt.name}'", excluded=self.excluded,
-                           spread=self.noise.score_spread if self.noise is not None else None)
+        return self.judge.score(reference, got, prompt, self.scored(prompt, got) if scored is None else scored)
 
     def _check_logprobs(self, reference: Reference, got: Sequence[int], prompt: Prompt) -> float | None:
         """A server's teacher-forced top-k log-probabilities along `got` against the oracle's
@@ -392,9 +350,5 @@ class EngineUnderTest:
             except EngineFailed as exc:  # a server gone (then broken) or answering out of its format
                 self.broken = self.host.dead
                 fail(str(exc), pytrace=False)
-        if rows is None:
-            return None
-        return check_logprobs(reference, got, rows, tie_tolerance=self.tie_tolerance,
-                              score_tolerance=self.score_tolerance, engine=self.name, model=self.spec.name,
-                              prompt=f"prompt '{prompt.name}'", excluded=self.excluded)
+        return None if rows is None else self.judge.logprobs(reference, got, prompt, rows)
 
