@@ -81,7 +81,7 @@ CALIBRATION = ((3, 17, 40, 90, 7, 130, 25, 60, 12, 33, 70, 5, 110, 48, 21, 9), 3
 #: then one prompt of each length past the blocks' longest, so the noise covers every length a check attends over (the
 #: prefix suite's flood and its extended prompts, the concurrency suite's long requests, the long generations up to
 #: 1024 positions), each capped where the model's positions end (`long_prompts`; issue 59)
-LONG_CALIBRATION = (256, 480, 990)
+LONG_CALIBRATION = (256, 990)
 MIN_FLIPS = 8  # calibration adds blocks until the noisiest computation flipped this often...
 MAX_BLOCKS = 8  # ...or this many blocks (4096 positions)
 CHUNK = 5  # prefill chunk of the chunked computation
