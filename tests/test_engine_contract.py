@@ -168,3 +168,16 @@ def test_never_emits_roles_are_the_models_ids():
     assert never_emitted(("bos",), config) == {2: "bos"}
     nested = SimpleNamespace(eos_token_id=None, text_config=SimpleNamespace(eos_token_id=3))  # a multimodal config
     assert never_emitted(("eos",), nested) == {3: "eos"}
+
+
+def test_the_capabilities_and_flags_come_from_the_declared_fields():
+    """Issue 55: Declaration's fields say once which are flags and which kv_requires may name; the public names
+    agree with them, and a field a flag must be written True or False."""
+    from pytest_kvcompile.contract import engine
+
+    assert engine.CAPABILITIES == (engine.BATCHING, engine.SCORING, engine.KV_CACHE_BYTES, engine.COMPILED)
+    assert set(engine.CAPABILITIES) <= set(engine._FLAGS)
+    assert {"thread_safe", "kv_released"} <= set(engine._FLAGS) - set(engine.CAPABILITIES)
+    with pytest.raises(ValueError, match="thread_safe=1: write thread_safe=True or thread_safe=False"):
+        engine.Declaration(thread_safe=1)
+    assert "- `kv_released`: every ``generate`` call makes its own KV cache" in engine.Declaration.__doc__

@@ -24,7 +24,8 @@ def test_recorded_references_judge_a_later_run_and_refuse_another(kvtester, tmp_
     entries = References(folder).entries()
     assert [(e.model, e.dtype, e.device) for e in entries] == [("llama", "float32", "cpu")]
     recorded = _files(folder / "oracle")
-    assert recorded  # the oracle's store lives in the folder
+    assert recorded  # the oracle's store lives in the folder...
+    assert not any(name.startswith("digests") for name in recorded)  # ...not this machine's file digests
 
     later = run_suites(kvtester, *CHECK, f"--kv-references={folder}")
     assert later.ret == 0, later.stdout.str()[-3000:]

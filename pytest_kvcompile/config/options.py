@@ -448,9 +448,9 @@ def check_device(device: str, flag: str = DEVICE) -> None:
     if parsed.type == "cuda":
         if torch.version.cuda is None:
             raise UsageError(f"{flag}={device}: this torch ({torch.__version__}) is a build without CUDA; "
-                                    "install a CUDA build of torch (https://pytorch.org/get-started/locally/) or run "
-                                    f"on {flag}=cpu")
+                             "install a CUDA build of torch (https://pytorch.org/get-started/locally/) or run "
+                             f"on {flag}=cpu")
         if not torch.cuda.is_available() or (parsed.index or 0) >= torch.cuda.device_count():
             raise UsageError(f"{flag}={device}: torch {torch.__version__} (CUDA {torch.version.cuda}) sees "
-                                    f"{torch.cuda.device_count()} GPU(s); check the driver and CUDA_VISIBLE_DEVICES, "
-                                    f"or run on {flag}=cpu")
+                             f"{torch.cuda.device_count()} GPU(s); check the driver and CUDA_VISIBLE_DEVICES, "
+                             f"or run on {flag}=cpu")

@@ -249,7 +249,6 @@ DECLARATION_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = tuple(
 _FLAGS = tuple(f.name for f in dataclasses.fields(Declaration) if f.metadata.get("flag"))  # True or False, unset False
 #: what ``@pytest.mark.kv_requires(...)`` may name: the flags declared `requirable`
 CAPABILITIES = tuple(f.name for f in dataclasses.fields(Declaration) if f.metadata.get("requirable"))
-assert (BATCHING, SCORING, KV_CACHE_BYTES, COMPILED) == CAPABILITIES  # the public names of the capabilities
 
 
 def _bad_names(field: str, value: Any, problem: Callable[[str], str], example: str) -> str:

@@ -50,7 +50,7 @@ def _fail_raised(ref: EngineRef, what: str, exc: Exception, lengths: Sequence[in
         raise error from None  # the message says it all: not the exception it replaces again
     kind = exc.remote_type if isinstance(exc, RemoteError) else type(exc).__name__
     error = Failed(f"engine '{ref.name}' raised {kind} in {what}: {exc}\n"
-                                  f"The engine's traceback:\n{_engine_traceback(exc)}", pytrace=False)
+                   f"The engine's traceback:\n{_engine_traceback(exc)}", pytrace=False)
     error.raised, error.lengths = kind, tuple(lengths)
     raise error
 
@@ -85,7 +85,7 @@ def build(ref: EngineRef, spec: ModelSpec, compile_backend: str) -> Any:
     for method, declared in needed.items():
         if not callable(getattr(engine, method, None)):
             fail(f"engine '{ref.name}' declares Speculative({declared}) but has no {method}() method: add it "
-                        "or drop it from the declaration (pytest_kvcompile/contract/speculative.py)", pytrace=False)
+                 "or drop it from the declaration (pytest_kvcompile/contract/speculative.py)", pytrace=False)
     return engine
 
 
@@ -114,7 +114,7 @@ def acceptance(ref: EngineRef, engine: Any, rows: int, k: int) -> list[list[tupl
         ok = False
     if not ok:
         fail(f"engine '{ref.name}' returned malformed output from acceptance(): {rule}; got "
-                    f"{str(found)[:300]}", pytrace=False)
+             f"{str(found)[:300]}", pytrace=False)
     return steps
 
 

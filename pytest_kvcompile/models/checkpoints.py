@@ -128,7 +128,7 @@ def collect(settings: Settings) -> dict[str, ModelEntry]:
     unknown = [n for n in names if n not in zoo.ZOO]
     if unknown:
         raise UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; "
-                                f"choose from {', '.join(zoo.ZOO)}, 'all' or 'none'")
+                         f"choose from {', '.join(zoo.ZOO)}, 'all' or 'none'")
     entries: dict[str, ModelEntry] = {}
     for name in names:
         try:
@@ -167,7 +167,7 @@ def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
         own = ('; checked against an engine, a directory whose config.json (a JSON object) gives "vocab_size" also '
                "works" if own_allowed else fix)
         raise UsageError(f"{MODEL}={path}: not a local Hugging Face checkpoint directory (no config.json "
-                                f"there){own}")
+                         f"there){own}")
     from transformers import AutoConfig
 
     try:
@@ -183,8 +183,8 @@ def _local_entry(path: Path, name: str, own_allowed: bool) -> ModelEntry:
     vocab = raw.get("vocab_size") if isinstance(raw, dict) else None
     if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
         raise UsageError(f"{MODEL}={path}: transformers cannot read its config.json and it gives no "
-                                f"\"vocab_size\" (a whole number >= 2; got {vocab!r}): the suite draws prompt token "
-                                "ids from it")
+                         f"\"vocab_size\" (a whole number >= 2; got {vocab!r}): the suite draws prompt token "
+                         "ids from it")
     return ModelEntry(name, OwnConfig(raw, unreadable), path, own=True)
 
 

@@ -87,11 +87,11 @@ def choose(name: str, ref: EngineRef, wanted: str, resolve) -> Choice:
             return Choice(EAGER, ref, forced=True)
         if counterpart == name:
             raise UsageError(f"engine '{name}' declares eager='{name}', itself: declare its eager "
-                                    "counterpart's NAME, or nothing (its own factory under force_eager)")
+                             "counterpart's NAME, or nothing (its own factory under force_eager)")
         return _same_strategy(name, ref, Choice(EAGER, resolve(counterpart)))
     if wanted == name:
         raise UsageError(f"--kv-oracle: engine '{name}' cannot be its own oracle (it would agree with itself); "
-                                f"use --kv-oracle={name}=eager for its eager mode, or name another engine")
+                         f"use --kv-oracle={name}=eager for its eager mode, or name another engine")
     return _same_strategy(name, ref, Choice("engine", resolve(wanted)))
 
 
@@ -101,7 +101,7 @@ def _same_strategy(name: str, ref: EngineRef, choice: Choice) -> Choice:
     mine, theirs = ref.declaration.strategy, choice.ref.declaration.strategy
     if mine != theirs:
         raise UsageError(f"--kv-oracle: engine '{name}' declares strategy {mine} but its oracle "
-                                f"'{choice.ref.name}' declares {theirs}: an oracle must claim the same cache semantics")
+                         f"'{choice.ref.name}' declares {theirs}: an oracle must claim the same cache semantics")
     return choice
 
 
@@ -223,7 +223,7 @@ class EngineOracle:
                          "generate() does")
                 if self.choice.forced:  # the engine's own code, eager: its score() and generate() disagree
                     fail(f"engine '{self.choice.ref.name}' in its own eager mode: {found}: score() must return "
-                                "the logits of the same path as generate() (the engine contract)", pytrace=False)
+                         "the logits of the same path as generate() (the engine contract)", pytrace=False)
                 raise OracleUnreliable(f"oracle unreliable: {found}, so it cannot judge near ties; its token checks "
                                        "are skipped as not judged (no verdict on the engine): fix the oracle engine's "
                                        "score()")

@@ -152,10 +152,12 @@ class StoredOracle:
     prompt's reference checked once against the independent path (module docstring)."""
 
     def __init__(self, oracle: Any, strategy: Strategy, spec: ModelSpec, tie_tolerance: float,
-                 cache_root: Path | None, check: bool = True, computations: Any = None):
+                 cache_root: Path | None, check: bool = True, computations: Any = None, digests: Path | None = None):
         self.oracle, self.strategy, self.spec, self.tie_tolerance = oracle, strategy, spec, tie_tolerance
         self.source = oracle.source
-        self._disk = DiskMemo(cache_root / _fingerprint(oracle, strategy, spec, cache_root / "digests")
+        # `digests`: where checkpoints' file digests are memoized (default: beside the store), kept out of a recorded
+        # folder, whose copies would carry this machine's paths
+        self._disk = DiskMemo(cache_root / _fingerprint(oracle, strategy, spec, digests or cache_root / "digests")
                               if cache_root else None)
         self._memo: dict[tuple, Any] = {}
         self._check = check

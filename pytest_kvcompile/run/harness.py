@@ -234,8 +234,8 @@ class EngineUnderTest:
             self.broken = (f"engine '{self.name}' on model '{self.spec.name}': {call} did not return within "
                            f"{self.call_timeout:g} s ({CALL_TIMEOUT}); the call was interrupted (SIGALRM)")
             fail(f"{self.broken}\n{self.served(len(self.history))}\n  The run goes on: the next test of this "
-                        "engine x model builds it anew. If the call is only slow, raise "
-                        f"{CALL_TIMEOUT}; if it hangs inside C code, isolate the engine (--kv-isolate={self.name})",
+                 "engine x model builds it anew. If the call is only slow, raise "
+                 f"{CALL_TIMEOUT}; if it hangs inside C code, isolate the engine (--kv-isolate={self.name})",
                         pytrace=False)
         except Failed:
             if self.host.dead:

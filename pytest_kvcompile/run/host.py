@@ -11,7 +11,7 @@
   log-probabilities (`top_logprobs`, `prompt_logprobs`), it takes concurrent requests up to its own cap
   (`max_concurrency`), and `close` stops it.
 
-Everything that differs between the two lives here and in run/isolation.py: the engine under test
+Everything that differs between the hosts lives here and in run/isolation.py: the engine under test
 (run/harness.py: EngineUnderTest), the session, the latency rule and the suites use a host's methods and never ask
 which host an engine has (tests/test_host.py checks it).
 """
@@ -215,11 +215,6 @@ class InProcess(Host):
         grown = None if before is None else cuda_allocated(spec.device) - before
         return cls(engine, tuple(recorder.events), tuple(recorder.captures), grown)
 
-    @property
-    def dead(self) -> str | None:
-        """What the engine says about itself: a server gone (engines/server.py: ServerEngine.dead)."""
-        return getattr(self.engine, "dead", None)
-
     def bounded(self, seconds: float) -> contextlib.AbstractContextManager[None]:
         """SIGALRM after `seconds` (`deadline`: CallTimeout; 0: no limit)."""
         return deadline(seconds)
@@ -257,6 +252,11 @@ class Server(InProcess):
 
     server = True
     engine: ServerEngine
+
+    @property
+    def dead(self) -> str | None:
+        """What the client says of its server: gone (unreachable, timed out; engines/server.py), else None."""
+        return self.engine.dead
 
     def top_logprobs(self, prompt: Sequence[int], tokens: Sequence[int]) -> list[dict[int, float]] | None:
         return self.engine.top_logprobs(prompt, tokens)

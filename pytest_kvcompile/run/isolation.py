@@ -75,7 +75,7 @@ class IsolatedEngine:
             self.close()
 
             fail(f"engine '{name}' raised {exc.remote_type} in {what} (in its own process): {exc}\n"
-                        f"The traceback:\n{exc.remote_traceback}", pytrace=False)
+                 f"The traceback:\n{exc.remote_traceback}", pytrace=False)
         except BaseException:
             self.close()
             raise

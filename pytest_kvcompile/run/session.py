@@ -151,7 +151,7 @@ class Session:
         beyond = sorted(i for i in excluded if not 0 <= i < spec.vocab_size)
         if beyond:
             fail(f"engine '{name}' declares never_emits={ref.declaration.never_emits}: ids {beyond} are not in "
-                        f"model '{model}''s vocabulary of {spec.vocab_size}", pytrace=False)
+                 f"model '{model}''s vocabulary of {spec.vocab_size}", pytrace=False)
         if excluded:
             self.collector.add(name, model, excluded_ids=sorted(excluded))
         if ref.declaration.compiled:
@@ -250,13 +250,18 @@ class Session:
             folder.record(self._recorded(model))
         return folder.store
 
+    @property
+    def _digests(self) -> Path:
+        """Where checkpoints' file digests are memoized (oracles/recorded.py: content_digest): this machine's cache."""
+        return self.settings.cache_dir / "oracle" / "digests"
+
     def _recorded(self, model: str) -> Recorded:
         """What references of `model` in this run are recorded for (oracles/recorded.py)."""
         import torch
         import transformers
 
         spec = self._harness_spec(model)
-        return Recorded(model, content_digest(Path(spec.path), self.settings.cache_dir / "oracle" / "digests"),
+        return Recorded(model, content_digest(Path(spec.path), self._digests),
                         self.settings.dtype, str(spec.device), code_hash("models", "oracles"), torch.__version__,
                         transformers.__version__)
 
@@ -293,7 +298,8 @@ class Session:
             self._oracles[key] = StoredOracle(
                 raw, strategy, spec, rules.tie_tolerance, self._store_root(model),
                 check=self.settings.oracle_check,
-                computations=precision.Computations(self._harness_spec(model)) if local else None)
+                computations=precision.Computations(self._harness_spec(model)) if local else None,
+                digests=self._digests)
         return self._oracles[key]
 
     def _stored(self, strategy: Strategy, model: str, who: str) -> StoredOracle | str:
@@ -320,7 +326,8 @@ class Session:
                 stored = self._oracles[key] = StoredOracle(
                     raw, strategy, judged, self.settings.tie_tolerance or 0.0, self._store_root(model),
                     # a 16-bit run's eviction truth is float64 already: its float64 replay would be itself
-                    check=self.settings.oracle_check and (exact or not reduced), computations=computations)
+                    check=self.settings.oracle_check and (exact or not reduced), computations=computations,
+                    digests=self._digests)
                 if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
                     stored.measure_score_noise(spec)
         return self._oracles[key]
