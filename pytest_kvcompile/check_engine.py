@@ -11,6 +11,11 @@ each gets its own venv. The steps, each printed before it runs:
 5. ``pytest --pyargs pytest_kvcompile.suites --kv-engine=NAME ...`` with the recipe's environment
    and options (vLLM: ``--kv-zoo-head-dim=32``), then the user's (after ``--``), writing ``OUT/NAME.json`` and
    ``OUT/NAME.md``. The exit status is pytest's.
+
+``kvcompile check-engine --all --out docs/results`` re-runs every built-in engine the same way, one pytest run
+per environment (`groups`: the engines sharing a recipe; those without one run in this environment), each
+writing ``OUT/GROUP.DTYPE.json``, the file the conformance matrix is drawn from (``kvcompile matrix OUT``). Each
+file records the command that re-makes it alone (``--only GROUP``); an engine's dtypes come from its Declaration.
 """
 
 from __future__ import annotations
@@ -20,11 +25,15 @@ import re
 import shlex
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from pytest_kvcompile.engines.recipe import Recipe
+from pytest_kvcompile.verdicts.collect import COMMAND_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
+IN_TREE = "builtin"  # the group of the engines that need no package beyond this project's
+DTYPES = ("float32", "bfloat16")
 
 
 class CheckEngineError(Exception):
@@ -90,10 +99,20 @@ def torch_requirement() -> str:
     return f"torch=={torch.__version__.split('+')[0]}"
 
 
-def plan(names: list[str], venv: Path, out: Path, extra: list[str], pytest_args: list[str],
-         system_site_packages: bool = False) -> tuple[list[list[str]], dict[str, str], str]:
-    """The commands to run, in order, the environment of the last (pytest) one, and the recipe's note."""
-    recipe = recipe_for(names, extra)
+def plan(names: list[str], venv: Path | None, out: Path, extra: list[str], pytest_args: list[str],
+         system_site_packages: bool = False, stem: str = "", markdown: bool = True
+         ) -> tuple[list[list[str]], dict[str, str], str]:
+    """The commands to run, in order, the environment of the last (pytest) one, and the recipe's note; `venv`
+    None: this environment as it is (the in-tree engines), only pytest is run."""
+    recipe = recipe_for(names, extra) if venv is not None else Recipe(packages=())
+    stem = stem or safe_name(names[0])
+    report = [f"--kv-report-json={out / (stem + '.json')}", *([f"--kv-report-md={out / (stem + '.md')}"]
+                                                              if markdown else [])]
+    env = {"HF_HUB_OFFLINE": "1", **recipe.env}
+    if venv is None:
+        return [[sys.executable, "-m", "pytest", "--pyargs", "pytest_kvcompile.suites",
+                 *(f"--kv-engine={name}" for name in names), *report, "-p", "no:cacheprovider",
+                 *recipe.pytest_args, *pytest_args]], env, recipe.note
     python = str(venv / "bin" / "python")
     pip = [python, "-m", "pip", "install", "--quiet"]
     commands = []
@@ -106,39 +125,109 @@ def plan(names: list[str], venv: Path, out: Path, extra: list[str], pytest_args:
     commands.append([*pip, *pinned, *extra, *shlex.split(project_requirement())])
     if recipe.uninstall:
         commands.append([python, "-m", "pip", "uninstall", "--yes", *recipe.uninstall])
-    stem = safe_name(names[0])
-    report = [f"--kv-report-json={out / (stem + '.json')}", f"--kv-report-md={out / (stem + '.md')}"]
     commands.append([python, "-m", "pytest", "--pyargs", "pytest_kvcompile.suites",
                      *(f"--kv-engine={name}" for name in names), *report, "-p", "no:cacheprovider", *recipe.pytest_args,
                      *pytest_args])
-    env = {"HF_HUB_OFFLINE": "1", **recipe.env}
     return commands, env, recipe.note
 
 
 def run(names: list[str], venv: Path | None, out: Path, extra: list[str], pytest_args: list[str],
-        recreate: bool = False, system_site_packages: bool = False, dry_run: bool = False) -> int:
-    venv = venv or Path(".kvcompile-venvs") / safe_name(names[0])
-    if recreate and venv.exists() and not dry_run:
-        import shutil
+        recreate: bool = False, system_site_packages: bool = False, dry_run: bool = False, stem: str = "",
+        command: str = "", python: str = "", markdown: bool = True) -> int:
+    """Run `plan`'s commands; `python` set: in this environment (no venv); `command`: what the results file
+    records as the command that made it (default: this check-engine call)."""
+    if not python:
+        venv = venv or Path(".kvcompile-venvs") / safe_name(names[0])
+        if recreate and venv.exists() and not dry_run:
+            import shutil
 
-        shutil.rmtree(venv)
-    commands, env, note = plan(names, venv, out, extra, pytest_args, system_site_packages)
+            shutil.rmtree(venv)
+    commands, env, note = plan(names, None if python else venv, out, extra, pytest_args, system_site_packages,
+                               stem, markdown)
+    env[COMMAND_ENV] = command or shlex.join(["kvcompile", "check-engine", *names, "--out", str(out),
+                                             *(["--", *pytest_args] if pytest_args else [])])
     if note:
         print(f"kvcompile check-engine: {note}")
-    for i, command in enumerate(commands, 1):
+    for i, step in enumerate(commands, 1):
         last = i == len(commands)
-        shown = " ".join(f"{k}={v}" for k, v in env.items()) + " " if last else ""
-        print(f"[{i}/{len(commands)}] {shown}{shlex.join(command)}", flush=True)
+        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + " " if last else ""
+        print(f"[{i}/{len(commands)}] {shown}{shlex.join(step)}", flush=True)
         if dry_run:
             continue
         if last:
             out.mkdir(parents=True, exist_ok=True)
-        status = subprocess.call(command, env={**os.environ, **env} if last else None)
+        status = subprocess.call(step, env={**os.environ, **env} if last else None)
         if status and not last:
-            print(f"kvcompile check-engine: step {i} failed (exit status {status}): {shlex.join(command)}",
+            print(f"kvcompile check-engine: step {i} failed (exit status {status}): {shlex.join(step)}",
                   file=sys.stderr)
             return status
         if last:
             print(f"kvcompile check-engine: reports in {out}/ (exit status {status})")
             return status
     return 0
+
+
+@dataclass(frozen=True)
+class Group:
+    """Built-in engines sharing one environment: `name` (their adapter module's, or IN_TREE), their `engines`,
+    each engine's declared dtypes, and whether they need a venv of their own (a recipe)."""
+
+    name: str
+    engines: tuple[str, ...]
+    dtypes: dict[str, tuple[str, ...]]
+    venv: bool
+
+    def serving(self, dtype: str) -> tuple[str, ...]:
+        return tuple(e for e in self.engines if dtype in self.dtypes[e])
+
+
+def groups() -> list[Group]:
+    """Every built-in engine in its group, in the registry's order (the in-tree group first)."""
+    import importlib
+
+    from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
+
+    known, found, dtypes = recipes(), {}, {}
+    for name, target in BUILTIN_ENGINES.items():
+        module, _, attr = target.partition(":")
+        dtypes[name] = tuple(getattr(importlib.import_module(module), attr).kv_declaration.dtypes)
+        recipe = known.get(name)
+        key = IN_TREE if recipe is None else next(
+            (g for g, members in found.items() if g != IN_TREE and known[members[0]] is recipe),
+            module.rpartition(".")[2])
+        found.setdefault(key, []).append(name)
+    return [Group(key, tuple(names), {n: dtypes[n] for n in names}, key != IN_TREE)
+            for key, names in sorted(found.items(), key=lambda kv: kv[0] != IN_TREE)]
+
+
+def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str], recreate: bool = False,
+            dry_run: bool = False) -> int:
+    """Re-run every built-in engine (or the groups in `only`) in each of `dtypes`; the worst exit status."""
+    every = groups()
+    unknown = sorted(set(only) - {g.name for g in every})
+    if unknown:
+        raise CheckEngineError(f"--only {', '.join(unknown)}: no such group; the groups are "
+                               f"{', '.join(g.name for g in every)}")
+    bad = sorted(set(dtypes) - set(DTYPES) - {"float16"})
+    if bad:
+        raise CheckEngineError(f"--dtype {', '.join(bad)}: not a model dtype; use float32, bfloat16 or float16")
+    worst = 0
+    for group in (g for g in every if not only or g.name in only):
+        for dtype in dtypes or ["float32"]:
+            engines = group.serving(dtype)
+            if not engines:
+                print(f"kvcompile check-engine: group {group.name}: no engine declares {dtype}; nothing to run")
+                continue
+            again = shlex.join(["kvcompile", "check-engine", "--all", "--only", group.name, "--dtype", dtype,
+                                "--out", str(out), *(["--", *pytest_args] if pytest_args else [])])
+            args = [f"--kv-dtype={dtype}", *pytest_args]
+            stem = f"{group.name}.{dtype}"
+            if group.venv:
+                venv = Path(".kvcompile-venvs") / group.name
+                status = run(list(engines), venv, out, [], args, recreate, dry_run=dry_run, stem=stem,
+                             command=again, markdown=False)
+            else:
+                status = run(list(engines), None, out, [], args, dry_run=dry_run, stem=stem, command=again,
+                             python=sys.executable, markdown=False)
+            worst = max(worst, status)
+    return worst

@@ -46,7 +46,15 @@ def _parser() -> argparse.ArgumentParser:
         "check-engine", help="run the suites on an engine in a virtual environment of its own",
         description="Create (or reuse) a venv, install torch, the engine and this project, run the conformance "
         "suites on the engine and write JSON and Markdown reports. Arguments after -- go to pytest.")
-    check.add_argument("engines", nargs="+", metavar="NAME", help="engine NAME(s) sharing one environment")
+    check.add_argument("engines", nargs="*", metavar="NAME", help="engine NAME(s) sharing one environment")
+    check.add_argument("--all", action="store_true",
+                       help="every built-in engine, one run per environment, into OUT/GROUP.DTYPE.json (the files "
+                       "`kvcompile matrix OUT` draws); with --only GROUP and --dtype DTYPE")
+    check.add_argument("--only", action="append", default=[], metavar="GROUP",
+                       help="with --all: only this group (repeatable; e.g. builtin, vllm, llamacpp)")
+    check.add_argument("--dtype", action="append", default=[], metavar="DTYPE", dest="dtypes",
+                       help="with --all: the model dtype (repeatable; default float32), each engine where it "
+                       "declares the dtype")
     check.add_argument("--venv", type=Path, help="the venv directory (default: .kvcompile-venvs/NAME)")
     check.add_argument("--install", action="append", default=[], metavar="SPEC",
                        help="extra pip requirement (repeatable); required for engines without a built-in recipe")
@@ -64,7 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     pytest_args = argv[argv.index("--") + 1:] if "--" in argv else []
     args = parser.parse_args(argv[: len(argv) - len(pytest_args) - (1 if "--" in argv else 0)])
     if args.command == "check-engine":
+        if args.all == bool(args.engines):
+            parser.error("check-engine: name the engine(s) to check, or --all for every built-in engine")
+        if not args.all and (args.only or args.dtypes):
+            parser.error("check-engine: --only and --dtype go with --all (for one engine: -- --kv-dtype=DTYPE)")
         try:
+            if args.all:
+                return check_engine.run_all(args.out, args.only, args.dtypes, pytest_args, args.recreate,
+                                            args.dry_run)
             return check_engine.run(args.engines, args.venv, args.out, args.install, pytest_args, args.recreate,
                                     args.system_site_packages, args.dry_run)
         except check_engine.CheckEngineError as exc:

@@ -6,13 +6,16 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import platform
+import shlex
 import sys
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from pytest_kvcompile.verdicts import suite_index
 from pytest_kvcompile.verdicts.results import Results
 from pytest_kvcompile.verdicts.rows import Row, RunInfo, Tokens, new_row
 
@@ -22,6 +25,7 @@ if TYPE_CHECKING:
 WORKER_KEY = "kvcompile_results"  # config.workeroutput key
 NOTE = "kvcompile"  # user_properties key of run notes: (category, line)
 NEAR_TIES = "near ties accepted as numerics"
+COMMAND_ENV = "KVCOMPILE_COMMAND"  # set by `kvcompile check-engine`: the command a results file records as its own
 
 
 def _typed(name: str, value: Any) -> Any:
@@ -169,6 +173,8 @@ def run_metadata(config: pytest.Config, settings: Any) -> RunInfo:
 
         if torch.cuda.is_available():
             device_name = torch.cuda.get_device_name(torch.device(settings.device))
+    suites = suite_index.index()
+    command = os.environ.get(COMMAND_ENV) or shlex.join(["pytest", *config.invocation_params.args])
     options = {name: value for name, value in vars(config.option).items()
                if name.startswith("kv_") and value not in (None, [], False)}
     return RunInfo(
@@ -186,6 +192,9 @@ def run_metadata(config: pytest.Config, settings: Any) -> RunInfo:
         max_new_tokens=settings.max_new_tokens,
         options={k: v if isinstance(v, (bool, int, float)) else str(v) if not isinstance(v, list)
                  else [str(x) for x in v] for k, v in sorted(options.items())},
+        command=command,
+        suites=suites.version,
+        checks=sorted(suites.checks),
     )
 
 

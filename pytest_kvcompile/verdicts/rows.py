@@ -553,6 +553,9 @@ class RunInfo(Record):
     compile_backend: str | None = rule(None, types=TEXT)
     max_new_tokens: int | None = rule(None, types=INT)
     options: dict[str, Any] = rule(None, factory=dict, types=DICT)
+    command: str = rule(None, "", types=TEXT)  # what ran it: `kvcompile check-engine ...` or `pytest ...`
+    suites: str = rule(None, "", types=TEXT)  # the suites' version (verdicts/suite_index.py); "" in older files
+    checks: list[str] = rule(None, factory=list, types=LIST)  # every check its suites had, selected or not
 
     def line(self) -> str:
         """``cpu (x86_64), float32: torch 2.13.0, transformers 5.24.0, engines a, b, started ...``."""
@@ -561,6 +564,7 @@ class RunInfo(Record):
                 f"{self.started or '?'}")
 
     def facts(self) -> list[tuple[str, Any]]:
-        """(name, value) of every fact but the options."""
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self) if f.name != "options"]
+        """(name, value) of every fact but the options and the suites' list of checks."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if f.name not in ("options", "checks")]
 
