@@ -229,5 +229,15 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
             else:
                 status = run(list(engines), None, out, [], args, dry_run=dry_run, stem=stem, command=again,
                              python=sys.executable, markdown=False)
+            keep(out / f"{stem}.json")
             worst = max(worst, status)
     return worst
+
+
+def keep(path: Path) -> None:
+    """Trim a run's result file to what the matrix and the engines' pages read (json_file.kept), in place."""
+    from pytest_kvcompile.reports import json_file
+    from pytest_kvcompile.reports.live import atomic_write
+
+    if path.is_file():
+        atomic_write(path, json_file.dumps(json_file.kept(json_file.load(path))))

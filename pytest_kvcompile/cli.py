@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
         "matrix", help="the conformance matrix (engines x checks) of result files",
         description="Draw one page of engines x checks from the engines' result files: each cell pass, fail "
         "(linking the engine's findings page), known finding or skip (with the reason), with versions and dates.")
-    matrix_cmd.add_argument("inputs", nargs="+", metavar="RESULTS.json", help="files written by --kv-report-json")
+    matrix_cmd.add_argument("inputs", nargs="+", metavar="RESULTS.json",
+                            help="files written by --kv-report-json, or folders of them (every *.json inside)")
     matrix_cmd.add_argument("-o", "--output", required=True, metavar="FILE",
                             help=f"the page; its format follows the extension: {', '.join(matrix.WRITERS)}")
     matrix_cmd.add_argument("--pages", type=Path, default=Path("docs/engines"),
@@ -104,17 +105,15 @@ def _matrix(parser: argparse.ArgumentParser, inputs: list[str], output: Path, pa
         parser.error(f"-o {output}: unknown matrix format {output.suffix!r}; end the name in one of "
                      f"{', '.join(matrix.WRITERS)}")
     try:
-        merged = merge([load(path) for path in inputs])
+        page = matrix.page(inputs, output, pages)
     except (ResultsFileError, MergeError) as exc:
         parser.error(str(exc))
-    from pytest_kvcompile.contract.registry import BUILTIN_ENGINES  # imports torch: only here
-
-    expected = tuple(BUILTIN_ENGINES)  # every engine the project adapts gets a row, reported or not
-    atomic_write(output, matrix.WRITERS[output.suffix.lower()](merged, inputs, pages, output, expected))
-    engines = {row.engine for row in merged.rows}
-    missing = [name for name in expected if name not in engines]
-    print(f"kvcompile: matrix of {len(engines)} engine(s) from {len(inputs)} file(s) -> {output}"
-          + (f"; no report of {len(missing)} built-in engine(s): {', '.join(missing)}" if missing else ""))
+    atomic_write(output, page.text)
+    for warning in page.warnings:
+        print(f"kvcompile matrix: warning: {warning}", file=sys.stderr)
+    print(f"kvcompile: matrix of {page.engines} engine(s) from {len(page.files)} file(s) -> {output}"
+          + (f"; no report of {len(page.missing)} built-in engine(s): {', '.join(page.missing)}"
+             if page.missing else ""))
     return 0
 
 

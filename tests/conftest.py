@@ -48,10 +48,12 @@ def prewarmed_server() -> prewarmed.Server:
 
 
 def pytest_configure(config):
-    """One torch thread per xdist worker, as in the pytester runs (`kvtester`): two workers share the 2 cores."""
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        import torch
+    """torch imported before any test, so an in-process pytester run (which restores sys.modules) never drops it
+    and a later import does not initialise its C extension twice (a segfault in a serial run); one torch thread per
+    xdist worker, as in the pytester runs (`kvtester`): two workers share the 2 cores."""
+    import torch
 
+    if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
 
 

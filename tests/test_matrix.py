@@ -2,6 +2,7 @@
 say of that check: pass, fail (linking the findings page), known finding, skip (with the reason), or not run."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from pytest_kvcompile.verdicts.collect import Collector
 from pytest_kvcompile.verdicts.failures import Kind, Problem
 from pytest_kvcompile.verdicts.results import merge
 from pytest_kvcompile.verdicts.rows import Check, RunInfo
+from pytest_kvcompile.verdicts.suite_index import FAMILIES, SuiteIndex, index
 
 RUN = {"started": "2026-11-24T10:00:00+00:00", "torch": "2.13.0", "pytest_kvcompile": "0.1.0"}
 
@@ -36,6 +38,10 @@ def _results():
     return results
 
 
+SUITES = SuiteIndex("v2", {"test_token_identity": "tokens", "test_recompiles": "recompiles",
+                           "test_kv_memory": "memory", "test_prefix_new": "prefix caches"})
+
+
 def test_each_cell_says_what_the_reports_say_of_that_check(tmp_path):
     pages = tmp_path / "pages"
     pages.mkdir()
@@ -48,7 +54,8 @@ def test_each_cell_says_what_the_reports_say_of_that_check(tmp_path):
     assert cells["eng", "test_token_identity"].status == "pass"
     assert ("eng", "test_kv_memory") not in cells  # not run: an empty cell
     assert cells["eng-compile", "test_token_identity"].status == "known"
-    assert cells["eng-compile", "test_kv_memory"] == matrix.Cell("skip", "declares no kv_cache_bytes", ("llama",))
+    assert cells["eng-compile", "test_kv_memory"] == matrix.Cell("n/a", "declares no kv_cache_bytes", ("llama",))
+    assert cells["eng", "test_recompiles"].status == "fail"
     assert cells["eng-compile", matrix.RULES].status == "fail" and ("eng", matrix.RULES) not in cells
     eng = engines[0]
     assert (eng.verdict, eng.date, eng.where, eng.page) == ("FAIL", "2026-11-24", "cpu float32", "../pages/eng.md")
@@ -56,18 +63,51 @@ def test_each_cell_says_what_the_reports_say_of_that_check(tmp_path):
     assert engines[1].verdict == "FAIL"  # its run rule fails it
 
 
+def test_currency_not_run_is_not_new_is_not_not_applicable_is_not_skipped():
+    """A check the file's suites did not have is NEW; one they had but the run did not select has no cell (not run);
+    a skip for an undeclared capability is N/A; any other skip is SKIP; the summary counts them per family."""
+    results = _results()
+    results.runs = [RunInfo(**{**RUN, "engines": ["eng", "eng-compile"], "suites": "v1",
+                               "checks": ["test_token_identity", "test_recompiles", "test_kv_memory"]})]
+    engines, checks, cells = matrix.build(results, None, None, (), SUITES)
+    assert cells["eng", "test_prefix_new"] == matrix.Cell("new", matrix.WORDS["new"], ())
+    assert ("eng", "test_kv_memory") not in cells  # its suites had it, the run did not select it: not run
+    assert cells["eng", "test_recompiles"].status == "fail"
+    eng, compiled = engines
+    assert eng.families == {"tokens": {"pass": 1}, "recompiles": {"fail": 1}, "prefix caches": {"new": 1}}
+    assert compiled.families["memory"] == {"n/a": 1}
+    assert matrix.summary({"pass": 3, "fail": 1, "known": 2}) == "✗\u00a01 !\u00a02 ✓\u00a03"
+    assert eng.suites == "v1" and matrix.basis(results, SUITES).version == "v1"  # the page: its files' newest suites
+    md = matrix.markdown(results, ["a.json"], None, None, (), SUITES)
+    row = "| [eng](#eng) | FAIL | 2026-11-24 cpu float32 | v1 (older) | ✓ 1 | ✗ 1 |  | new 1 |"
+    assert row.replace(" 1", "\u00a01") in md
+    stale = matrix.stale([("a.json", results)], SUITES)
+    assert stale == ["a.json (eng, eng-compile) predates 1 check(s) the suites now have (prefix_new); re-run it"]
+    results.runs[0].checks = []
+    assert "records no list of its suites' checks" in matrix.stale([("a.json", results)], SUITES)[0]
+
+
+def test_every_suite_file_has_a_family():
+    """A new suite file picks its family (verdicts/suite_index.py FAMILIES): the matrix counts checks per family."""
+    suites = Path(__file__).parents[1] / "suites"
+    assert sorted(p.stem.removeprefix("test_") for p in suites.glob("test_*.py")) == sorted(FAMILIES)
+    assert set(index(suites).checks.values()) - {"other"} == set(index(suites).checks.values())
+
+
 def test_the_markdown_and_html_pages(tmp_path):
     (tmp_path / "eng.md").write_text("# eng findings\n")
-    md = matrix.markdown(_results(), ["a.json"], tmp_path, tmp_path / "m.md")
-    assert "| engine | verdict | run | versions | kv_memory | recompiles | token_identity | run rules |" in md
-    assert "| [eng](eng.md) | FAIL | 2026-11-24 cpu float32 | eng==1.2, transformers==5.23.0, torch==2.13.0, " in md
-    assert "| ✅ |" in md and "[❌ 1](eng.md)" in md
-    assert "1. eng / recompiles (llama, mistral-sw): no_recompile: 2 compiles after warmup" in md
-    assert "eng-compile / kv_memory (llama): declares no kv_cache_bytes" in md
-    page = matrix.html(_results(), ["a.json"], tmp_path, tmp_path / "m.html")
+    md = matrix.markdown(_results(), ["a.json"], tmp_path, tmp_path / "m.md", (), SUITES, "kvcompile matrix r -o m.md")
+    assert "Regenerate: `kvcompile matrix r -o m.md`" in md
+    assert "| engine | verdict | run | suites | tokens | recompiles | memory |\n" in md  # no family without a cell
+    assert "| [eng](#eng) | FAIL | 2026-11-24 cpu float32 | ? | ✓\u00a01 | ✗\u00a01 |" in md  # no suites recorded: "?"
+    assert "### eng\n" in md and "Findings: [eng](eng.md)" in md and "eng==1.2, transformers==5.23.0" in md
+    assert "| recompiles | ✗ fail | llama, mistral-sw | no_recompile: 2 compiles after warmup |" in md
+    assert "Not applicable (the engine does not declare what the check needs): kv_memory." in md
+    for emoji in ("✅", "❌", "⚠️", "⏭️"):
+        assert emoji not in md  # read without an emoji font
+    page = matrix.html(_results(), ["a.json"], tmp_path, tmp_path / "m.html", (), SUITES)
     assert page.startswith("<!DOCTYPE html>") and "<script" not in page
-    assert 'class="fail" title="fail: no_recompile: 2 compiles after warmup (llama, mistral-sw)"' in page
-    assert 'class="skip" title="skip: declares no kv_cache_bytes (llama)"' in page
+    assert '<td class="fail">✗\u00a01</td>' in page and "no_recompile: 2 compiles after warmup" in page
 
 
 def test_kvcompile_matrix_reads_result_files_old_and_new(tmp_path, capsys):
@@ -86,7 +126,7 @@ def test_kvcompile_matrix_reads_result_files_old_and_new(tmp_path, capsys):
     assert cli.main(["matrix", str(new), str(old), "-o", str(out), "--pages", str(tmp_path)]) == 0
     assert "matrix of 3 engine(s) from 2 file(s)" in capsys.readouterr().out
     text = out.read_text()
-    assert "| v1 | FAIL |" in text and "v1 / token_identity (llama): TokenMismatch: diverges" in text
+    assert "| [v1](#v1) | FAIL |" in text and "| token_identity | ✗ fail | llama | TokenMismatch: diverges |" in text
     assert "| hf-eager | NO REPORT |" in text  # every engine the project adapts has a row: what is not covered shows
     with pytest.raises(SystemExit):
         cli.main(["matrix", str(new), "-o", str(tmp_path / "m.txt")])

@@ -5,7 +5,8 @@ Schema (``schema_version`` 3; every key is a field of a dataclass in verdicts/ro
 
     {"schema_version": 3, "kind": "pytest-kvcompile-results",
      "runs": [{"started", "python", "platform", "torch", "transformers", "pytest_kvcompile", "device",
-               "device_name", "dtype", "engines", "compile_backend", "max_new_tokens", "options"}, ...],
+               "device_name", "dtype", "engines", "compile_backend", "max_new_tokens", "options",
+               "command", "suites", "checks"}, ...],  (what ran it; the suites' version and every check they had)
      "rows": [{"engine", "model", "device", "dtype",
                "tests": {"passed": n, "failed": n, "skipped": n, "xfailed": n, "xpassed": n, "error": n},
                "tokens": {"identical": n, "near_tie": n, "mismatch": n},  (sequences)
@@ -62,7 +63,8 @@ from pathlib import Path
 from pytest_kvcompile.verdicts.results import READS, RESULTS_KIND, SCHEMA_VERSION, Results
 
 KIND = RESULTS_KIND
-__all__ = ["KIND", "READS", "SCHEMA_VERSION", "ResultsFileError", "dumps", "load", "loads"]
+__all__ = ["KIND", "READS", "SCHEMA_VERSION", "ResultsFileError", "dumps", "kept", "load", "loads"]
+KEPT_LINES = 12  # a kept file's failure messages: their first lines (the verdict, where, the diff's head)
 
 
 class ResultsFileError(ValueError):
@@ -71,6 +73,20 @@ class ResultsFileError(ValueError):
 
 def dumps(results: Results) -> str:
     return json.dumps(results.to_json(), indent=1)
+
+
+def kept(results: Results, lines: int = KEPT_LINES) -> Results:
+    """`results` as a kept file (docs/results: what the conformance matrix and the engines' pages read): each failure's
+    message cut to its first `lines` lines, its typed token failure dropped (the message says it), no live status."""
+    trimmed = Results.from_json(results.to_json())
+    trimmed.status = None
+    for row in trimmed.rows:
+        for entry in row.failures:
+            head = entry.message.splitlines()
+            if len(head) > lines:
+                entry.message = "\n".join(head[:lines] + [f"... ({len(head) - lines} more lines in the full report)"])
+            entry.failure = None
+    return trimmed
 
 
 def loads(text: str) -> Results:

@@ -1,36 +1,47 @@
-"""The conformance matrix: engines x checks, from the engines' JSON reports (``kvcompile matrix``).
+"""The conformance matrix: what the engines' result files say, one row per engine (``kvcompile matrix``).
 
-Rule: a cell says what the reports say of one check (a suite's test function) on one engine, over every model and
-run they hold: FAIL where any run of it failed, errored or passed a strict xfail (the cell links the engine's
-findings page and names the first failure); KNOWN where its only failures were known findings (strict xfails
-absorbed them); PASS where it ran and nothing failed; SKIP where it never ran and was skipped (the first reason);
-empty where no report selected it. The run rules that failed (vacuous, no eviction, drift: verdicts/failures.py)
-are a column of their own, and the engine's verdict is the one every report leads with (table.verdicts). Versions
-and dates come from the reports: the latest run that had the engine, the distributions behind the engine as it was
-built there (``versions``).
+Rule: a cell says what the files say of one check (a suite's test function) on one engine, over every model, dtype
+and run they hold: FAIL where any run of it failed, errored or passed a strict xfail (the first failure's line);
+KNOWN where its only failures were known findings (strict xfails absorbed them); PASS where it ran and nothing
+failed; N/A where it was skipped because the engine does not declare what the check needs (`NOT_APPLICABLE`); SKIP
+where it was skipped for another reason (the first one); NEW where the files' suites did not have the check yet (a
+file older than the check: `RunInfo.checks`); no cell where it existed but was not selected (not run). The run
+rules that failed (vacuous, no eviction, drift: verdicts/failures.py) fail the engine's verdict, the one every
+report leads with (table.verdicts). The page leads with one line per engine (its verdict, date, suites' version and
+counts per family of checks: verdicts/suite_index.py), then each engine's detail: what did not pass, and why.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+import shlex
+from dataclasses import dataclass, field
 from html import escape
 from pathlib import Path
 
 from pytest_kvcompile.reports.table import verdicts
 from pytest_kvcompile.verdicts.results import Results
 from pytest_kvcompile.verdicts.rows import Check, Row, RunInfo
+from pytest_kvcompile.verdicts.suite_index import FAMILY_ORDER, OTHER, SuiteIndex
 
-PASS, FAIL, KNOWN, SKIP = "pass", "fail", "known", "skip"
-MARKS = {PASS: "✅", FAIL: "❌", KNOWN: "⚠️", SKIP: "⏭️"}  # Markdown (GitHub draws emoji)
-TEXT_MARKS = {PASS: "✓", FAIL: "✗", KNOWN: "⚠", SKIP: "–"}  # HTML: glyphs every font has; the colour says the rest
+PASS, FAIL, KNOWN, SKIP, NA, NEW = "pass", "fail", "known", "skip", "n/a", "new"
+#: Plain-text marks (no emoji: they read in any font, the colour of the HTML cell says the rest).
+MARKS = {PASS: "✓", FAIL: "✗", KNOWN: "!", SKIP: "–", NA: "n/a", NEW: "new"}
+WORDS = {PASS: "passed", FAIL: "failed", KNOWN: "known finding", SKIP: "skipped",
+         NA: "not applicable (the engine does not declare what the check needs)",
+         NEW: "not in the file's suites yet (a newer check)"}
+ORDER = (FAIL, KNOWN, SKIP, NA, NEW, PASS)
+#: Skip reasons that mean "the engine does not declare what this check needs" (the skips the suites word so).
+NOT_APPLICABLE = re.compile(r"does not declare capability|declares no |is neither a server nor declares|"
+                            r"takes no .* from the caller")
 RULES = "run rules"
 NO_REPORT = "NO REPORT"
 
 
 @dataclass(frozen=True)
 class Cell:
-    status: str  # PASS, FAIL, KNOWN, SKIP
+    status: str  # PASS, FAIL, KNOWN, SKIP, NA, NEW
     detail: str  # the first failure's first line, the skip reason, or the counts
     models: tuple[str, ...]
 
@@ -47,15 +58,21 @@ class Engine:
     date: str
     versions: tuple[str, ...]  # the engine's distributions, then torch and the plugin of its latest run
     page: str | None  # its findings page, relative to the output
+    suites: str = ""  # the suites' version of its latest run ("" in files that predate the record)
+    commands: tuple[str, ...] = ()  # what made its files
+    families: dict[str, dict[str, int]] = field(default_factory=dict)  # family -> status -> checks
 
 
 def build(results: Results, pages: Path | None = None, output: Path | None = None,
-          expected: tuple[str, ...] = ()) -> tuple[list[Engine], list[str], dict[tuple[str, str], Cell]]:
+          expected: tuple[str, ...] = (), suites: SuiteIndex | None = None
+          ) -> tuple[list[Engine], list[str], dict[tuple[str, str], Cell]]:
     """(engines, checks, cells by (engine, check)) of merged `results`; `pages`: a directory of findings pages
     (``docs/engines``), each named for the engines whose NAME it starts (``litgpt.md``: litgpt, litgpt-compile);
-    `expected`: engines that get a row even without a report (NO REPORT: the matrix names what it does not cover)."""
+    `expected`: engines that get a row even without a report (NO REPORT: the matrix names what it does not cover);
+    `suites`: today's suites, whose checks a file that predates them marks NEW."""
     rows, runs, problems = results.rows, results.runs, results.problems
-    checks = sorted({name for row in rows for name in row.checks})
+    today = suites.checks if suites else {}
+    checks = sorted({name for row in rows for name in row.checks} | set(today))
     cells: dict[tuple[str, str], Cell] = {}
     found = {engine: (verdict, counts) for engine, verdict, counts in verdicts(rows, problems)}
     engines = []
@@ -63,21 +80,32 @@ def build(results: Results, pages: Path | None = None, output: Path | None = Non
         mine = [r for r in rows if r.engine == name]
         if name not in found:  # only measured as another engine's reference: not checked itself
             continue
+        theirs = [r for r in runs if name in r.engines]
+        had = {c for r in theirs for c in r.checks}
         for check in checks:
             cell = _cell(mine, check)
+            if cell is None and had and check not in had:
+                cell = Cell(NEW, WORDS[NEW], ())
             if cell is not None:
                 cells[name, check] = cell
         ruled = [p for p in problems if p.engine == name]
         if ruled:
             cells[name, RULES] = Cell(FAIL, "; ".join(f"{p.kind.value}: {p.line}" for p in ruled),
                                       tuple(sorted({p.model for p in ruled if p.model})))
-        run = max((r for r in runs if name in r.engines), key=lambda r: r.started, default=RunInfo())
+        run = max(theirs, key=lambda r: r.started, default=RunInfo())
         versions = list(dict.fromkeys(v for r in mine for v in r.versions))
         versions += [f"torch=={run.torch}"] if run.torch else []
         versions += [f"pytest-kvcompile=={run.pytest_kvcompile}"] if run.pytest_kvcompile else []
+        families: dict[str, dict[str, int]] = {}
+        for check in checks:
+            cell = cells.get((name, check))
+            if cell is not None:
+                counts = families.setdefault(suites.family(check) if suites else OTHER, {})
+                counts[cell.status] = counts.get(cell.status, 0) + 1
         engines.append(Engine(name, *found[name], tuple(sorted({r.model for r in mine})),
                               ", ".join(sorted({f"{r.device} {r.dtype}" for r in mine})),
-                              run.started[:10], tuple(dict.fromkeys(versions)), _page(name, pages, output)))
+                              run.started[:10], tuple(dict.fromkeys(versions)), _page(name, pages, output),
+                              run.suites, tuple(dict.fromkeys(r.command for r in theirs if r.command)), families))
     for name in expected:
         if name not in found:
             engines.append(Engine(name, NO_REPORT, "no result file of it was given", (), "", "", (),
@@ -85,6 +113,34 @@ def build(results: Results, pages: Path | None = None, output: Path | None = Non
     if any((e.name, RULES) in cells for e in engines):
         checks.append(RULES)
     return engines, checks, cells
+
+
+def basis(results: Results, today: SuiteIndex) -> SuiteIndex:
+    """The suites the page is judged against: the newest run's that recorded them (so the page is a function of
+    its files alone), each check's family from `today`; `today` where no run recorded its suites."""
+    recorded = [r for r in results.runs if r.suites and r.checks]
+    if not recorded:
+        return today
+    newest = max(recorded, key=lambda r: r.started)
+    return SuiteIndex(newest.suites, {c: today.family(c) for c in newest.checks})
+
+
+def stale(files: list[tuple[str, Results]], suites: SuiteIndex) -> list[str]:
+    """One warning per file's run that predates a check today's suites have, or records no list of its checks."""
+    warnings = []
+    for source, results in files:
+        for run in results.runs:
+            engines = ", ".join(run.engines) or "?"
+            if not run.checks:
+                warnings.append(f"{source} ({engines}) records no list of its suites' checks (written before it was "
+                                "recorded): it cannot say which of today's checks it predates; re-run it")
+                continue
+            missing = sorted(set(suites.checks) - set(run.checks))
+            if missing:
+                again = f": {run.command}" if run.command else ""
+                warnings.append(f"{source} ({engines}) predates {len(missing)} check(s) the suites now have "
+                                f"({', '.join(_short(c) for c in missing)}); re-run it{again}")
+    return warnings
 
 
 def _cell(rows: list[Row], check: str) -> Cell | None:
@@ -112,7 +168,7 @@ def _cell(rows: list[Row], check: str) -> Cell | None:
         return Cell(KNOWN, f"{xfailed} known finding(s) (strict xfail)", where)
     if ran:
         return Cell(PASS, f"{ran} passed", where)
-    return Cell(SKIP, reason or f"{skipped} skipped", where)
+    return Cell(NA if NOT_APPLICABLE.search(reason) else SKIP, reason or f"{skipped} skipped", where)
 
 
 def _page(engine: str, pages: Path | None, output: Path | None) -> str | None:
@@ -129,78 +185,161 @@ def _short(check: str) -> str:
     return check.removeprefix("test_")
 
 
+def _families(engines: list[Engine]) -> list[str]:
+    present = {f for e in engines for f in e.families}
+    return [f for f in (*FAMILY_ORDER, OTHER) if f in present]
+
+
+def summary(counts: dict[str, int]) -> str:
+    """A family's cell: ``✓ 5`` where every check passed, else the non-zero counts, worst first (``✗ 1  ✓ 3``; a mark
+    and its count joined by a no-break space, so a narrow cell wraps between counts, never inside one)."""
+    return " ".join(f"{MARKS[s]}\u00a0{counts[s]}" for s in ORDER if counts.get(s))
+
+
+def _suites(engine: Engine, suites: SuiteIndex | None) -> str:
+    if not engine.suites:
+        return "?" if engine.verdict != NO_REPORT else ""
+    return engine.suites + ("" if suites is None or engine.suites == suites.version else " (older)")
+
+
+def legend() -> str:
+    return " · ".join(f"{MARKS[s]} {WORDS[s]}" for s in ORDER)
+
+
+def _notes(engine: Engine, checks: list[str], cells: dict[tuple[str, str], Cell]) -> list[tuple[str, Cell]]:
+    """The engine's cells that did not pass, worst first (not applicable and new ones are listed by name only)."""
+    mine = [(c, cells[engine.name, c]) for c in checks if (engine.name, c) in cells]
+    return sorted(((c, cell) for c, cell in mine if cell.status not in (PASS, NA, NEW)),
+                  key=lambda item: ORDER.index(item[1].status))
+
+
+def _named(engine: Engine, checks: list[str], cells: dict[tuple[str, str], Cell], status: str) -> list[str]:
+    return [_short(c) for c in checks if cells.get((engine.name, c), Cell("", "", ())).status == status]
+
+
 def markdown(results: Results, sources: list[str], pages: Path | None = None, output: Path | None = None,
-             expected: tuple[str, ...] = ()) -> str:
-    """The matrix as GitHub Markdown: one row per engine, then the failures and skips the cells refer to."""
-    engines, checks, cells = build(results, pages, output, expected)
-    notes: list[str] = []
-    lines = ["# Conformance matrix", "",
-             f"Generated by `kvcompile matrix` from {len(sources)} report(s): {', '.join(f'`{s}`' for s in sources)}. "
-             "A cell is one check (a suite's test function) over every model the reports ran: "
-             + " · ".join(f"{MARKS[s]} {s}" for s in (PASS, FAIL, KNOWN, SKIP))
-             + " (the numbers point to the notes below); empty: not run.", "",
-             f"Regenerate: `kvcompile matrix {' '.join(sources)} -o {output or 'FILE'}`. A result file per engine: "
-             "`kvcompile check-engine NAME` (reports/NAME.json), or any run with `--kv-report-json`. An engine with "
-             f"{NO_REPORT} is adapted here but no file of it was given.", "",
-             "| engine | verdict | run | versions | " + " | ".join(_short(c) for c in checks) + " |",
-             "|---" * (4 + len(checks)) + "|"]
+             expected: tuple[str, ...] = (), suites: SuiteIndex | None = None, command: str = "") -> str:
+    """The matrix as Markdown: a summary line per engine, then each engine's checks that did not pass."""
+    engines, checks, cells = build(results, pages, output, expected, suites)
+    families = _families(engines)
+    current = (f" The newest suites among them: version `{suites.version}`, {len(suites.checks)} checks; an older "
+               "version is marked (older), and a check it did not have yet is counted as new."
+               if suites and suites.version else "")
+    lines = ["---", "hide: [navigation, toc]  # the docs site: the summary table gets the page's whole width", "---",
+             "", "# Conformance matrix", "",
+             f"Regenerate: `{command or 'kvcompile matrix ' + ' '.join(sources) + ' -o ' + str(output or 'FILE')}`"
+             f" (from {len(sources)} result file(s); re-run the engines: "
+             f"`kvcompile check-engine --all --out docs/results`).{current}", "",
+             f"Each family's cell counts its checks over every model and dtype run: {legend()}.", "",
+             "| engine | verdict | run | suites | " + " | ".join(families) + " |",
+             "|---" * (4 + len(families)) + "|"]
     for engine in engines:
-        name = f"[{engine.name}]({engine.page})" if engine.page else engine.name
-        row = [name, engine.verdict, f"{engine.date} {engine.where}".strip(), ", ".join(engine.versions)]
-        for check in checks:
-            cell = cells.get((engine.name, check))
-            if cell is None:
-                row.append("")
-                continue
-            mark = MARKS[cell.status]
-            if cell.status in (FAIL, KNOWN, SKIP):
-                notes.append(f"{engine.name} / {_short(check)} ({', '.join(cell.models)}): {cell.detail}")
-                mark += f" {len(notes)}"
-                if cell.status == FAIL and engine.page:
-                    mark = f"[{mark}]({engine.page})"
-            row.append(mark)
+        name = f"[{engine.name}](#{_anchor(engine.name)})" if engine.verdict != NO_REPORT else engine.name
+        row = [name, engine.verdict, f"{engine.date} {engine.where}".strip(), _suites(engine, suites)]
+        row += [summary(engine.families.get(f, {})) for f in families]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in row) + " |")
-    lines += ["", "## Notes", ""] + [f"{i}. {note.replace('|', '/')}" for i, note in enumerate(notes, 1)]
-    return "\n".join(lines) + "\n"
+    lines += ["", "## Per engine", ""]
+    for engine in engines:
+        if engine.verdict == NO_REPORT:
+            continue
+        lines += [f"### {engine.name}", "", f"**{engine.verdict}** ({engine.counts}). Run {engine.date} on "
+                  f"{engine.where}, suites {_suites(engine, suites)}; {', '.join(engine.versions)}."
+                  + (f" Findings: [{Path(engine.page).stem}]({engine.page})." if engine.page else ""), ""]
+        lines += [f"Made by: `{c}`" for c in engine.commands] + ([""] if engine.commands else [])
+        notes = _notes(engine, checks, cells)
+        if notes:
+            lines += ["| check | result | models | detail |", "|---|---|---|---|"]
+            lines += [f"| {_short(c)} | {MARKS[cell.status]} {cell.status} | {', '.join(cell.models)} | "
+                      f"{cell.detail.replace('|', '/')} |" for c, cell in notes]
+            lines.append("")
+        for status in (NA, NEW):
+            named = _named(engine, checks, cells, status)
+            if named:
+                lines += [f"{WORDS[status].capitalize()}: {', '.join(named)}.", ""]
+    missing = [e.name for e in engines if e.verdict == NO_REPORT]
+    if missing:
+        lines += ["## Not in these files", "", f"Adapted here, no result file given: {', '.join(missing)}.", ""]
+    return "\n".join(lines).rstrip() + "\n"
 
 
-STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em}table{border-collapse:collapse;font-size:.85em}
-th,td{border:1px solid #ccc;padding:.25em .4em;text-align:center}th.c{writing-mode:vertical-rl;transform:rotate(180deg)}
-td.e{text-align:left;white-space:nowrap}td.v{text-align:left;font-size:.8em}.pass{background:#e6f4ea}
-.fail{background:#fde0e0}.known{background:#fff3cd}.skip{background:#f1f1f1;color:#555}"""
+def _anchor(name: str) -> str:
+    return re.sub(r"[^a-z0-9_-]", "", name.lower().replace(" ", "-"))
+
+
+STYLE = """body{font-family:system-ui,sans-serif;margin:1.5em;max-width:1400px}table{border-collapse:collapse;
+font-size:.85em}th,td{border:1px solid #ccc;padding:.25em .5em;text-align:left}td.e{white-space:nowrap}
+.pass{background:#e6f4ea}.fail{background:#fde0e0}.known{background:#fff3cd}.skip,.na,.new{color:#555}"""
+
+
+def _status(counts: dict[str, int]) -> str:
+    worst = next((s for s in ORDER if counts.get(s)), "")
+    return {FAIL: "fail", KNOWN: "known", PASS: "pass"}.get(worst, "skip")
 
 
 def html(results: Results, sources: list[str], pages: Path | None = None, output: Path | None = None,
-         expected: tuple[str, ...] = ()) -> str:
-    """The matrix as one self-contained page (inline CSS, no scripts): hover a cell for its detail."""
-    engines, checks, cells = build(results, pages, output, expected)
-    head = "".join(f'<th class="c">{escape(_short(c))}</th>' for c in checks)
-    body = []
+         expected: tuple[str, ...] = (), suites: SuiteIndex | None = None, command: str = "") -> str:
+    """The matrix as one self-contained page (inline CSS, no scripts), laid out as the Markdown one."""
+    engines, checks, cells = build(results, pages, output, expected, suites)
+    families = _families(engines)
+    head = "".join(f"<th>{escape(f)}</th>" for f in families)
+    body, details = [], []
     for engine in engines:
-        name = (f'<a href="{escape(engine.page)}">{escape(engine.name)}</a>' if engine.page else escape(engine.name))
-        tds = []
-        for check in checks:
-            cell = cells.get((engine.name, check))
-            if cell is None:
-                tds.append("<td></td>")
-                continue
-            text = f"{cell.status}: {cell.detail} ({', '.join(cell.models)})"
-            mark = TEXT_MARKS[cell.status]
-            if cell.status == FAIL and engine.page:
-                mark = f'<a href="{escape(engine.page)}">{mark}</a>'
-            tds.append(f'<td class="{cell.status}" title="{escape(text)}">{mark}</td>')
+        name = (f'<a href="#{_anchor(engine.name)}">{escape(engine.name)}</a>' if engine.verdict != NO_REPORT
+                else escape(engine.name))
+        tds = "".join(f'<td class="{_status(engine.families.get(f, {}))}">{escape(summary(engine.families.get(f, {})))}'
+                      "</td>" for f in families)
         body.append(f'<tr><td class="e">{name}</td><td>{escape(engine.verdict)}</td>'
-                    f'<td class="v">{escape(engine.date)} {escape(engine.where)}</td>'
-                    f'<td class="v">{escape(", ".join(engine.versions))}</td>{"".join(tds)}</tr>')
-    details = "".join(f"<li><b>{escape(e)} / {escape(_short(c))}</b> ({cell.status}, "
-                      f"{escape(', '.join(cell.models))}): {escape(cell.detail)}</li>"
-                      for (e, c), cell in cells.items() if cell.status != PASS)
+                    f"<td>{escape(engine.date)} {escape(engine.where)}</td><td>{escape(_suites(engine, suites))}</td>"
+                    f"{tds}</tr>")
+        if engine.verdict == NO_REPORT:
+            continue
+        items = "".join(f'<li class="{cell.status}">{MARKS[cell.status]} <b>{escape(_short(c))}</b> '
+                        f"({escape(', '.join(cell.models))}): {escape(cell.detail)}</li>"
+                        for c, cell in _notes(engine, checks, cells))
+        details.append(f'<h3 id="{_anchor(engine.name)}">{escape(engine.name)}</h3><p><b>{escape(engine.verdict)}'
+                       f"</b> ({escape(engine.counts)}); {escape(', '.join(engine.versions))}</p><ul>{items}</ul>")
+    regenerate = command or f"kvcompile matrix {' '.join(sources)} -o {output or 'FILE'}"
     return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>Conformance matrix</title><style>{STYLE}</style>'
-            f"</head><body><h1>Conformance matrix</h1><p>Generated by <code>kvcompile matrix</code> from "
-            f"{escape(', '.join(sources))}. A cell is one check over every model the reports ran: "
-            + " · ".join(f"{TEXT_MARKS[s]} {s}" for s in (PASS, FAIL, KNOWN, SKIP)) + "; empty: not run.</p>"
-            f"<table><tr><th>engine</th><th>verdict</th><th>run</th><th>versions</th>{head}</tr>{''.join(body)}"
-            f"</table><h2>Failures, known findings and skips</h2><ul>{details}</ul></body></html>")
+            f"</head><body><h1>Conformance matrix</h1><p>Regenerate: <code>{escape(regenerate)}</code>. "
+            f"{escape(legend())}.</p><table class=\"summary\"><tr><th>engine</th><th>verdict</th><th>run</th>"
+            f"<th>suites</th>{head}</tr>{''.join(body)}</table><h2>Per engine</h2>{''.join(details)}</body></html>")
 
 
 WRITERS = {".md": markdown, ".html": html, ".htm": html}
+
+
+@dataclass(frozen=True)
+class Page:
+    """`kvcompile matrix`'s page: its `text`, the result `files` it read, `warnings` (files older than today's
+    suites), how many `engines` it has rows of, and the built-in engines with no file (`missing`)."""
+
+    text: str
+    files: list[str]
+    warnings: list[str]
+    engines: int
+    missing: list[str]
+
+
+def page(inputs: list[str], output: Path, pages: Path) -> Page:
+    """The page `kvcompile matrix INPUTS -o OUTPUT --pages PAGES` writes (a folder stands for its *.json files);
+    ResultsFileError or MergeError name a file that cannot be read or merged."""
+    from pytest_kvcompile.contract.registry import BUILTIN_ENGINES  # imports torch: only here
+    from pytest_kvcompile.reports.json_file import ResultsFileError, load
+    from pytest_kvcompile.verdicts.results import merge
+    from pytest_kvcompile.verdicts.suite_index import index
+
+    files = []
+    for given in inputs:
+        path = Path(given)
+        found = sorted(str(f) for f in path.glob("*.json")) if path.is_dir() else [given]
+        if not found:
+            raise ResultsFileError(f"{given}: a folder with no result file (*.json) in it")
+        files += found
+    loaded = [(path, load(path)) for path in files]
+    merged = merge([results for _, results in loaded])
+    today = index()
+    expected = tuple(BUILTIN_ENGINES)  # every engine the project adapts gets a row, reported or not
+    command = shlex.join(["kvcompile", "matrix", *inputs, "-o", str(output)])
+    text = WRITERS[output.suffix.lower()](merged, files, pages, output, expected, basis(merged, today), command)
+    engines = {row.engine for row in merged.rows}
+    return Page(text, files, stale(loaded, today), len(engines), [n for n in expected if n not in engines])
