@@ -70,7 +70,7 @@ def test_the_rerotated_engine_wraps_its_press_and_decodes_at_shifted_positions()
 def test_known_findings_follow_the_parameters():
     """kvpress fails on the 1-token prompt where it asserts n > n_sink or n > window_size, and in TOVAPress (the checks
     serving one: token identity on it, stale state and the recompile check's warmup)."""
-    checks = ("test_token_identity", "test_stale_state", "test_no_recompiles_after_warmup")
+    checks = ("test_token_identity", "test_stale_state", "test_no_recompiles_after_warmup", "test_full_hit")
     for engine, raised in ((engines.StreamingLLM, "AssertionError"), (engines.StreamingLLMRerotated, "AssertionError"),
                            (engines.SnapKV, "AssertionError"), (engines.TOVA, "RuntimeError")):
         found = declaration_of(engine).known_findings

@@ -20,7 +20,7 @@ from pytest_kvcompile.engines import ct2, mistralrs, quantized
     ("hf-quantized-quanto", "int4", True, None),
     ("hf-quantized-hqq", "int4", True, None),
     ("hf-quantized-hqq-int8", "int8", True, None),
-    ("openvino", None, True, True),
+    ("openvino", "int8", True, True),  # its u8 KV cache, made explicit (OV_CONFIG)
     ("mistralrs", None, False, True),
 ])
 def test_declarations(name, kv_cache_dtype, batching, isolated):

@@ -33,13 +33,15 @@ from pytest_kvcompile.verdicts.failures import Kind
 
 RECIPE = Recipe(packages=("mistralrs==0.9.5",), note="mistral.rs's CPU wheel (Python bindings).")
 TOKEN = re.compile(r"<t(\d+)>")
-_CLOSE_CALLS = ("mistral.rs 0.9.5 (F32 on CPU): its logits are not float32-exact; two greedy choices whose oracle "
-                "gap is under 0.01 flip (0.0018 on mistral-sw, 0.0067 on llama), beyond float32's tie tolerance of "
-                "0.001 (docs/engines/mistralrs.md, finding 1)")
+_CLOSE_CALLS = ("mistral.rs 0.9.5 (F32 on CPU): its logits are not float32-exact; greedy choices whose oracle "
+                "gap is under 0.01 flip (0.0018 on mistral-sw; 0.0067 and 0.0055 on llama), beyond float32's tie "
+                "tolerance of 0.001 (docs/engines/mistralrs.md, finding 1)")
 _CLOSE_CALL = 0.01  # the oracle gaps of the flips it covers are under this (beyond the tie tolerance, 0.001)
 KNOWN_FINDINGS = (KnownFinding("test_token_identity", Kind.MISMATCH, _CLOSE_CALLS, models=("mistral-sw",),
                                prompts=("2W+3=19",), max_gap=_CLOSE_CALL),
                   KnownFinding("test_shared_prefixes", Kind.MISMATCH, _CLOSE_CALLS, models=("llama",),
+                               max_gap=_CLOSE_CALL),
+                  KnownFinding("test_full_hit", Kind.MISMATCH, _CLOSE_CALLS, models=("llama",),
                                max_gap=_CLOSE_CALL))
 
 

@@ -256,9 +256,11 @@ def markdown(results: Results, sources: list[str], pages: Path | None = None, ou
             named = _named(engine, checks, cells, status)
             if named:
                 lines += [f"{WORDS[status].capitalize()}: {', '.join(named)}.", ""]
-    missing = [e.name for e in engines if e.verdict == NO_REPORT]
+    missing = [e for e in engines if e.verdict == NO_REPORT]
     if missing:
-        lines += ["## Not in these files", "", f"Adapted here, no result file given: {', '.join(missing)}.", ""]
+        lines += ["## Not in these files", "", "Adapted here, with no result file among these (re-run a group with "
+                  "`kvcompile check-engine --all --only GROUP --out docs/results`; an engine's page has its last "
+                  "results): " + ", ".join(f"[{e.name}]({e.page})" if e.page else e.name for e in missing) + ".", ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
