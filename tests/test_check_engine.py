@@ -70,7 +70,35 @@ def test_dry_run_prints_the_steps_torch_first(capsys, tmp_path):
     assert not (tmp_path / "v").exists()
 
 
+def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys):
+    """--all: one run per environment (the in-tree engines here, each recipe in its venv), each engine in exactly one
+    group, a dtype only for the engines that declare it, and each run's file says the command that re-makes it."""
+    from pytest_kvcompile.check_engine import groups
+    from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
+
+    found = groups()
+    assert sorted(e for g in found for e in g.engines) == sorted(BUILTIN_ENGINES)
+    assert found[0].name == "builtin" and not found[0].venv and all(g.venv for g in found[1:])
+    assert {g.name for g in found} >= {"vllm", "litgpt", "kvpress", "llamacpp", "ct2", "quantized"}
+    assert next(g for g in found if g.name == "ct2").serving("bfloat16") == ()  # float32 only: nothing to run
+    assert cli.main(["check-engine", "--all", "--only", "builtin", "--only", "ct2", "--dtype", "float32",
+                     "--dtype", "bfloat16", "--out", "docs/results", "--dry-run", "--", "-n", "2"]) == 0
+    out = capsys.readouterr().out
+    steps = [line for line in out.splitlines() if line.startswith("[")]
+    builtin = next(s for s in steps if "--kv-dtype=float32" in s and "--kv-engine=hf-eager" in s)
+    assert "KVCOMPILE_COMMAND='kvcompile check-engine --all --only builtin --dtype float32 --out docs/results -- -n 2'" \
+        in builtin and "--kv-report-json=docs/results/builtin.float32.json" in builtin and "--kv-report-md" not in builtin
+    assert " -m venv " not in builtin.split("KVCOMPILE_COMMAND")[0]  # the in-tree engines: this environment
+    assert "group ct2: no engine declares bfloat16; nothing to run" in out
+    assert any("--kv-report-json=docs/results/ct2.float32.json" in s for s in steps)
+
+
 @pytest.mark.parametrize("args, message", [
+    (["--all", "--only", "nosuch"], "--only nosuch: no such group; the groups are builtin, *"),
+    (["--all", "--dtype", "float64"], "--dtype float64: not a model dtype; use float32, bfloat16 or float16"),
+    (["--all", "vllm"], "check-engine: name the engine(s) to check, or --all for every built-in engine"),
+    ([], "check-engine: name the engine(s) to check, or --all for every built-in engine"),
+    (["vllm", "--only", "vllm"], "check-engine: --only and --dtype go with --all*"),
     (["mypkg:Engine"], "no install recipe for engine 'mypkg:Engine'*--install SPEC*"),
     (["vllm", "litgpt"], "engines vllm, litgpt need different environments; check them one command each"),
 ])

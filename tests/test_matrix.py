@@ -138,3 +138,15 @@ def test_merge_sums_the_per_check_outcomes():
     row = next(r for r in merge([a, b]).rows if r.engine == "eng" and r.model == "llama")
     assert row.checks["test_recompiles"] == Check(**_check(ran=2, failed=2))
     assert row.versions == ["eng==1.2", "transformers==5.23.0"]
+
+
+def test_a_kept_file_keeps_what_the_matrix_reads():
+    """json_file.kept: failure messages cut to their first lines (the cut said), typed token failures and the live
+    status dropped; the matrix of the kept file is the matrix of the full one."""
+    full = _results()
+    full.rows[0].failures[0].message = "\n".join(f"line {i}" for i in range(30))
+    kept = json_file.kept(full, lines=12)
+    message = kept.rows[0].failures[0].message.splitlines()
+    assert message[:12] == [f"line {i}" for i in range(12)] and message[12] == "... (18 more lines in the full report)"
+    assert len(message) == 13 and full.rows[0].failures[0].message.count("\n") == 29  # the original is untouched
+    assert matrix.build(kept, None, None, (), SUITES)[2] == matrix.build(full, None, None, (), SUITES)[2]

@@ -110,6 +110,8 @@ def build(results: Results, pages: Path | None = None, output: Path | None = Non
         if name not in found:
             engines.append(Engine(name, NO_REPORT, "no result file of it was given", (), "", "", (),
                                   _page(name, pages, output)))
+    rank = {name: i for i, name in enumerate(expected)}  # the registry's order, then engines it does not name
+    engines.sort(key=lambda e: rank.get(e.name, len(rank)))
     if any((e.name, RULES) in cells for e in engines):
         checks.append(RULES)
     return engines, checks, cells
