@@ -27,7 +27,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: real shapes: (transformers config class, its fields); random weights, the real vocabularies and tied embeddings
+#: real shapes: (transformers config class, its fields); random weights, the real vocabularies, tied embeddings unless
+#: the checkpoint's are not
 SHAPES: dict[str, tuple[str, dict]] = {
     "smollm-135m": ("LlamaConfig", dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
                                         num_attention_heads=9, num_key_value_heads=3, vocab_size=49152,
@@ -41,6 +42,15 @@ SHAPES: dict[str, tuple[str, dict]] = {
     "qwen2.5-3b": ("Qwen2Config", dict(hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
                                        num_attention_heads=16, num_key_value_heads=2, vocab_size=151936,
                                        max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6)),
+    # the GPU session's (issue 58): a 1.1B and an 8B Llama shape (TinyLlama-1.1B's, Llama-3-8B's)
+    "tinyllama-1.1b": ("LlamaConfig", dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+                                           num_attention_heads=32, num_key_value_heads=4, vocab_size=32000,
+                                           max_position_embeddings=2048, rope_theta=10000.0, rms_norm_eps=1e-5,
+                                           tie_word_embeddings=False)),
+    "llama-3-8b": ("LlamaConfig", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                                       num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                                       max_position_embeddings=8192, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                       tie_word_embeddings=False)),
 }
 
 
@@ -55,15 +65,17 @@ class Measured:
     engine_s: float  # in generate(), every engine of the run
     test_s: float  # the tests' own seconds (setup, call, teardown)
     summary: str  # pytest's last line
+    memory: str = ""  # the run's own peak-memory line (host, and each CUDA device's peak allocation)
 
 
 def parameters(config) -> int:
-    """Parameters of a tied-embedding decoder of `config` (embedding, attention, MLP, norms), without building it."""
+    """Parameters of a decoder of `config` (embedding, attention, MLP, norms, an untied head), without building it."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     head = h // config.num_attention_heads
     kv = config.num_key_value_heads * head
     attention = h * h * 2 + h * kv * 2 + (h + 2 * kv if "Qwen2" in type(config).__name__ else 0)  # Qwen2: qkv bias
-    return vocab * h + layers * (attention + 3 * h * config.intermediate_size + 2 * h) + h
+    head_weights = 0 if getattr(config, "tie_word_embeddings", True) else vocab * h
+    return vocab * h + layers * (attention + 3 * h * config.intermediate_size + 2 * h) + h + head_weights
 
 
 def checkpoint(shape: str, cache: Path) -> Path:
@@ -74,8 +86,8 @@ def checkpoint(shape: str, cache: Path) -> Path:
     from pytest_kvcompile.models import zoo
 
     kind, fields = SHAPES[shape]
-    config = getattr(transformers, kind)(**fields, tie_word_embeddings=True, bos_token_id=None, eos_token_id=None,
-                                         pad_token_id=None)
+    config = getattr(transformers, kind)(**{"tie_word_embeddings": True, **fields}, bos_token_id=None,
+                                         eos_token_id=None, pad_token_id=None)
 
     def build(tmp: Path) -> None:
         torch.set_default_dtype(torch.bfloat16)  # one 16-bit copy in memory while it is built (3B: 6 GiB)
@@ -136,19 +148,20 @@ def run(shape: str, dtype: str, path: Path, engine: str, expression: str | None,
     lines = output.strip().splitlines() or ["(no output)"]
     test_s = next((float(line.split("of the tests' ")[1].split(" s")[0]) for line in lines
                    if line.startswith("engines ") and "of the tests'" in line), 0.0)
+    memory = next((line for line in lines if line.startswith("host: ")), "")
     return Measured(shape, dtype, parameters(AutoConfig.from_pretrained(path)), proc.returncode, round(wall, 1),
                     round(peak[0] / 2**30, 2), round(sum(r.get("generate_s", 0.0) for r in rows), 1), test_s,
-                    lines[-1])
+                    lines[-1], memory)
 
 
 def markdown(found: list[Measured]) -> str:
     lines = ["| shape | parameters | dtype | wall | peak memory (all processes) | engine's generate() | harness "
-             "| result |", "|---|---:|---|---:|---:|---:|---:|---|"]
+             "| result | the run's peak memory line |", "|---|---:|---|---:|---:|---:|---:|---|---|"]
     for m in found:
         harness = f"{1 - m.engine_s / m.test_s:.0%}" if m.test_s else "-"
         engine = f"{m.engine_s:.0f} s ({m.engine_s / m.test_s:.0%})" if m.test_s else f"{m.engine_s:.0f} s"
         lines.append(f"| {m.shape} | {m.parameters / 1e6:,.0f}M | {m.dtype} | {m.wall_s:,.0f} s | {m.peak_gib:.1f} GiB "
-                     f"| {engine} | {harness} | {m.summary} |")
+                     f"| {engine} | {harness} | {m.summary} | {m.memory or '-'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 #: what the session leaves in OUT (the device tool returns at most 8 files)
 FILES = ("session.txt", "captures.txt", "latency.txt", "gpu-tests.txt", "suites.txt", "bench.log", "bench.json",
          "bench.md")
-STEPS = ("anchors", "captures", "latency", "gpu-tests", "suites")
+STEPS = ("anchors", "captures", "latency", "gpu-tests", "suites", "scale")
 #: the two anchor runs (bench_strategies.py, side by side): family -> the seed anchors its table must hold
 #: (ref-static-cudagraph, anchor c, is CUDA only: the CPU dry run cannot show it)
 ANCHORS = {"llama": {"gpu": ("a", "c"), "dry": ("a",)}, "gemma4": {"gpu": ("b",), "dry": ("b",)}}
@@ -185,6 +185,30 @@ def anchors(work: Path, out: Path, mode: str) -> Verdict:
     return Verdict("anchors", max(statuses, key=ORDER.index), f"{found} anchor row(s), tables in bench.md", details)
 
 
+def scale(work: Path, out: Path) -> Verdict:
+    """bench_scale.py over the real shapes: every shape's token checks ran and passed; its table joins bench.md, each
+    shape's wall time and the run's own peak-memory line (host, and each CUDA device's peak) are the details."""
+    run = Run.read(work / "scale.log")
+    if run is None:
+        return missing("scale", work / "scale.log")
+    path = work / "scale.json"
+    found = json.loads(path.read_text()) if path.is_file() else []
+    table = work / "scale.md"
+    text = table.read_text() if table.is_file() else f"(no table: {run.counts()})"
+    with (out / "bench.md").open("a") as md:
+        md.write(f"# bench_scale.py\n\n{text}\n")
+    details = [f"{m['shape']} {m['dtype']}: {m['parameters'] / 1e6:,.0f}M parameters, {m['wall_s']:,.0f} s, "
+               f"{m['summary']}; {m.get('memory') or 'no peak-memory line'}" for m in found]
+    status = run.status()
+    if status == "OK" and not found:
+        status = "ERROR"  # it exited 0 and measured nothing
+    if status == "OK" and not all(m["exit"] == 0 and "passed" in m["summary"] for m in found):
+        status = "FINDING"
+    if status != "OK":
+        details += run.text.strip().splitlines()[-6:]
+    return Verdict("scale", status, f"{len(found)} shape(s) measured, table in bench.md", details)
+
+
 def files(out: Path) -> Verdict | None:
     """Every file the session promises, and no more than the device tool returns."""
     lacking = [name for name in FILES if not (out / name).is_file()]
@@ -216,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
             found.append(latency(args.out, args.mode))
         elif step == "gpu-tests":
             found.append(gpu_tests(args.out, args.mode))
+        elif step == "scale":
+            found.append(scale(args.work, args.out))
         else:
             found.append(suites(args.work, args.dtypes.split(),
                                 {"llama": args.llama_engines.split(), "windowed": args.windowed_engines.split()},

@@ -13,18 +13,19 @@ bench = import_benchmark("bench_scale")
 
 
 @pytest.mark.parametrize(("shape", "published"), [("smollm-135m", 134.5e6), ("qwen2.5-0.5b", 494e6),
-                                                   ("qwen2.5-1.5b", 1.54e9), ("qwen2.5-3b", 3.09e9)])
+                                                   ("qwen2.5-1.5b", 1.54e9), ("qwen2.5-3b", 3.09e9),
+                                                   ("tinyllama-1.1b", 1.100e9), ("llama-3-8b", 8.030e9)])
 def test_the_shapes_are_the_real_checkpoints(shape, published):
     kind, fields = bench.SHAPES[shape]
-    config = getattr(transformers, kind)(**fields, tie_word_embeddings=True)
+    config = getattr(transformers, kind)(**{"tie_word_embeddings": True, **fields})
     assert bench.parameters(config) == pytest.approx(published, rel=0.005)
 
 
-@pytest.mark.parametrize("kind", ["LlamaConfig", "Qwen2Config"])
-def test_the_parameter_count_is_the_built_models(kind):
+@pytest.mark.parametrize(("kind", "tied"), [("LlamaConfig", True), ("Qwen2Config", True), ("LlamaConfig", False)])
+def test_the_parameter_count_is_the_built_models(kind, tied):
     config = getattr(transformers, kind)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, vocab_size=300,
-                                         tie_word_embeddings=True)
+                                         tie_word_embeddings=tied)
     model = transformers.AutoModelForCausalLM.from_config(config)
     assert bench.parameters(config) == sum(p.numel() for p in model.parameters())  # tied: counted once
 

@@ -167,3 +167,24 @@ def test_the_report_wants_every_anchor_of_the_gpu_run(tmp_path):
         "command": "c", "anchors": [], "skipped": [{"what": "llama-large", "why": "--time-budget spent"}]}))
     verdict = report.anchors(tmp_path, out, "gpu")
     assert verdict.status == "CUT" and "llama: no anchor a, c" in verdict.details
+
+
+def test_the_report_tells_a_scale_run_that_passed_from_one_that_measured_nothing_or_failed(tmp_path):
+    """The scale step (bench_scale.py over the real shapes): OK only where every shape's token checks passed; its
+    table joins bench.md; exit 0 with nothing measured is an ERROR, a failed check a FINDING."""
+    shape = {"shape": "llama-3-8b", "dtype": "bfloat16", "parameters": 8_030_000_000, "exit": 0, "wall_s": 250.0,
+             "peak_gib": 20.1, "engine_s": 9.0, "test_s": 200.0, "summary": "6 passed in 200.0s",
+             "memory": "host: 3.1 GiB peak RSS in this process; device (torch's peak allocation in this process): "
+                       "cuda:0 33.20 GiB"}
+    (tmp_path / "scale.log").write_text("| shape | ... |\n[rc=0 after 260 s, at 270 s of the session]\n")
+    (tmp_path / "scale.json").write_text(json.dumps([shape]))
+    (tmp_path / "scale.md").write_text("| shape | parameters |\n")
+    verdict = report.scale(tmp_path, tmp_path)
+    assert verdict.status == "OK" and "cuda:0 33.20 GiB" in verdict.details[0] and "8,030M" in verdict.details[0]
+    assert "# bench_scale.py" in (tmp_path / "bench.md").read_text()
+    (tmp_path / "scale.json").write_text(json.dumps([{**shape, "exit": 1, "summary": "1 failed, 5 passed"}]))
+    assert report.scale(tmp_path, tmp_path).status == "FINDING"
+    (tmp_path / "scale.json").unlink()
+    assert report.scale(tmp_path, tmp_path).status == "ERROR"  # exit 0, nothing measured
+    (tmp_path / "scale.log").write_text("building...\n[rc=124 after 300 s]\n")
+    assert report.scale(tmp_path, tmp_path).status == "CUT"
