@@ -59,6 +59,8 @@ _XNNPACK_NUMERICS = (
     "only: 5e-5), over the 0.01 score tolerance, and flip a near tie (gap 0.008 > tie tolerance 0.001) on "
     "the stale-state prompt long48/v1, on a fresh engine too: numerics, not state (docs/engines/hf-export.md)")
 #: Prompts whose score() deviation exceeded the tolerance in the 2026-11-23 run (the others stay under it).
+#: The near ties the same numerics flip in the checks added since (2026-11-28: gaps 0.008 and 0.014), at most this.
+_XNNPACK_GAP = 0.05  # twice the largest logit difference measured, each of the two tokens off by it
 _XNNPACK_PROMPTS = ("len1", "W-1=7", "W+1=9", "2W+3=19", "long48", "long250")
 
 
@@ -81,6 +83,8 @@ class ExecuTorch(HFExport):
             # batching declared, so it never runs here)
             KnownFinding("test_stale_state", Kind.MISMATCH, _XNNPACK_NUMERICS, models=("gemma4-kvshared",),
                          prompts=("long48/v1",)),
+            *(KnownFinding(check, Kind.MISMATCH, _XNNPACK_NUMERICS, models=("gemma4-kvshared",), max_gap=_XNNPACK_GAP)
+              for check in ("test_long_generation", "test_full_hit")),
         ),
         description=f"hf-export's program lowered by executorch 1.5.1 (XNNPACK), run by the ExecuTorch runtime "
                     f"(static cache {MAX_CACHE_LEN}, batch 1)",
