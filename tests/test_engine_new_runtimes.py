@@ -20,7 +20,7 @@ from pytest_kvcompile.engines import ct2, mistralrs, quantized
     ("hf-quantized-quanto", "int4", True, None),
     ("hf-quantized-hqq", "int4", True, None),
     ("hf-quantized-hqq-int8", "int8", True, None),
-    ("openvino", "int8", True, True),  # its u8 KV cache, made explicit (OV_CONFIG)
+    ("openvino", "float16", True, True),  # its KV cache with the f32 hint, made explicit (OV_CONFIG)
     ("mistralrs", None, False, True),
 ])
 def test_declarations(name, kv_cache_dtype, batching, isolated):

@@ -8,10 +8,9 @@ Rules:
   the CPU. The precision hint keeps OpenVINO's CPU plugin in float32: on a CPU with bfloat16 units it would otherwise
   run in bfloat16 (its default there), which a float32 run would then judge. Whatever the export refuses (a model its
   transformers range excludes, a config it cannot load) is ModelNotSupported with its reason.
-- ``KV_CACHE_PRECISION: u8``: the CPU plugin's own default on this CPU (read back: ``uint8_t`` with the hint set,
-  groups of 32), made explicit so the declaration holds on every CPU: ``kv_cache_dtype="int8"``, and the token
-  checks allow the measured noise of an int8 KV cache (docs/engines/openvino.md, finding 1: with
-  ``KV_CACHE_PRECISION: f32`` instead the float32 checks pass too).
+- ``KV_CACHE_PRECISION: f16``: what the CPU plugin compiles with the f32 hint by default (read back from the
+  compiled model: ``float16``), made explicit so the declaration holds on every CPU: ``kv_cache_dtype="float16"``,
+  and the token checks allow the measured noise of a float16 KV cache (docs/engines/openvino.md, finding 1).
 - ``generate`` is transformers' ``GenerationMixin.generate`` over the OpenVINO model: left-padded batch with an
   attention mask, ``GenerationConfig(do_sample=False, max_new_tokens=N, eos_token_id=None, pad_token_id=0)``.
   ``batching=True``.
@@ -32,7 +31,7 @@ from pytest_kvcompile.engines.recipe import Recipe
 
 RECIPE = Recipe(packages=("optimum-intel==2.2.0", "openvino==2026.4.1"),
                 note="optimum-intel exports the checkpoint to OpenVINO IR; it pulls its own torch and transformers.")
-OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "u8"}
+OV_CONFIG = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f16"}
 
 
 class OpenVINO:
@@ -42,10 +41,10 @@ class OpenVINO:
         batching=True,
         devices=("cpu",),
         dtypes=("float32",),
-        kv_cache_dtype="int8",  # OpenVINO's u8 KV cache (OV_CONFIG)
+        kv_cache_dtype="float16",  # OpenVINO's KV cache with the f32 hint (OV_CONFIG)
         requires=RECIPE.requirement("optimum.intel"),
         isolated=True,  # native code: a crash or hang fails one test, not the run (run/isolation.py)
-        description="OpenVINO via optimum-intel OVModelForCausalLM (stateful: KV cache in the runtime, u8), float32",
+        description="OpenVINO via optimum-intel OVModelForCausalLM (stateful: KV cache in the runtime, f16), float32",
     )
 
     def __init__(self, spec: ModelSpec):
