@@ -296,6 +296,24 @@ def test_the_computations_share_one_copy_of_the_weights(zoo_cache, name):
     assert truth.model is shared.base  # the truth too: one copy of the 16-bit weights in the harness
 
 
+def test_the_padded_computation_stays_inside_a_learned_position_table(zoo_cache):
+    """gpt2-abspos learns 512 positions: a sequence reaching its end is padded by what is left (none at 512), never
+    past the table (a 16-bit long generation's local noise there raised IndexError, failing correct engines). The
+    padded rows still agree with the unpadded computation within 16-bit noise."""
+    path = zoo.checkpoint("gpt2-abspos", zoo_cache)
+    spec = ModelSpec("gpt2-abspos", path, AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
+    computations = precision.Computations(spec)
+    generator = torch.Generator().manual_seed(5)
+    for length in (505, 509, 512):  # pad 7, pad 3, no pad
+        ids = torch.randint(0, spec.vocab_size, (length,), generator=generator).tolist()
+        prompt, tokens = ids[:length - 4], ids[length - 4:]
+        with torch.inference_mode():
+            padded = computations._padded(computations.sdpa, prompt, tokens).double()
+            whole = computations._whole(computations.sdpa, prompt, tokens).double()
+        assert padded.shape == whole.shape == (4, spec.vocab_size)
+        assert (padded - whole).abs().max() < 0.5, length  # the same logits up to bfloat16 rounding
+
+
 @pytest.mark.parametrize("name", ["llama", "gemma4-kvshared"])
 def test_the_truths_greedy_reference_is_drafted_then_verified(zoo_cache, name, monkeypatch):
     """Issue 54: the widened truth decodes its greedy reference as the stored 16-bit weights' drafts checked by one

@@ -169,16 +169,20 @@ class Computations:
                      **keep_last(self.base, len(tokens))).logits[0, -len(tokens):]
 
     def _padded(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-        """The sequence left-padded beside a companion COMPANION tokens longer (positions count real tokens only)."""
+        """The sequence left-padded beside a companion up to COMPANION tokens longer (positions count real tokens
+        only): shorter where the model's positions end sooner (a sequence reaching a learned position table's end is
+        padded by what is left, none at the very end: a batch of two without padding, still another computation)."""
         ids = prompt + tokens[:-1]
         vocab = self.spec.vocab_size
-        companion = [(t * 7 + 3) % vocab for t in ids] + [(i * 11 + 1) % vocab for i in range(COMPANION)]
+        limit = max_positions(self.base.config)
+        pad = COMPANION if limit is None else max(0, min(COMPANION, limit - len(ids)))
+        companion = [(t * 7 + 3) % vocab for t in ids] + [(i * 11 + 1) % vocab for i in range(pad)]
         width = len(companion)
-        batch = torch.tensor([[0] * COMPANION + ids, companion], device=self.spec.device)
-        mask = torch.tensor([[0] * COMPANION + [1] * len(ids), [1] * width], device=self.spec.device)
+        batch = torch.tensor([[0] * pad + ids, companion], device=self.spec.device)
+        mask = torch.tensor([[0] * pad + [1] * len(ids), [1] * width], device=self.spec.device)
         logits = model(input_ids=batch, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                        use_cache=False, **keep_last(self.base, len(tokens))).logits
-        return logits[0, -len(tokens):]  # from 7 + len(prompt) - 1 on
+        return logits[0, -len(tokens):]  # from pad + len(prompt) - 1 on
 
 
 class _Switched:
