@@ -145,8 +145,11 @@ def test_a_kept_file_keeps_what_the_matrix_reads():
     status dropped; the matrix of the kept file is the matrix of the full one."""
     full = _results()
     full.rows[0].failures[0].message = "\n".join(f"line {i}" for i in range(30))
+    full.rows[0].near_ties = [f"tie {i}" for i in range(20)]
     kept = json_file.kept(full, lines=12)
+    assert kept.rows[0].near_ties[-1] == "... (8 more in the full report)" and len(kept.rows[0].near_ties) == 13
     message = kept.rows[0].failures[0].message.splitlines()
     assert message[:12] == [f"line {i}" for i in range(12)] and message[12] == "... (18 more lines in the full report)"
     assert len(message) == 13 and full.rows[0].failures[0].message.count("\n") == 29  # the original is untouched
     assert matrix.build(kept, None, None, (), SUITES)[2] == matrix.build(full, None, None, (), SUITES)[2]
+    assert json_file.dumps(json_file.kept(kept, lines=12)) == json_file.dumps(kept)  # keeping a kept file: the same
