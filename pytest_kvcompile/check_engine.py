@@ -28,12 +28,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from pytest_kvcompile.config.options import DTYPES
 from pytest_kvcompile.engines.recipe import Recipe
 from pytest_kvcompile.verdicts.collect import COMMAND_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 IN_TREE = "builtin"  # the group of the engines that need no package beyond this project's
-DTYPES = ("float32", "bfloat16")
 
 
 class CheckEngineError(Exception):
@@ -133,16 +133,16 @@ def plan(names: list[str], venv: Path | None, out: Path, extra: list[str], pytes
 
 def run(names: list[str], venv: Path | None, out: Path, extra: list[str], pytest_args: list[str],
         recreate: bool = False, system_site_packages: bool = False, dry_run: bool = False, stem: str = "",
-        command: str = "", python: str = "", markdown: bool = True) -> int:
-    """Run `plan`'s commands; `python` set: in this environment (no venv); `command`: what the results file
-    records as the command that made it (default: this check-engine call)."""
-    if not python:
+        command: str = "", here: bool = False, markdown: bool = True) -> int:
+    """Run `plan`'s commands; `here`: in this environment (no venv); `command`: what the results file records as
+    the command that made it (default: this check-engine call)."""
+    if not here:
         venv = venv or Path(".kvcompile-venvs") / safe_name(names[0])
         if recreate and venv.exists() and not dry_run:
             import shutil
 
             shutil.rmtree(venv)
-    commands, env, note = plan(names, None if python else venv, out, extra, pytest_args, system_site_packages,
+    commands, env, note = plan(names, None if here else venv, out, extra, pytest_args, system_site_packages,
                                stem, markdown)
     env[COMMAND_ENV] = command or shlex.join(["kvcompile", "check-engine", *names, "--out", str(out),
                                              *(["--", *pytest_args] if pytest_args else [])])
@@ -187,14 +187,12 @@ def groups() -> list[Group]:
 
     from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
-    known, found, dtypes = recipes(), {}, {}
+    known, found, dtypes, named = recipes(), {}, {}, {}  # named: a recipe's group, its first adapter module's name
     for name, target in BUILTIN_ENGINES.items():
         module, _, attr = target.partition(":")
         dtypes[name] = tuple(getattr(importlib.import_module(module), attr).kv_declaration.dtypes)
         recipe = known.get(name)
-        key = IN_TREE if recipe is None else next(
-            (g for g, members in found.items() if g != IN_TREE and known[members[0]] is recipe),
-            module.rpartition(".")[2])
+        key = IN_TREE if recipe is None else named.setdefault(id(recipe), module.rpartition(".")[2])
         found.setdefault(key, []).append(name)
     return [Group(key, tuple(names), {n: dtypes[n] for n in names}, key != IN_TREE)
             for key, names in sorted(found.items(), key=lambda kv: kv[0] != IN_TREE)]
@@ -208,9 +206,9 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
     if unknown:
         raise CheckEngineError(f"--only {', '.join(unknown)}: no such group; the groups are "
                                f"{', '.join(g.name for g in every)}")
-    bad = sorted(set(dtypes) - set(DTYPES) - {"float16"})
+    bad = sorted(set(dtypes) - set(DTYPES))
     if bad:
-        raise CheckEngineError(f"--dtype {', '.join(bad)}: not a model dtype; use float32, bfloat16 or float16")
+        raise CheckEngineError(f"--dtype {', '.join(bad)}: not a model dtype; use {', '.join(DTYPES)}")
     worst = 0
     for group in (g for g in every if not only or g.name in only):
         for dtype in dtypes or ["float32"]:
@@ -222,13 +220,8 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
                                 "--out", str(out), *(["--", *pytest_args] if pytest_args else [])])
             args = [f"--kv-dtype={dtype}", *pytest_args]
             stem = f"{group.name}.{dtype}"
-            if group.venv:
-                venv = Path(".kvcompile-venvs") / group.name
-                status = run(list(engines), venv, out, [], args, recreate, dry_run=dry_run, stem=stem,
-                             command=again, markdown=False)
-            else:
-                status = run(list(engines), None, out, [], args, dry_run=dry_run, stem=stem, command=again,
-                             python=sys.executable, markdown=False)
+            status = run(list(engines), Path(".kvcompile-venvs") / group.name, out, [], args, recreate,
+                         dry_run=dry_run, stem=stem, command=again, here=not group.venv, markdown=False)
             keep(out / f"{stem}.json")
             worst = max(worst, status)
     return worst

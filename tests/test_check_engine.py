@@ -96,7 +96,7 @@ def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["--all", "--only", "nosuch"], "--only nosuch: no such group; the groups are builtin, *"),
-    (["--all", "--dtype", "float64"], "--dtype float64: not a model dtype; use float32, bfloat16 or float16"),
+    (["--all", "--dtype", "float64"], "--dtype float64: not a model dtype; use float32, bfloat16, float16"),
     (["--all", "vllm"], "check-engine: name the engine(s) to check, or --all for every built-in engine"),
     ([], "check-engine: name the engine(s) to check, or --all for every built-in engine"),
     (["vllm", "--only", "vllm"], "check-engine: --only and --dtype go with --all*"),

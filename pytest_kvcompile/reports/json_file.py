@@ -78,18 +78,24 @@ def dumps(results: Results) -> str:
 def kept(results: Results, lines: int = KEPT_LINES) -> Results:
     """`results` as a kept file (docs/results: what the conformance matrix and the engines' pages read): each failure's
     message cut to its first `lines` lines, its typed token failure dropped (the message says it), the near ties listed
-    cut to as many (their count stays in ``near_tie_tokens``), no live status."""
+    cut to as many (their count stays in ``near_tie_tokens``), no live status. Keeping a kept file changes nothing."""
     trimmed = Results.from_json(results.to_json())
     trimmed.status = None
     for row in trimmed.rows:
-        if len(row.near_ties) > lines + 1:  # + 1: a kept file's own marker line (kept twice: the same)
-            row.near_ties = row.near_ties[:lines] + [f"... ({len(row.near_ties) - lines} more in the full report)"]
+        row.near_ties = _cut(row.near_ties, lines, "more")
         for entry in row.failures:
             head = entry.message.splitlines()
-            if len(head) > lines + 1:
-                entry.message = "\n".join(head[:lines] + [f"... ({len(head) - lines} more lines in the full report)"])
+            cut = _cut(head, lines, "more lines")
+            entry.message = entry.message if cut is head else "\n".join(cut)
             entry.failure = None
     return trimmed
+
+
+def _cut(items: list[str], lines: int, what: str) -> list[str]:
+    """`items`' first `lines` and a line saying how many more; as they are where at most one more (a cut's own)."""
+    if len(items) <= lines + 1:
+        return items
+    return items[:lines] + [f"... ({len(items) - lines} {what} in the full report)"]
 
 
 def loads(text: str) -> Results:

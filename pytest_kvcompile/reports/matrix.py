@@ -69,10 +69,9 @@ def build(results: Results, pages: Path | None = None, output: Path | None = Non
     """(engines, checks, cells by (engine, check)) of merged `results`; `pages`: a directory of findings pages
     (``docs/engines``), each named for the engines whose NAME it starts (``litgpt.md``: litgpt, litgpt-compile);
     `expected`: engines that get a row even without a report (NO REPORT: the matrix names what it does not cover);
-    `suites`: today's suites, whose checks a file that predates them marks NEW."""
+    `suites`: the suites the page is judged against (`basis`): a check of theirs a file's suites lacked is NEW."""
     rows, runs, problems = results.rows, results.runs, results.problems
-    today = suites.checks if suites else {}
-    checks = sorted({name for row in rows for name in row.checks} | set(today))
+    checks = sorted({name for row in rows for name in row.checks} | set(suites.checks if suites else ()))
     cells: dict[tuple[str, str], Cell] = {}
     found = {engine: (verdict, counts) for engine, verdict, counts in verdicts(rows, problems)}
     engines = []
