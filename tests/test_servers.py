@@ -6,7 +6,10 @@ Twins listen on 127.0.0.1 (port 0), bounded by timeouts, and are stopped by the 
 
 from __future__ import annotations
 
+import gc
 import json
+import re
+import shutil
 from fnmatch import fnmatch
 from pathlib import Path
 
@@ -197,7 +200,9 @@ def test_a_managed_server_starts_on_a_free_loopback_port_serves_and_stops(llama,
     finally:
         engine.close()
     assert engine.process.exited() is not None
-    with pytest.raises(ServerError, match=r"not reachable .*: its process exited \(status -15\)\n  server log .*"):
+    assert not engine.process.log_path.parent.exists()  # a server stopped cleanly leaves nothing in the temp folder
+    with pytest.raises(ServerError, match=r"not reachable .*: its process exited \(status -15\)\n  \(its log .* was "
+                                          r"removed when this harness stopped the server\)"):
         engine.generate([[1]], 2)
 
 
@@ -205,8 +210,12 @@ def test_a_managed_server_that_fails_to_start_quotes_its_log(llama):
     with pytest.raises(ServerError, match=r"(?s)the managed ManagedTwinFailsToStart server at http://127.0.0.1:\d+ "
                                           r"\(pid \d+\) exited \(status 3\) before it answered GET /v1/models; "
                                           r"command: .*server log .*server.log \(last 1 lines\):\n    twin: "
-                                          r"cannot load the model: no such file"):
+                                          r"cannot load the model: no such file") as failed:
         ManagedTwinFailsToStart(llama)
+    log = Path(re.search(r"server log (\S+server\.log)", str(failed.value)).group(1))
+    gc.collect()  # the engine is gone: its finalizer ran; the log it quoted stays, as evidence
+    assert log.is_file() and "cannot load the model" in log.read_text()
+    shutil.rmtree(log.parent)
 
 
 # --- the suites on servers (pytester runs of suites/) ----------------------------------------------------------------

@@ -1,12 +1,13 @@
 """Managed servers: a server engine (engines/server.py) that starts its server on the checkpoint, on a free 127.0.0.1
-port, waits until it answers, keeps its log, and stops it when the engine is dropped or the process exits. Recipes:
-engines/vllm_server.py, engines/llamacpp_server.py."""
+port, waits until it answers, keeps its log (past the stop only when a failure quoted it), and stops it when the
+engine is dropped or the process exits. Recipes: engines/vllm_server.py, engines/llamacpp_server.py."""
 
 from __future__ import annotations
 
 import contextlib
 import http.client
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,13 +49,13 @@ class ServerProcess:
 
     def __init__(self, launch: Launch, name: str) -> None:
         self.name, self.launch = name, launch
-        folder = Path(tempfile.mkdtemp(prefix=f"kvcompile-server-{name}-"))
-        self.log_path = folder / "server.log"
+        self.log = _Log(Path(tempfile.mkdtemp(prefix=f"kvcompile-server-{name}-")))
+        self.log_path = self.log.folder / "server.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(launch.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                          env={**os.environ, **launch.env}, start_new_session=True,
                                          preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        self._finalizer = weakref.finalize(self, _stop, self.proc)  # also runs at exit (finalize.atexit)
+        self._finalizer = weakref.finalize(self, _stop, self.proc, self.log)  # also runs at exit (finalize.atexit)
 
     def exited(self) -> int | None:
         return self.proc.poll()
@@ -63,6 +64,10 @@ class ServerProcess:
         self._finalizer()
 
     def tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The end of the server's log, for a failure message: the log is then kept when the server stops."""
+        if not self.log.folder.exists():
+            return f"\n  (its log {self.log_path} was removed when this harness stopped the server)"
+        self.log.quoted = True
         try:
             text = self.log_path.read_text(errors="replace").splitlines()[-lines:]
         except OSError:
@@ -71,9 +76,19 @@ class ServerProcess:
         return f"\n  server log {self.log_path} (last {len(text)} lines):\n{shown}"
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 10 s."""
+@dataclass
+class _Log:
+    """A server's log folder; kept after the server stops only if a message quoted it or the server died by itself."""
+
+    folder: Path
+    quoted: bool = False
+
+
+def _stop(proc: subprocess.Popen, log: _Log) -> None:
+    """SIGTERM to the server's process group, SIGKILL after 10 s; then its log folder goes unless it is evidence."""
     if proc.poll() is not None:
+        if not log.quoted and proc.returncode == 0:
+            shutil.rmtree(log.folder, ignore_errors=True)
         return
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
@@ -83,6 +98,8 @@ def _stop(proc: subprocess.Popen) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
+    if not log.quoted:
+        shutil.rmtree(log.folder, ignore_errors=True)
 
 
 class ManagedServer(ServerEngine):
