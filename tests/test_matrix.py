@@ -153,3 +153,23 @@ def test_a_kept_file_keeps_what_the_matrix_reads():
     assert len(message) == 13 and full.rows[0].failures[0].message.count("\n") == 29  # the original is untouched
     assert matrix.build(kept, None, None, (), SUITES)[2] == matrix.build(full, None, None, (), SUITES)[2]
     assert json_file.dumps(json_file.kept(kept, lines=12)) == json_file.dumps(kept)  # keeping a kept file: the same
+
+
+def test_a_model_the_engine_cannot_run_is_named_not_counted_where_others_ran_the_check():
+    found = Collector("cpu", "float32")
+    found.add("eng", "llama", tests={"passed": 1}, checks={"test_token_identity": _check(ran=1)})
+    found.add("eng", "gpt2-abspos", tests={"skipped": 1}, checks={"test_token_identity": _check(skipped=1)},
+              declared_skips=["engine 'eng' does not support model 'gpt2-abspos': Llama only"])
+    found.add("gpu-eng", "llama", tests={"skipped": 1}, checks={"test_token_identity": _check(skipped=1)},
+              declared_skips=["engine 'gpu-eng' does not declare device 'cpu' (declares devices=['cuda'])"])
+    results = found.results()
+    results.runs = [RunInfo(**{**RUN, "engines": ["eng", "gpu-eng"]})]
+    engines, _, cells = matrix.build(results)
+    assert cells["eng", "test_token_identity"] == matrix.Cell("pass", "1 passed", ("llama",))  # not gpt2-abspos
+    assert cells["gpu-eng", "test_token_identity"] == matrix.Cell(
+        "skip", "engine 'gpu-eng' does not declare device 'cpu' (declares devices=['cuda'])", ("llama",))
+    assert engines[0].not_run == ("engine 'eng' does not support model 'gpt2-abspos': Llama only",)
+    text = matrix.markdown(results, ["f.json"])
+    assert "Not run (every check skipped there):\n\n- engine 'eng' does not support model 'gpt2-abspos': Llama only" \
+        in text
+    assert "not run: engine &#x27;gpu-eng&#x27; does not declare device" in matrix.html(results, ["f.json"])

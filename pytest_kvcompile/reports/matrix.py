@@ -61,6 +61,7 @@ class Engine:
     suites: str = ""  # the suites' version of its latest run ("" in files that predate the record)
     commands: tuple[str, ...] = ()  # what made its files
     families: dict[str, dict[str, int]] = field(default_factory=dict)  # family -> status -> checks
+    not_run: tuple[str, ...] = ()  # why it could not run on some models or devices (its rows' declared skips)
 
 
 def build(results: Results, pages: Path | None = None, output: Path | None = None,
@@ -104,7 +105,8 @@ def build(results: Results, pages: Path | None = None, output: Path | None = Non
         engines.append(Engine(name, *found[name], tuple(sorted({r.model for r in mine})),
                               ", ".join(sorted({f"{r.device} {r.dtype}" for r in mine})),
                               run.started[:10], tuple(dict.fromkeys(versions)), _page(name, pages, output),
-                              run.suites, tuple(dict.fromkeys(r.command for r in theirs if r.command)), families))
+                              run.suites, tuple(dict.fromkeys(r.command for r in theirs if r.command)), families,
+                              tuple(sorted({why for r in mine for why in r.declared_skips}))))
     for name in expected:
         if name not in found:
             engines.append(Engine(name, NO_REPORT, "no result file of it was given", (), "", "", (),
@@ -145,6 +147,11 @@ def stale(files: list[tuple[str, Results]], suites: SuiteIndex) -> list[str]:
 
 
 def _cell(rows: list[Row], check: str) -> Cell | None:
+    """The check's outcome over `rows`; a model the engine could not run at all (the row's declared skips: an
+    unsupported model or device) counts only where no model ran the check, its reason then the cell's."""
+    ran_somewhere = [r for r in rows if not r.declared_skips]
+    if any(r.checks.get(check) is not None or any(f.check == check for f in r.failures) for r in ran_somewhere):
+        rows = ran_somewhere
     ran = failed = xfailed = skipped = 0
     reason, message, models = "", "", set()
     for row in rows:
@@ -158,7 +165,7 @@ def _cell(rows: list[Row], check: str) -> Cell | None:
         failed += max(seen.failed, len(failures))  # schema-1 files count no failures per check
         xfailed += seen.xfailed
         skipped += seen.skipped
-        reason = reason or seen.reason
+        reason = reason or seen.reason or next(iter(row.declared_skips), "")
         message = message or next((f.message.strip().splitlines()[0] for f in failures if f.message.strip()), "")
     if not models:
         return None
@@ -247,6 +254,8 @@ def markdown(results: Results, sources: list[str], pages: Path | None = None, ou
                   f"{engine.where}, suites {_suites(engine, suites)}; {', '.join(engine.versions)}."
                   + (f" Findings: [{Path(engine.page).stem}]({engine.page})." if engine.page else ""), ""]
         lines += [f"Made by: `{c}`" for c in engine.commands] + ([""] if engine.commands else [])
+        if engine.not_run:
+            lines += ["Not run (every check skipped there):", "", *(f"- {why}" for why in engine.not_run), ""]
         notes = _notes(engine, checks, cells)
         if notes:
             lines += ["| check | result | models | detail |", "|---|---|---|---|"]
@@ -299,6 +308,7 @@ def html(results: Results, sources: list[str], pages: Path | None = None, output
         items = "".join(f'<li class="{cell.status}">{MARKS[cell.status]} <b>{escape(_short(c))}</b> '
                         f"({escape(', '.join(cell.models))}): {escape(cell.detail)}</li>"
                         for c, cell in _notes(engine, checks, cells))
+        items += "".join(f'<li class="skip">not run: {escape(why)}</li>' for why in engine.not_run)
         details.append(f'<h3 id="{_anchor(engine.name)}">{escape(engine.name)}</h3><p><b>{escape(engine.verdict)}'
                        f"</b> ({escape(engine.counts)}); {escape(', '.join(engine.versions))}</p><ul>{items}</ul>")
     regenerate = command or f"kvcompile matrix {' '.join(sources)} -o {output or 'FILE'}"
