@@ -25,7 +25,7 @@ import re
 import shlex
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_kvcompile.config.options import DTYPES
@@ -176,9 +176,18 @@ class Group:
     engines: tuple[str, ...]
     dtypes: dict[str, tuple[str, ...]]
     venv: bool
+    engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the recipe's (Recipe.engine_args)
 
     def serving(self, dtype: str) -> tuple[str, ...]:
         return tuple(e for e in self.engines if dtype in self.dtypes[e])
+
+    def runs(self, dtype: str) -> list[tuple[str, tuple[str, ...], tuple[str, ...]]]:
+        """(result file stem, engines, their extra pytest options) of each pytest run `dtype` takes: the engines
+        needing no options of their own together as GROUP.DTYPE, each other engine alone as ENGINE.DTYPE."""
+        serving = self.serving(dtype)
+        shared = tuple(e for e in serving if e not in self.engine_args)
+        return ([(f"{self.name}.{dtype}", shared, ())] if shared else []) + \
+            [(f"{e}.{dtype}", (e,), self.engine_args[e]) for e in serving if e in self.engine_args]
 
 
 def groups() -> list[Group]:
@@ -194,7 +203,9 @@ def groups() -> list[Group]:
         recipe = known.get(name)
         key = IN_TREE if recipe is None else named.setdefault(id(recipe), module.rpartition(".")[2])
         found.setdefault(key, []).append(name)
-    return [Group(key, tuple(names), {n: dtypes[n] for n in names}, key != IN_TREE)
+    return [Group(key, tuple(names), {n: dtypes[n] for n in names}, key != IN_TREE,
+                  {n: a for recipe in {id(known[n]): known[n] for n in names if n in known}.values()
+                   for n, a in recipe.engine_args.items() if n in names})
             for key, names in sorted(found.items(), key=lambda kv: kv[0] != IN_TREE)]
 
 
@@ -212,18 +223,18 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
     worst = 0
     for group in (g for g in every if not only or g.name in only):
         for dtype in dtypes or ["float32"]:
-            engines = group.serving(dtype)
-            if not engines:
+            if not group.serving(dtype):
                 print(f"kvcompile check-engine: group {group.name}: no engine declares {dtype}; nothing to run")
                 continue
             again = shlex.join(["kvcompile", "check-engine", "--all", "--only", group.name, "--dtype", dtype,
                                 "--out", str(out), *(["--", *pytest_args] if pytest_args else [])])
-            args = [f"--kv-dtype={dtype}", *pytest_args]
-            stem = f"{group.name}.{dtype}"
-            status = run(list(engines), Path(".kvcompile-venvs") / group.name, out, [], args, recreate,
-                         dry_run=dry_run, stem=stem, command=again, here=not group.venv, markdown=False)
-            keep(out / f"{stem}.json")
-            worst = max(worst, status)
+            for stem, engines, own in group.runs(dtype):
+                args = [*own, f"--kv-dtype={dtype}", *pytest_args]
+                status = run(list(engines), Path(".kvcompile-venvs") / group.name, out, [], args, recreate,
+                             dry_run=dry_run, stem=stem, command=again, here=not group.venv, markdown=False)
+                recreate = False  # one venv per group: made afresh once
+                keep(out / f"{stem}.json")
+                worst = max(worst, status)
     return worst
 
 

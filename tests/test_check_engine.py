@@ -94,6 +94,23 @@ def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys):
     assert any("--kv-report-json=docs/results/ct2.float32.json" in s for s in steps)
 
 
+def test_an_engine_needing_options_of_its_own_runs_alone_in_its_groups_venv(capsys):
+    """llama-cpp-q8-kv needs the zoo with head_dim 32 (q8_0 blocks of 32): in the llama-cpp group's run it would be
+    skipped on every model, so it gets a pytest run and a result file of its own, in the same venv."""
+    from pytest_kvcompile.check_engine import groups
+
+    llamacpp = next(g for g in groups() if g.name == "llamacpp")
+    assert llamacpp.runs("float32") == [
+        ("llamacpp.float32", ("llama-cpp", "llama-cpp-prompt-cache", "llama-cpp-prompt-lookup"), ()),
+        ("llama-cpp-q8-kv.float32", ("llama-cpp-q8-kv",), ("--kv-zoo-head-dim=32",))]
+    assert cli.main(["check-engine", "--all", "--only", "llamacpp", "--out", "docs/results", "--dry-run"]) == 0
+    tests = [s for s in capsys.readouterr().out.splitlines() if s.startswith("[") and "-m pytest" in s]
+    assert len(tests) == 2 and all(" .kvcompile-venvs/llamacpp/bin/python -m pytest" in s for s in tests)
+    assert "--kv-engine=llama-cpp-q8-kv" not in tests[0] and "--kv-zoo-head-dim" not in tests[0]
+    assert "--kv-engine=llama-cpp-q8-kv --kv-report-json=docs/results/llama-cpp-q8-kv.float32.json" in tests[1]
+    assert "--kv-zoo-head-dim=32 --kv-dtype=float32" in tests[1]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--all", "--only", "nosuch"], "--only nosuch: no such group; the groups are builtin, *"),
     (["--all", "--dtype", "float64"], "--dtype float64: not a model dtype; use float32, bfloat16, float16"),

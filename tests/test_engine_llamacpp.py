@@ -138,13 +138,15 @@ def zoo_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("factory", "test_id", "known"), [
-    (adapter.LlamaCpp, "test_token_identity[llama-cpp-llama-long48]", True),  # Q in f16 too: past an f16 cache
-    (adapter.LlamaCpp, "test_token_identity[llama-cpp-llama-len1]", False),  # within an f16 cache's noise
+    (adapter.LlamaCpp, "test_near_tie_rate[llama-cpp-gpt2-abspos]", True),  # Q in f16 too: past an f16 cache
+    (adapter.LlamaCpp, "test_near_tie_rate[llama-cpp-llama]", False),  # within an f16 cache's noise
+    (adapter.LlamaCpp, "test_token_identity[llama-cpp-llama-long48]", False),  # since the suites of 2026-11-28
     (adapter.LlamaCpp, "test_fuzz[llama-cpp-llama]", False),
     (adapter.LlamaCpp, "test_stale_state[llama-cpp-llama]", False),
     (adapter.LlamaCppQ8KV, "test_stale_state[llama-cpp-q8-kv-gpt2-abspos]", False),  # within int8's noise
     (adapter.LlamaCppQ8KV, "test_token_identity[llama-cpp-q8-kv-llama-long250]", False),
-    (adapter.LlamaCppPromptCache, "test_token_identity[llama-cpp-prompt-cache-llama-long48]", True),  # score(): same
+    (adapter.LlamaCppPromptCache, "test_near_tie_rate[llama-cpp-prompt-cache-gpt2-abspos]", True),  # score(): same
+    (adapter.LlamaCppPromptLookup, "test_near_tie_rate[llama-cpp-prompt-lookup-gpt2-abspos]", True),  # same rows
     (adapter.LlamaCppPromptCache, "test_full_hit[llama-cpp-prompt-cache-llama]", False),
     (adapter.LlamaCppPromptCache, "test_no_memory_growth[llama-cpp-prompt-cache-gpt2-abspos]", True),  # finding 5
     (adapter.LlamaCpp, "test_no_memory_growth[llama-cpp-llama]", False),

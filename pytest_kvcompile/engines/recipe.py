@@ -18,6 +18,8 @@ class Recipe:
     - `uninstall`: packages the engine pulls in that break the CPU environment, removed afterwards.
     - `env`: environment variables the engine needs at run time.
     - `pytest_args`: options the suites need for this engine (before the user's own).
+    - `engine_args`: options one engine of the family needs beyond `pytest_args` (another zoo, say): ``check-engine
+      --all`` runs it in a pytest run of its own, in the same venv, into a result file named for it.
     - `note`: why any of the above is needed (printed by check-engine).
     """
 
@@ -26,6 +28,7 @@ class Recipe:
     env: dict[str, str] = field(default_factory=dict)
     pytest_args: tuple[str, ...] = ()
     note: str = ""
+    engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def requirement(self, module: str) -> tuple[tuple[str, str], ...]:
         """The Declaration's ``requires`` entry: (import name, pip requirement) of the recipe's first package."""
