@@ -16,6 +16,8 @@ each gets its own venv. The steps, each printed before it runs:
 per environment (`groups`: the engines sharing a recipe; those without one run in this environment), each
 writing ``OUT/GROUP.DTYPE.json``, the file the conformance matrix is drawn from (``kvcompile matrix OUT``). Each
 file records the command that re-makes it alone (``--only GROUP``); an engine's dtypes come from its Declaration.
+An engine whose recipe names options of its own (``Recipe.engine_args``) runs alone, in its group's venv, into
+``OUT/ENGINE.DTYPE.json``.
 """
 
 from __future__ import annotations
@@ -222,6 +224,7 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
         raise CheckEngineError(f"--dtype {', '.join(bad)}: not a model dtype; use {', '.join(DTYPES)}")
     worst = 0
     for group in (g for g in every if not only or g.name in only):
+        afresh = recreate  # one venv per group: made afresh (--recreate) by its first run only
         for dtype in dtypes or ["float32"]:
             if not group.serving(dtype):
                 print(f"kvcompile check-engine: group {group.name}: no engine declares {dtype}; nothing to run")
@@ -230,9 +233,9 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
                                 "--out", str(out), *(["--", *pytest_args] if pytest_args else [])])
             for stem, engines, own in group.runs(dtype):
                 args = [*own, f"--kv-dtype={dtype}", *pytest_args]
-                status = run(list(engines), Path(".kvcompile-venvs") / group.name, out, [], args, recreate,
+                status = run(list(engines), Path(".kvcompile-venvs") / group.name, out, [], args, afresh,
                              dry_run=dry_run, stem=stem, command=again, here=not group.venv, markdown=False)
-                recreate = False  # one venv per group: made afresh once
+                afresh = False
                 keep(out / f"{stem}.json")
                 worst = max(worst, status)
     return worst

@@ -156,3 +156,13 @@ def test_an_install_spec_replaces_the_recipes_pin_of_the_same_package(tmp_path):
     install = next(c for c in commands if "-e" in c)
     assert "KvPress==0.5.1" in install and "transformers>=5.2,<5.3" in install
     assert not any(spec.startswith("kvpress==0.5.5") for spec in install)
+
+
+def test_recreate_makes_each_groups_venv_afresh_once(monkeypatch, tmp_path):
+    from pytest_kvcompile import check_engine
+
+    calls = []
+    monkeypatch.setattr(check_engine, "run", lambda engines, venv, *a, **kw: calls.append((venv.name, a[3])) or 0)
+    monkeypatch.setattr(check_engine, "keep", lambda path: None)
+    assert check_engine.run_all(tmp_path, ["llamacpp", "ct2"], ["float32"], [], recreate=True) == 0
+    assert calls == [("llamacpp", True), ("llamacpp", False), ("ct2", True)]  # not ct2's venv kept by llamacpp's
