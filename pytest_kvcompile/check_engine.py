@@ -206,8 +206,7 @@ def groups() -> list[Group]:
         key = IN_TREE if recipe is None else named.setdefault(id(recipe), module.rpartition(".")[2])
         found.setdefault(key, []).append(name)
     return [Group(key, tuple(names), {n: dtypes[n] for n in names}, key != IN_TREE,
-                  {n: a for recipe in {id(known[n]): known[n] for n in names if n in known}.values()
-                   for n, a in recipe.engine_args.items() if n in names})
+                  {} if key == IN_TREE else dict(known[names[0]].engine_args))  # a group shares one recipe
             for key, names in sorted(found.items(), key=lambda kv: kv[0] != IN_TREE)]
 
 

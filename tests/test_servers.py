@@ -218,6 +218,20 @@ def test_a_managed_server_that_fails_to_start_quotes_its_log(llama):
     shutil.rmtree(log.parent)
 
 
+@pytest.mark.parametrize(("status", "kept"), [(0, False), (3, True)])
+def test_a_server_that_exited_by_itself_keeps_its_log_only_when_it_failed(tmp_path, status, kept):
+    import sys
+
+    from pytest_kvcompile.engines.server_process import Launch, ServerProcess
+
+    server = ServerProcess(Launch([sys.executable, "-c", f"print('bye'); raise SystemExit({status})"], "openai", {}),
+                           "Exits")
+    server.proc.wait(30)
+    server.stop()  # nothing quoted its log: evidence only if the server died with a failing status
+    assert server.log_path.is_file() == kept
+    shutil.rmtree(server.log_path.parent, ignore_errors=True)
+
+
 # --- the suites on servers (pytester runs of suites/) ----------------------------------------------------------------
 
 def _outcomes(report: Path) -> dict[str, str]:

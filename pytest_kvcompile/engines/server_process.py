@@ -85,20 +85,19 @@ class _Log:
 
 
 def _stop(proc: subprocess.Popen, log: _Log) -> None:
-    """SIGTERM to the server's process group, SIGKILL after 10 s; then its log folder goes unless it is evidence."""
-    if proc.poll() is not None:
-        if not log.quoted and proc.returncode == 0:
-            shutil.rmtree(log.folder, ignore_errors=True)
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
+    """SIGTERM to the server's process group, SIGKILL after 10 s; then its log folder goes unless it is evidence (a
+    message quoted it, or the server had already died with a failing status)."""
+    died = proc.poll() not in (None, 0)
+    if proc.poll() is None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    if not log.quoted:
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+    if not (log.quoted or died):
         shutil.rmtree(log.folder, ignore_errors=True)
 
 

@@ -149,9 +149,9 @@ def stale(files: list[tuple[str, Results]], suites: SuiteIndex) -> list[str]:
 def _cell(rows: list[Row], check: str) -> Cell | None:
     """The check's outcome over `rows`; a model the engine could not run at all (the row's declared skips: an
     unsupported model or device) counts only where no model ran the check, its reason then the cell's."""
-    ran_somewhere = [r for r in rows if not r.declared_skips]
-    if any(r.checks.get(check) is not None or any(f.check == check for f in r.failures) for r in ran_somewhere):
-        rows = ran_somewhere
+    runnable = [r for r in rows if not r.declared_skips]
+    if any(r.checks.get(check) is not None or any(f.check == check for f in r.failures) for r in runnable):
+        rows = runnable
     ran = failed = xfailed = skipped = 0
     reason, message, models = "", "", set()
     for row in rows:
