@@ -120,8 +120,10 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
-def run(shape: str, dtype: str, path: Path, engine: str, expression: str | None, extra: list[str]) -> Measured:
-    """One pytest run of suites/ on the checkpoint, its peak memory sampled while it runs."""
+def run(shape: str, dtype: str, path: Path, engine: str, expression: str | None, extra: list[str],
+        log: Path | None = None) -> Measured:
+    """One pytest run of suites/ on the checkpoint, its peak memory sampled while it runs; its whole output (and JSON
+    report) kept beside `log` when given."""
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory() as out:
@@ -145,6 +147,10 @@ def run(shape: str, dtype: str, path: Path, engine: str, expression: str | None,
         done.set()
         sampler.join()
         rows = json.loads(report.read_text())["rows"] if report.exists() else []
+        if log is not None:
+            log.write_text(output)
+            if report.exists():
+                log.with_suffix(".json").write_text(report.read_text())
     lines = output.strip().splitlines() or ["(no output)"]
     test_s = next((float(line.split("of the tests' ")[1].split(" s")[0]) for line in lines
                    if line.startswith("engines ") and "of the tests'" in line), 0.0)
@@ -173,6 +179,8 @@ def main(argv=None) -> int:
     parser.add_argument("-k", dest="expression", help="pytest -k expression (default: every suite)")
     parser.add_argument("--md", type=Path, help="write the table here too")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--logs", type=Path, help="keep each run's pytest output (SHAPE.DTYPE.log) and JSON report "
+                                                  "(SHAPE.DTYPE.json) in this folder, e.g. with -- --durations=20")
     parser.add_argument("extra", nargs="*", help="more pytest options, after --")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
@@ -184,7 +192,11 @@ def main(argv=None) -> int:
     for shape in args.shapes.split(","):
         path = checkpoint(shape, cache)
         for dtype in args.dtypes.split(","):
-            found.append(run(shape, dtype, path, args.engine, args.expression, args.extra))
+            log = None
+            if args.logs:
+                args.logs.mkdir(parents=True, exist_ok=True)
+                log = args.logs / f"{shape}.{dtype}.log"
+            found.append(run(shape, dtype, path, args.engine, args.expression, args.extra, log))
             print(markdown(found[-1:]).splitlines()[-1], flush=True)
     table = markdown(found)
     print(table)

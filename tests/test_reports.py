@@ -53,8 +53,13 @@ def test_reports_are_written(kvtester):
     assert typed["kind"] == "mismatch" and typed["failure"]["kind"] == "mismatch"
     assert (typed["failure"]["engine"], typed["failure"]["model"], typed["failure"]["step"]) == (INSTANT, "llama", 0)
     assert typed["failure"]["hint"].startswith("step 0 is decided by prefill alone") and data["problems"] == []
-    assert instant["checks"]["test_token_identity"] == {"ran": 1, "failed": 1, "xfailed": 0, "skipped": 0,
-                                                        "reason": ""}
+    timed = dict(instant["checks"]["test_token_identity"])
+    assert {k: timed.pop(k) for k in ("seconds", "engine_s")} and timed == {"ran": 1, "failed": 1, "xfailed": 0,
+                                                                           "skipped": 0, "reason": ""}
+    for row in (greedy, instant):  # each check's time, of it the engine's: the row's generate() time is theirs
+        checks = row["checks"].values()
+        assert all(c["seconds"] >= c["engine_s"] >= 0 for c in checks), row["checks"]
+        assert sum(c["engine_s"] for c in checks) == pytest.approx(row["generate_s"], abs=1e-3)
     assert cli.main(["matrix", str(out / "r.json"), "-o", str(out / "m.md")]) == 0  # the conformance matrix of it
     table = (out / "m.md").read_text()
     verdict = {line.split("]")[0][3:]: line.split(" | ")[1] for line in table.splitlines() if line.startswith("| [")}
@@ -71,7 +76,8 @@ def test_reports_are_written(kvtester):
                                  f"* s  {GREEDY} / llama"])
     result.stdout.fnmatch_lines(["*kvcompile: time in the engines vs the harness*", "* s  * / llama in generate()",
                                  "engines * s of the tests' * s (*%; every worker's), the harness * s (*%: oracle, "
-                                 "checks, * s of engine builds, pytest)"])
+                                 "checks, * s of engine builds, pytest)",
+                                 "the slowest checks (every engine and model):", "* s  test_* (engines * s)"])
     assert greedy["generate_s"] > 0 and instant["generate_s"] > 0  # every generate() call's seconds
     md = (out / "r.md").read_text().splitlines()
     assert md[0] == "## pytest-kvcompile results"

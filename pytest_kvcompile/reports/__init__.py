@@ -74,6 +74,7 @@ ORACLE_FIXTURES = {"kv_oracle", "kv_oracle_or_none"}  # a test using one is a to
 _FORMAT = {REPORT_JSON: ".json", REPORT_MD: ".md", REPORT_HTML: ".html"}
 STALE_KEY = "kvcompile_stale_findings"  # config.workeroutput key: a worker's stale known findings
 PLUGIN = pytest.StashKey["ResultsPlugin"]()
+SPENT = pytest.StashKey[list]()  # a test's [seconds so far, the collector's engine seconds when its setup began]
 
 
 def _value(config: pytest.Config, flag: str):
@@ -134,6 +135,7 @@ class ResultsPlugin:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        item.stash[SPENT] = [0.0, self.collector.engine_s]
         self._beat(Beat(item.nodeid, *(params(item) or (None, None)), worker=self.worker))
 
     def on_call(self, engine: str, model: str, call: str, served: int) -> None:
@@ -208,6 +210,8 @@ class ResultsPlugin:
     def pytest_runtest_makereport(self, item: pytest.Item, call: pytest.CallInfo):
         report = yield  # outermost wrapper: sees the final outcome (xfail, no_recompile)
         found, decided = params(item), outcome(report)
+        spent = item.stash.setdefault(SPENT, [0.0, self.collector.engine_s])
+        spent[0] += getattr(report, "duration", 0.0) or 0.0
         oracle_error = []
         if decided == "skipped" and call.excinfo is not None and call.excinfo.errisinstance(OracleUnreliable):
             oracle_error = [str(call.excinfo.value.msg).split(". ")[0]]  # not judged: named, counted, no verdict
@@ -227,7 +231,8 @@ class ResultsPlugin:
                     declared, reason = [reason.removeprefix("pytest_kvcompile.errors.NotApplicable: ")], ""
             ran = decided not in ("skipped", "error")
             checks = {item.originalname: Check(int(ran), int(decided in ("failed", "error", "xpassed")),
-                                               int(decided == "xfailed"), int(decided == "skipped"), reason)}
+                                               int(decided == "xfailed"), int(decided == "skipped"), reason,
+                                               round(spent[0], 4), round(self.collector.engine_s - spent[1], 4))}
             self.collector.add(*found, tests=Outcomes.one(decided), failures=failures, declared_skips=declared,
                                checks=checks, oracle_errors=oracle_error,
                                token_checks=int(bool(ORACLE_FIXTURES & set(getattr(item, "fixturenames", ())))))
@@ -284,7 +289,7 @@ class ResultsPlugin:
         timed = sorted((r for r in rows if r.generate_s), key=lambda r: -r.generate_s)
         if timed and self.test_s:
             tr.write_sep("-", "kvcompile: time in the engines vs the harness")
-            for line in time_lines(timed, self.test_s):
+            for line in time_lines(timed, self.test_s) + check_time_lines(rows):
                 tr.write_line(line)
         _write(tr, found.declared)
         if self.skipped_everywhere:
@@ -332,6 +337,19 @@ def time_lines(rows: list[Row], test_s: float) -> list[str]:
                  f"{max(test_s - engine_s, 0.0):.1f} s ({1 - share:.0%}: oracle, checks, {build_s:.1f} s of engine "
                  "builds, pytest)")
     return lines
+
+
+def check_time_lines(rows: list[Row], most: int = 5) -> list[str]:
+    """The checks (test functions, every engine and model together) that took longest, with their time in the
+    engines' generate(): what a smaller --kv-profile would save."""
+    seconds: dict[str, list[float]] = {}
+    for row in rows:
+        for name, check in row.checks.items():
+            found = seconds.setdefault(name, [0.0, 0.0])
+            found[0], found[1] = found[0] + check.seconds, found[1] + check.engine_s
+    top = sorted((s for s in seconds.items() if s[1][0] > 0), key=lambda s: -s[1][0])[:most]
+    return ["the slowest checks (every engine and model):"] * bool(top) + [
+        f"{total:8.1f} s  {name} (engines {engine:.1f} s)" for name, (total, engine) in top]
 
 
 class RunNotes:

@@ -15,7 +15,8 @@ Schema (``schema_version`` 3; every key is a field of a dataclass in verdicts/ro
                "declared_skips": [reason], "oracle_errors": [message],
                "excluded_ids": [id], "excluded_tokens": n,  (Declaration.never_emits: ids out of the oracle's choice,
                                                            steps where the oracle's best was one of them)
-               "checks": {test function: {"ran": n, "failed": n, "xfailed": n, "skipped": n, "reason": str}},
+               "checks": {test function: {"ran": n, "failed": n, "xfailed": n, "skipped": n, "reason": str,
+                                          "seconds": x, "engine_s": x}},  (its setup + call, of them generate())
                "versions": ["dist==version"],  (the engine's distributions as built: the conformance matrix)
                "compiles": null | {"build": n, "warmup": n, "after_warmup": n, "reasons": [line],
                                    "graph_breaks": [line], "eager_runs": n, "cuda_graph_captures": {phase: n},

@@ -75,6 +75,7 @@ class Collector:
     def __post_init__(self) -> None:
         self.rows: dict[tuple, Row] = {}
         self.pending: dict[tuple, Row] | None = None  # what add() merged since the last drain(), tracked
+        self.engine_s = 0.0  # every generate_s add() was given: a test's engine time is its difference
 
     def track(self) -> None:
         """From now on keep what add() merges until `drain()` (an xdist worker sends it with each test's report)."""
@@ -90,6 +91,7 @@ class Collector:
         """Merge measured fields (compiles=Compiles(...), kv_bytes=KVBytes(...), tokens=Tokens(identical=1), ...) into
         a row; an unknown field is a TypeError naming the fields."""
         row = new_row(engine, model, self.device, self.dtype, **{k: _typed(k, v) for k, v in fields.items()})
+        self.engine_s += row.generate_s
         self.row(engine, model).merge(row)
         if self.pending is not None:
             self.pending.setdefault(row.key, new_row(*row.key)).merge(copy.deepcopy(row))

@@ -86,14 +86,17 @@ class Tokens(Record):
 @dataclass
 class Check(Record):
     """One test function's outcomes on a row: `ran` (passed, failed, xfailed, xpassed), of which `failed` (failed,
-    xpassed) and `xfailed` (a known finding absorbed), `skipped` with the first `reason`. Schema-1 files lack
-    `failed` and `xfailed` (read as 0)."""
+    xpassed) and `xfailed` (a known finding absorbed), `skipped` with the first `reason`; `seconds` its setup and
+    call took, `engine_s` of them in the engine's generate() calls. Schema-1 files lack `failed` and `xfailed`, older
+    files the times (read as 0)."""
 
     ran: int = rule(_add, 0, types=INT)
     failed: int = rule(_add, 0, types=INT)
     xfailed: int = rule(_add, 0, types=INT)
     skipped: int = rule(_add, 0, types=INT)
     reason: str = rule(_either, "", types=TEXT)
+    seconds: float = rule(_add, 0.0, types=NUMBER)
+    engine_s: float = rule(_add, 0.0, types=NUMBER)
 
 
 @dataclass
