@@ -235,7 +235,8 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
                 status = run(list(engines), Path(".kvcompile-venvs") / group.name, out, [], args, afresh,
                              dry_run=dry_run, stem=stem, command=again, here=not group.venv, markdown=False)
                 afresh = False
-                keep(out / f"{stem}.json")
+                if not dry_run:  # a dry run writes nothing: the folder's files stay as they are
+                    keep(out / f"{stem}.json")
                 worst = max(worst, status)
     return worst
 

@@ -70,10 +70,15 @@ def test_dry_run_prints_the_steps_torch_first(capsys, tmp_path):
     assert not (tmp_path / "v").exists()
 
 
-def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys):
+def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys, monkeypatch):
     """--all: one run per environment (the in-tree engines here, each recipe in its venv), each engine in exactly one
-    group, a dtype only for the engines that declare it, and each run's file says the command that re-makes it."""
+    group, a dtype only for the engines that declare it, and each run's file says the command that re-makes it. A
+    dry run writes nothing (it trimmed the kept files of --out in place, docs/results here, before)."""
+    from pytest_kvcompile import check_engine
     from pytest_kvcompile.check_engine import groups
+
+    kept = []
+    monkeypatch.setattr(check_engine, "keep", kept.append)
     from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
     found = groups()
@@ -92,6 +97,7 @@ def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys):
     assert " -m venv " not in builtin.split("KVCOMPILE_COMMAND")[0]  # the in-tree engines: this environment
     assert "group ct2: no engine declares bfloat16; nothing to run" in out
     assert any("--kv-report-json=docs/results/ct2.float32.json" in s for s in steps)
+    assert kept == []
 
 
 def test_an_engine_needing_options_of_its_own_runs_alone_in_its_groups_venv(capsys):
