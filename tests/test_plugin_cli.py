@@ -275,9 +275,10 @@ def test_one_gpu_per_xdist_worker_where_there_are_several(monkeypatch):
 
 
 def test_a_profile_narrows_the_run_and_names_what_it_left_out(kvtester):
-    """Issue 54: --kv-profile=smoke runs the token checks on three prompts; the summary says what it left out."""
+    """Issue 54: --kv-profile=smoke runs the token checks on three prompts; the summary says what it left out. In
+    bfloat16 its calibration stops where its checks' sequences end (the long prompts left out), and says so."""
     result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-profile=smoke", "-v",
-                        "-k", "token_identity or long_generation or determinism")
+                        "--kv-dtype=bfloat16", "-k", "token_identity or long_generation or determinism")
     passed = sorted(re.findall(r"test_(\w+)\[kv_test_engines:Greedy-llama(?:-(\w+))?\] PASSED", result.stdout.str()))
     assert passed == [("token_identity", "len1"), ("token_identity", "long48"), ("token_identity", "short7"),
                       ("token_identity_batched", "")], result.stdout.str()[-3000:]
@@ -288,6 +289,8 @@ def test_a_profile_narrows_the_run_and_names_what_it_left_out(kvtester):
         "prompts left out: all but len1, short7, long48 (batches as they are)",
         "* test(s) deselected; the complete run: --kv-profile=full (the default)"])
     result.stdout.fnmatch_lines(["*kvcompile: peak memory*", "host: * GiB peak RSS in this process*"])
+    result.stdout.fnmatch_lines(["*llama (bfloat16): tie tolerance * at up to 162 positions (as far as the profile's "
+                                 "checks attend: a sequence past that is not judged)*"])
 
 
 def test_every_check_a_profile_names_is_a_suite_check():

@@ -3,8 +3,10 @@ engines that pass in both dtypes, every token-changing bug class that still fail
 inside and just outside what it allows. Real pytest runs of suites/ (pytester), engines in
 tests/kv_test_engines_precision.py and the other kv_test_engines* files."""
 
+import functools
 import math
 import re
+import types
 
 import pytest
 import torch
@@ -50,7 +52,10 @@ def test_the_truth_is_the_16_bit_weights_in_float64(llama_bf16):
 
 
 def test_calibration_measures_the_noise_of_equivalent_computations(llama_bf16):
-    noise = precision.calibrate(llama_bf16, HFEagerOracle(precision.high_precision(llama_bf16)))
+    oracle = HFEagerOracle(precision.high_precision(llama_bf16))
+    truth = types.SimpleNamespace(reference=functools.lru_cache(None)(lambda p, n: oracle.reference(p, n)))
+    truth_calls = lambda: truth.reference.cache_info().misses  # noqa: E731
+    noise = precision.calibrate(llama_bf16, types.SimpleNamespace(reference=lambda p, n: truth.reference(tuple(p), n)))
     lengths, steps, _ = precision.CALIBRATION
     longer = precision.long_prompts(llama_bf16.vocab_size, 512)  # the zoo's Llama: 512 positions
     assert [len(p) for p in longer] == [256, 512 - steps - precision.COMPANION]  # up to its last position (issue 59)
@@ -64,6 +69,69 @@ def test_calibration_measures_the_noise_of_equivalent_computations(llama_bf16):
     assert 0.05 < noise.scale < 2  # bfloat16 on the zoo's Llama: tenths of a logit (docs/precision.md)
     assert noise.flips >= precision.MIN_FLIPS  # one block was enough to bound the rate (issue 44)
     assert noise.logit_threshold == noise.median_error and 0.4 < noise.beyond_rate < 0.6  # about half, by definition
+    assert not noise.limited and noise.covers(10_000)
+
+    # issue 54: --kv-profile=smoke's checks attend 80 positions here, which the blocks cover: the long prompts are
+    # left out (a third of a 3B checkpoint's smoke run), it says so, and covers no farther (Judge skips past it)
+    called = truth_calls()
+    short = precision.calibrate(llama_bf16, types.SimpleNamespace(reference=lambda p, n: truth.reference(tuple(p), n)),
+                                needed=80)
+    assert truth_calls() == called  # the same prompts as far as they go: every reference was the whole one's
+    assert short.limited and short.attended == max(lengths) + steps and short.long_scale == 0
+    assert short.positions == noise.positions - len(longer) * steps
+    assert short.covers(short.attended) and not short.covers(short.attended + 1)
+    assert "as far as the profile's checks attend" in short.describe()
+
+
+def test_a_smaller_profile_calibrates_only_as_far_as_its_checks_attend(llama_bf16, tmp_path):
+    """Issue 54: the positions --kv-profile=smoke's checks attend, the long prompts a calibration for them keeps (the
+    calibration itself: test_calibration_measures_the_noise_of_equivalent_computations), the named skip of a sequence
+    past it, and which calibration a store serves."""
+    from pytest_kvcompile.config.profiles import PROFILES
+    from pytest_kvcompile.contract.engine import Strategy
+    from pytest_kvcompile.errors import Skipped
+    from pytest_kvcompile.models.prompts import Prompt
+    from pytest_kvcompile.oracles.reference import Reference
+    from pytest_kvcompile.oracles.store import DiskMemo, StoredOracle
+    from pytest_kvcompile.run.judge import Judge
+
+    lengths, steps, _ = precision.CALIBRATION
+    every = precision.long_prompts(llama_bf16.vocab_size, 512)
+    assert precision.long_prompts(llama_bf16.vocab_size, 512, max(lengths) + steps) == []
+    assert precision.long_prompts(llama_bf16.vocab_size, 512, 200) == every[:1]  # the same prompts, as far as needed
+    assert precision.long_prompts(llama_bf16.vocab_size, 512, 10_000) == every
+    assert precision.limited_to(llama_bf16, 80) == max(lengths) + steps and precision.limited_to(llama_bf16, 200) == 288
+    assert precision.limited_to(llama_bf16, None) is None and precision.limited_to(llama_bf16, 10_000) is None
+    named = {"len1": 1, "short7": 7, "long48": 48, "long250": 250}
+    assert PROFILES["smoke"].attends(named, [7, 1, 48, 23], 16) == 64 + 16  # stale state: up to 64 tokens
+    assert PROFILES["smoke"].attends(named, [7, 1, 48, 4097], 16) == 4097 + 16  # a batch of W+1: its window
+    assert PROFILES["full"].attends(named, [7], 16) is None and PROFILES["ci"].attends(named, [7], 16) is None
+
+    noise = precision.Noise("llama", "bfloat16", 0.2, 0.3, 0.1, flips=8, positions=512, logit_error=0.4,
+                            per_computation={}, attended=max(lengths) + steps, limited=True)
+    judge = Judge("e", "llama", 16, noise.tolerance, max_near_ties=2, noise=noise)
+    prompt = Prompt("p", tuple(range(200)))
+    ref = Reference(prompt.ids, tuple(range(16)), torch.zeros(16, llama_bf16.vocab_size), "oracle")
+    with pytest.raises(Skipped, match=r"prompt 'p' \(200 tokens\) and 16 new tokens attend 216 positions, past the "
+                                      r"bfloat16 noise's calibration \(162 positions"):
+        judge.tokens(ref, list(range(16)), prompt, "alone", "")
+
+    # the store: a whole calibration it holds serves a smaller profile's run (a nightly recording, a pull request's
+    # smoke run); the limited one, once stored, stays the one used
+    stored = StoredOracle(types.SimpleNamespace(source="test"), Strategy(), llama_bf16, 1e-3, None, check=False)
+    stored._disk = DiskMemo(tmp_path)
+    computed = []
+    stored._disk.save(("noise", "v"), {"which": "whole"})
+    own = lambda: computed.append(1) or {"which": "own"}  # noqa: E731
+    assert stored._calibration(("noise", "v"), 162, own) == {"which": "whole"}
+    assert not computed
+    fresh = DiskMemo(tmp_path / "fresh")
+    stored._disk, stored._memo = fresh, {}
+    assert stored._calibration(("noise", "v"), 162, lambda: {"which": "own"}) == {"which": "own"}
+    fresh.save(("noise", "v"), {"which": "whole"})
+    stored._memo = {}
+    assert stored._calibration(("noise", "v"), 162, lambda: {"which": "again"}) == {"which": "own"}
+    assert stored._calibration(("noise", "v"), None, lambda: {"which": "x"}) == {"which": "whole"}
 
 
 def test_local_noise_is_the_error_on_the_judged_difference():

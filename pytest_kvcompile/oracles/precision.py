@@ -10,7 +10,8 @@ which is the 16-bit oracle's own path; SDPA without a cache; SDPA in a left-padd
 prefilled in chunks of 5) differ from the truth by rounding alone. What can flip a correct engine's choice between
 the truth's best token b and another token e is the error a computation makes on the difference t[b] - t[e]. Per
 model and dtype, along the truth's greedy path on `CALIBRATION` prompts and one of each `LONG_CALIBRATION` length (up
-to the longest a check attends over: `calibrate`, stored with the oracle):
+to the longest a check attends over: `calibrate`, stored with the oracle; a smaller --kv-profile's only as far as its
+checks attend, and a sequence past that is not judged, `Noise.covers`):
 
 - scale = the 99th percentile, over positions and computations, of the largest such error among the truth's top 8;
 - flip rate = the largest share of positions where one computation's argmax is not the truth's;
@@ -260,14 +261,36 @@ def calibration_prompts(vocab_size: int, blocks: int) -> list[list[int]]:
             for _ in range(blocks) for length in lengths]
 
 
-def long_prompts(vocab_size: int, positions: int | None) -> list[list[int]]:
+def long_prompts(vocab_size: int, positions: int | None, needed: int | None = None) -> list[list[int]]:
     """One calibration prompt of each `LONG_CALIBRATION` length, capped so that it and the steps fit in `positions`
     (the model's limit; None: none) beside the padded computation's longer companion, those not longer than the
-    blocks' longest left out."""
+    blocks' longest left out. `needed` (a smaller --kv-profile's checks attend this many positions at most): only
+    the first of them up to one covering it, none where the blocks cover it (the same prompts as far as they go)."""
     lengths, steps, seed = CALIBRATION
     capped = sorted({min(n, positions - steps - COMPANION) if positions else n for n in LONG_CALIBRATION})
     generator = torch.Generator().manual_seed(seed + 1)
-    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in capped if n > max(lengths)]
+    prompts = [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in capped if n > max(lengths)]
+    if needed is None:
+        return prompts
+    covered = max(lengths) + steps
+    kept = []
+    for prompt in prompts:
+        if covered >= needed:
+            break
+        kept.append(prompt)
+        covered = len(prompt) + steps
+    return kept
+
+
+def limited_to(spec: ModelSpec, needed: int | None) -> int | None:
+    """The positions a calibration for checks attending `needed` positions covers where that leaves long prompts out
+    (`long_prompts`), else None (the whole calibration: a run with every check)."""
+    lengths, steps, _ = CALIBRATION
+    positions = max_positions(spec.config)
+    kept = long_prompts(spec.vocab_size, positions, needed)
+    if needed is None or len(kept) == len(long_prompts(spec.vocab_size, positions)):
+        return None
+    return max([max(lengths), *map(len, kept)]) + steps
 
 
 def difference_errors(truth: torch.Tensor, computed: torch.Tensor, best: torch.Tensor,
@@ -300,6 +323,7 @@ class Noise:
     spread: float = NOISE_FACTOR
     attended: int = 0  # the most positions attended in calibration (its longest prompt + steps; 0: not recorded)
     long_scale: float = 0.0  # QUANTILE of the errors at the long prompts' positions alone (`long_prompts`)
+    limited: bool = False  # long prompts left out (a smaller --kv-profile): no sequence past `attended` is judged
 
     @property
     def tolerance(self) -> float:
@@ -358,7 +382,14 @@ class Noise:
 
     @property
     def _lengths(self) -> str:
+        if self.limited:
+            return f" attending up to {self.attended}, as far as the profile's checks attend"
         return f" attending up to {self.attended}, p99 {self.long_scale:.3g} on the long ones" if self.attended else ""
+
+    def covers(self, positions: int) -> bool:
+        """Whether a sequence attending `positions` may be judged by these numbers: a calibration limited to what a
+        smaller --kv-profile's checks attend covers no farther (`limited`)."""
+        return not self.limited or positions <= self.attended
 
     def describe(self) -> str:
         if self.kv_dtype:
@@ -376,16 +407,18 @@ class Noise:
                 f"{self.positions} positions (verdicts use the truth)")
 
 
-def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComputation | None = None) -> Noise:
+def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComputation | None = None,
+              needed: int | None = None) -> Noise:
     """Measure `spec`'s noise (module docstring) over `computations` (default: the equivalent 16-bit ones; a
     `KVComputation`: a KV cache stored lower) on blocks of `calibration_prompts` until MIN_FLIPS (or MAX_BLOCKS).
-    `truth`: the oracle judging the run (``reference(prompt, n)``)."""
+    `truth`: the oracle judging the run (``reference(prompt, n)``); `needed`: the most positions the run's checks
+    attend, where a smaller --kv-profile bounds them (`long_prompts`; None: every length)."""
     lengths, steps, _ = CALIBRATION
     computations = computations or Computations(spec)
     names = computations.names
     top_errors, logit_rows, flips = [], [], torch.zeros(len(names), dtype=torch.long)
     prompts = calibration_prompts(spec.vocab_size, MAX_BLOCKS)
-    longer = long_prompts(spec.vocab_size, max_positions(spec.config))
+    longer = long_prompts(spec.vocab_size, max_positions(spec.config), needed)
 
     def measure(prompt: list[int]) -> None:
         nonlocal flips
@@ -414,7 +447,7 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
                  median, int(flips.max()), errors.size(1), float(logits.max()), per,
                  getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names),
                  max(len(p) for p in prompts[:i + 1] + longer) + steps,
-                 float(tail.flatten().quantile(QUANTILE)) if longer else 0.0)
+                 float(tail.flatten().quantile(QUANTILE)) if longer else 0.0, limited_to(spec, needed) is not None)
 
 
 def family_spread(logits: torch.Tensor, names: Sequence[str]) -> float:

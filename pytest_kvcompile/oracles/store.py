@@ -38,7 +38,7 @@ import os
 import sys
 import tempfile
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -278,24 +278,40 @@ class StoredOracle:
                             lambda: self.computations.along(prompt, tokens).float())
         return precision.LocalNoise(rows)
 
-    def noise(self) -> precision.Noise:
-        """This model's measured 16-bit noise (precision.calibrate over this oracle, the truth), memoized."""
-        found = self._cached(
-            ("noise", _PRECISION),
-            lambda: precision.calibrate(self.computations.spec, self._memoized, self.computations).to_dict())
+    def noise(self, needed: int | None = None) -> precision.Noise:
+        """This model's measured 16-bit noise (precision.calibrate over this oracle, the truth), memoized; `needed`:
+        the most positions the run's checks attend (a smaller --kv-profile's, `_calibration`)."""
+        spec, computations = self.computations.spec, self.computations
+        found = self._calibration(("noise", _PRECISION), precision.limited_to(spec, needed),
+                                  lambda: precision.calibrate(spec, self._memoized, computations, needed).to_dict())
         return precision.Noise.from_dict(found)
+
+    def _calibration(self, key: tuple, limited: int | None, compute: Callable[[], Any]) -> Any:
+        """A calibration stored under `key`; one `limited` to as many positions (precision.limited_to) under its own
+        key, or the whole calibration where the store holds it and not the limited one (a nightly run's recording
+        serves a smoke run): whichever the store holds first stays the one used, so verdicts do not change with it."""
+        if limited is None:
+            return self._cached(key, compute)
+        own = (*key, "up to", limited)
+        if own not in self._memo and self._disk.load(own) is None:
+            whole = self._memo.get(key) or self._disk.load(key)
+            if whole is not None:
+                self._memo[own] = whole
+        return self._cached(own, compute)
 
     @property
     def _memoized(self) -> Any:
         """This oracle for the calibration: its references memoized with the rest (`cached_reference`)."""
         return types.SimpleNamespace(reference=self.cached_reference)
 
-    def kv_noise(self, spec: ModelSpec, kv_dtype: str) -> precision.Noise:
+    def kv_noise(self, spec: ModelSpec, kv_dtype: str, needed: int | None = None) -> precision.Noise:
         """The noise of a KV cache stored as `kv_dtype` on this model in `spec`'s dtype (the run's), against this
-        oracle (precision.calibrate over a KVComputation; Declaration.kv_cache_dtype), memoized."""
-        found = self._cached(("kv_noise", _PRECISION, dtype_name(spec.dtype), kv_dtype),
-                             lambda: precision.calibrate(spec, self._memoized,
-                                                         precision.KVComputation(spec, kv_dtype)).to_dict())
+        oracle (precision.calibrate over a KVComputation; Declaration.kv_cache_dtype), memoized; `needed`: as
+        `noise`'s."""
+        computations = lambda: precision.KVComputation(spec, kv_dtype)  # noqa: E731 (loaded on a store miss only)
+        found = self._calibration(("kv_noise", _PRECISION, dtype_name(spec.dtype), kv_dtype),
+                                  precision.limited_to(spec, needed),
+                                  lambda: precision.calibrate(spec, self._memoized, computations(), needed).to_dict())
         return precision.Noise.from_dict(found)
 
     def self_check(self, ref: Reference) -> None:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_kvcompile.errors import skip
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.oracles.token_match import (
@@ -50,6 +51,12 @@ class Judge:
         """token_match.check_tokens with these numbers: the verdict, or TokenMismatch. `context`: what the engine
         object served before; `engine_top`: its own top-k log-probabilities along `got` (a server), else None."""
         __tracebackhide__ = True
+        attends = len(prompt) + reference.steps
+        if self.noise is not None and not self.noise.covers(attends):
+            skip(f"engine '{self.engine}' on model '{self.model}': prompt '{prompt.name}' ({len(prompt)} tokens) and "
+                 f"{reference.steps} new tokens attend {attends} positions, past the {self.noise.dtype} noise's "
+                 f"calibration ({self.noise.attended} positions: a smaller --kv-profile measures it only as far as its "
+                 "own checks attend), so this sequence is not judged; run the check under --kv-profile=full")
         return check_tokens(reference, got, tie_tolerance=self.tie_tolerance,
                             max_near_ties=self.near_tie_budget(reference.steps), engine=self.engine, model=self.model,
                             prompt=f"prompt '{prompt.name}'", where=where, window=self.window, context=context,

@@ -24,6 +24,7 @@ from pytest_kvcompile.config.options import (
     check_device,
     worker_device,
 )
+from pytest_kvcompile.config.profiles import PROFILES
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
@@ -37,7 +38,7 @@ from pytest_kvcompile.errors import NotApplicable, Skipped, Unjudgeable, UsageEr
 from pytest_kvcompile.latency.marker import Settings as LatencySettings
 from pytest_kvcompile.models import checkpoints as models
 from pytest_kvcompile.models.checkpoints import ModelEntry
-from pytest_kvcompile.models.prompts import Prompt, prompt_set
+from pytest_kvcompile.models.prompts import Prompt, batch, prompt_set
 from pytest_kvcompile.models.zoo import code_hash
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
@@ -352,7 +353,7 @@ class Session:
                 truth = self._stored(Strategy(), model, f"the noise of a KV cache stored as {kv_cache_dtype}")
                 if isinstance(truth, str):
                     raise NotApplicable(truth)
-                kv = truth.kv_noise(self._harness_spec(model), kv_cache_dtype)
+                kv = truth.kv_noise(self._harness_spec(model), kv_cache_dtype, self._attends(model))
                 self.progress(f"{model}: {kv.describe()}")
                 self._rules[key] = self.rules(model).with_kv(kv, self.settings.max_new_tokens)
             return self._rules[key]
@@ -370,9 +371,17 @@ class Session:
                 truth = self._stored(Strategy(), model, "the noise calibration")
                 if isinstance(truth, str):
                     raise NotApplicable(truth)
-                noise = truth.noise()
+                noise = truth.noise(self._attends(model))
             self._rules[model] = precision.Rules.of(settings, noise)
         return self._rules[model]
+
+    def _attends(self, model: str) -> int | None:
+        """The most positions the run's token checks attend on `model` where its --kv-profile bounds them (None: every
+        length): the 16-bit calibration measures the noise that far (oracles/precision.py: long_prompts)."""
+        entry = self.models[model]
+        return PROFILES[self.settings.profile].attends({p.name: len(p) for p in self.prompts(model)},
+                                                       [len(p) for p in batch(entry.vocab_size, entry.window)],
+                                                       self.settings.max_new_tokens)
 
     def engine_named(self, name: str, model: str, why: str) -> EngineUnderTest:
         """An engine the run did not select (a relative latency budget's), resolved now and built for `model`;

@@ -344,6 +344,7 @@ class MeasuredNoise(Record):
     spread: float = rule(None, 0.0, types=NUMBER)
     attended: int = rule(None, 0, types=INT)
     long_scale: float = rule(None, 0.0, types=NUMBER)
+    limited: bool = rule(None, False, types=(bool,))  # calibrated only as far as a smaller --kv-profile attends
     tolerance: float = rule(None, 0.0, types=NUMBER)
     score_tolerance: float = rule(None, 0.0, types=NUMBER)
     flip_rate: float = rule(None, 0.0, types=NUMBER)
