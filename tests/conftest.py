@@ -50,8 +50,13 @@ def prewarmed_server() -> prewarmed.Server:
 def pytest_configure(config):
     """torch imported before any test, so an in-process pytester run (which restores sys.modules) never drops it
     and a later import does not initialise its C extension twice (a segfault in a serial run); one torch thread per
-    xdist worker, as in the pytester runs (`kvtester`): two workers share the 2 cores."""
+    xdist worker, as in the pytester runs (`kvtester`): two workers share the 2 cores. Also transformers' modeling
+    base, whose torch.distributed imports register operator libraries: a `pytester` test restores sys.modules after
+    it (whether its runs are in-process or not), so a module imported first inside such a test is dropped, and its next
+    import registers them twice ("Only a single TORCH_LIBRARY ...": every later model load in that worker fails; seen
+    with tests/test_plugin_cli.py before tests/test_precision.py in one worker)."""
     import torch
+    import transformers.modeling_utils  # noqa: F401
 
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
