@@ -115,6 +115,8 @@ def test_a_smaller_profile_calibrates_only_as_far_as_its_checks_attend(llama_bf1
     with pytest.raises(Skipped, match=r"prompt 'p' \(200 tokens\) and 16 new tokens attend 216 positions, past the "
                                       r"bfloat16 noise's calibration \(162 positions"):
         judge.tokens(ref, list(range(16)), prompt, "alone", "")
+    with pytest.raises(Skipped, match="attend 216 positions"):  # a score() row is held to the same numbers
+        judge.score(ref, list(range(16)), prompt, torch.zeros(16, llama_bf16.vocab_size))
 
     # the store: a whole calibration it holds serves a smaller profile's run (a nightly recording, a pull request's
     # smoke run); the limited one, once stored, stays the one used

@@ -51,16 +51,22 @@ class Judge:
         """token_match.check_tokens with these numbers: the verdict, or TokenMismatch. `context`: what the engine
         object served before; `engine_top`: its own top-k log-probabilities along `got` (a server), else None."""
         __tracebackhide__ = True
-        attends = len(prompt) + reference.steps
-        if self.noise is not None and not self.noise.covers(attends):
-            skip(f"engine '{self.engine}' on model '{self.model}': prompt '{prompt.name}' ({len(prompt)} tokens) and "
-                 f"{reference.steps} new tokens attend {attends} positions, past the {self.noise.dtype} noise's "
-                 f"calibration ({self.noise.attended} positions: a smaller --kv-profile measures it only as far as its "
-                 "own checks attend), so this sequence is not judged; run the check under --kv-profile=full")
+        self._covered(prompt, reference.steps)
         return check_tokens(reference, got, tie_tolerance=self.tie_tolerance,
                             max_near_ties=self.near_tie_budget(reference.steps), engine=self.engine, model=self.model,
                             prompt=f"prompt '{prompt.name}'", where=where, window=self.window, context=context,
                             excluded=self.excluded, engine_top=engine_top)
+
+    def _covered(self, prompt: Prompt, steps: int) -> None:
+        """Skip, named, a sequence attending past what the noise its numbers came from was calibrated on (a smaller
+        --kv-profile measures it only as far as its own checks attend: oracles/precision.py, Noise.covers)."""
+        __tracebackhide__ = True
+        attends = len(prompt) + steps
+        if self.noise is not None and not self.noise.covers(attends):
+            skip(f"engine '{self.engine}' on model '{self.model}': prompt '{prompt.name}' ({len(prompt)} tokens) and "
+                 f"{steps} new tokens attend {attends} positions, past the {self.noise.dtype} noise's "
+                 f"calibration ({self.noise.attended} positions: a smaller --kv-profile measures it only as far as its "
+                 "own checks attend), so this sequence is not judged; run the check under --kv-profile=full")
 
     def difference(self, first: Sequence[int], second: Sequence[int],
                    reference: Reference | Callable[[], Reference | None] | None,
@@ -97,6 +103,7 @@ class Judge:
     def score(self, reference: Reference, got: Sequence[int], prompt: Prompt, scored: Any) -> float | None:
         """A declared score()'s rows along `got` against the oracle's, and its argmax against `got`."""
         __tracebackhide__ = True
+        self._covered(prompt, len(got))
         return check_score(reference, got, scored, tie_tolerance=self.tie_tolerance,
                            score_tolerance=self.score_tolerance, engine=self.engine, model=self.model,
                            prompt=f"prompt '{prompt.name}'", excluded=self.excluded,
@@ -105,6 +112,7 @@ class Judge:
     def logprobs(self, reference: Reference, got: Sequence[int], prompt: Prompt, rows: Any) -> float:
         """A server's teacher-forced top-k log-probabilities along `got` against the oracle's."""
         __tracebackhide__ = True
+        self._covered(prompt, len(got))
         return check_logprobs(reference, got, rows, tie_tolerance=self.tie_tolerance,
                               score_tolerance=self.score_tolerance, engine=self.engine, model=self.model,
                               prompt=f"prompt '{prompt.name}'", excluded=self.excluded)
