@@ -6,6 +6,7 @@ engine's generate() (the run's "time in the engines vs the harness" summary, fro
     python benchmarks/bench_scale.py --shapes smollm-135m --dtypes float32,bfloat16          # every suite
     python benchmarks/bench_scale.py --shapes qwen2.5-1.5b --dtypes bfloat16 \\
         -k "test_token_identity and not batched" --md scale.md
+    python benchmarks/bench_scale.py --shapes smollm-135m --dtypes float32 --floor -k test_long_generation
 
 Checkpoints are built once under $KVCOMPILE_CACHE_DIR/scale (bfloat16 safetensors: 3 GiB for 1.5B parameters) with
 the zoo's seeded weights (models/zoo.py: the same gains, so greedy decoding is not degenerate). One model at a time,
@@ -66,6 +67,34 @@ class Measured:
     test_s: float  # the tests' own seconds (setup, call, teardown)
     summary: str  # pytest's last line
     memory: str = ""  # the run's own peak-memory line (host, and each CUDA device's peak allocation)
+    floor_ms: float | None = None  # `--floor`: transformers' own generate() alone, ms a new token
+
+
+#: `--floor`: transformers' greedy generate() alone on the checkpoint, outside the suite (one row, a 7-token prompt,
+#: FLOOR_TOKENS new tokens after one warmup call), in a process of its own with torch's default threads
+FLOOR_TOKENS = 256
+_FLOOR = """
+import sys, time, torch
+from transformers import AutoModelForCausalLM, GenerationConfig
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=getattr(torch, sys.argv[2])).eval()
+ids = torch.randint(0, model.config.vocab_size, (1, 7), generator=torch.Generator().manual_seed(0))
+def run(n):
+    config = GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n)
+    with torch.inference_mode():
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config)
+run(8)
+started = time.perf_counter()
+run(int(sys.argv[3]))
+print(1000 * (time.perf_counter() - started) / int(sys.argv[3]))
+"""
+
+
+def floor_ms(path: Path, dtype: str) -> float:
+    """ms a new token of transformers' own generate() on the checkpoint (`_FLOOR`): what a decode step of the engine
+    costs without the suite, so the run's engine seconds / this = the decode steps the checks ask for."""
+    out = subprocess.run([sys.executable, "-c", _FLOOR, str(path), dtype, str(FLOOR_TOKENS)], capture_output=True,
+                         text=True, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    return round(float(out.stdout.strip().splitlines()[-1]), 1)
 
 
 def parameters(config) -> int:
@@ -162,12 +191,14 @@ def run(shape: str, dtype: str, path: Path, engine: str, expression: str | None,
 
 def markdown(found: list[Measured]) -> str:
     lines = ["| shape | parameters | dtype | wall | peak memory (all processes) | engine's generate() | harness "
-             "| result | the run's peak memory line |", "|---|---:|---|---:|---:|---:|---:|---|---|"]
+             "| transformers alone (ms a token; the engine's seconds in such steps) | result "
+             "| the run's peak memory line |", "|---|---:|---|---:|---:|---:|---:|---:|---|---|"]
     for m in found:
         harness = f"{1 - m.engine_s / m.test_s:.0%}" if m.test_s else "-"
         engine = f"{m.engine_s:.0f} s ({m.engine_s / m.test_s:.0%})" if m.test_s else f"{m.engine_s:.0f} s"
+        floor = f"{m.floor_ms:g} ms ({1000 * m.engine_s / m.floor_ms:,.0f} steps)" if m.floor_ms else "-"
         lines.append(f"| {m.shape} | {m.parameters / 1e6:,.0f}M | {m.dtype} | {m.wall_s:,.0f} s | {m.peak_gib:.1f} GiB "
-                     f"| {engine} | {harness} | {m.summary} | {m.memory or '-'} |")
+                     f"| {engine} | {harness} | {floor} | {m.summary} | {m.memory or '-'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -181,6 +212,9 @@ def main(argv=None) -> int:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--logs", type=Path, help="keep each run's pytest output (SHAPE.DTYPE.log) and JSON report "
                                                   "(SHAPE.DTYPE.json) in this folder, e.g. with -- --durations=20")
+    parser.add_argument("--floor", action="store_true",
+                        help=f"also time transformers' own generate() alone on each checkpoint ({FLOOR_TOKENS} new "
+                             "tokens, after the run): the engine's seconds in the run / that = its decode steps")
     parser.add_argument("extra", nargs="*", help="more pytest options, after --")
     args = parser.parse_args(argv)
     unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
@@ -197,6 +231,8 @@ def main(argv=None) -> int:
                 args.logs.mkdir(parents=True, exist_ok=True)
                 log = args.logs / f"{shape}.{dtype}.log"
             found.append(run(shape, dtype, path, args.engine, args.expression, args.extra, log))
+            if args.floor:
+                found[-1].floor_ms = floor_ms(path, dtype)
             print(markdown(found[-1:]).splitlines()[-1], flush=True)
     table = markdown(found)
     print(table)

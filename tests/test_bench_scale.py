@@ -47,3 +47,15 @@ def test_one_run_measures_wall_memory_and_the_engines_share(zoo_cache):
     assert 0 < found.engine_s < found.test_s <= found.wall_s, found  # the engine's share is a share of the tests
     assert "passed" in found.summary and "| llama | " in bench.markdown([found])
     assert torch.get_default_dtype() == torch.float32
+
+
+def test_the_floor_is_transformers_alone_and_converts_the_engines_seconds_to_steps(zoo_cache):
+    """`--floor`: transformers' own generate() on the checkpoint, in a process of its own; the table reads the run's
+    engine seconds in such decode steps."""
+    from pytest_kvcompile.models import zoo
+
+    ms = bench.floor_ms(zoo.checkpoint("llama", zoo_cache / "zoo"), "float32")
+    assert 0 < ms < 1000
+    row = bench.Measured("llama", "float32", 1, 0, 10.0, 1.0, engine_s=2 * ms / 1000 * 300, test_s=9.0, summary="ok",
+                         floor_ms=ms)
+    assert f"| {ms:g} ms (600 steps) |" in bench.markdown([row])

@@ -274,6 +274,34 @@ def test_one_gpu_per_xdist_worker_where_there_are_several(monkeypatch):
         "xdist worker gw3: engines and oracle on cuda:1 (one GPU per worker, 2 GPUs)"]
 
 
+def test_a_shared_engine_not_fitting_twice_is_released_before_a_fresh_one_is_built(monkeypatch):
+    """Issue 54: a check building a fresh engine object beside the shared one (test_identical_calls_compile_nothing)
+    first releases the shared one where a second copy of what it holds would not fit in half the free memory; it is
+    kept where it fits (built anew by the next test otherwise)."""
+    import types
+
+    import torch
+
+    from pytest_kvcompile.config import options
+    from pytest_kvcompile.run import session as sessions
+    from pytest_kvcompile.run.harness import EngineUnderTest
+
+    settings = options.Settings(**{**{f: None for f in options.Settings.__dataclass_fields__}, "device": "cpu"})
+    said = []
+    session = sessions.Session(settings, {}, None, None, said.append)
+    shared = EngineUnderTest(None, types.SimpleNamespace(device="cpu"), torch.nn.Linear(1024, 1024, bias=False), 4,
+                             0.0, None)  # 4 MiB of weights
+    session._built[("e", "m")] = shared
+    monkeypatch.setattr(sessions, "available_bytes", lambda device: 8 * 2**20)  # two copies: exactly half
+    session._make_room("e", "m")
+    assert session._built[("e", "m")] is shared and said == []
+    monkeypatch.setattr(sessions, "available_bytes", lambda device: 8 * 2**20 - 1)
+    session._make_room("e", "m")
+    assert ("e", "m") not in session._built and len(said) == 1, said
+    assert said[0].startswith("e / m: its shared object released for a fresh one (4") and said[0].endswith(
+        "free); the next test builds it anew"), said
+
+
 def test_a_profile_narrows_the_run_and_names_what_it_left_out(kvtester):
     """Issue 54: --kv-profile=smoke runs the token checks on three prompts; the summary says what it left out. In
     bfloat16 its calibration stops where its checks' sequences end (the long prompts left out), and says so (a store of

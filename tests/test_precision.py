@@ -239,13 +239,16 @@ def test_a_flip_just_inside_the_rule_passes_and_just_outside_fails(kvtester, dty
 
 # --- the eviction near-tie rule: measured per policy, its twins just inside and outside -----------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype):
+def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype, monkeypatch):
     """The relative score tolerance of a scoring policy's cuts is measured (16-bit oracle vs the float64 truth at the
     truth's cuts); TOVA with every cut moved by up to that tolerance passes on every prompt, moved by twice it fails
-    on some, and TOVA evicting the most attended token fails on all (tests/kv_test_engines_eviction.py)."""
+    on some, and TOVA evicting the most attended token fails on all (tests/kv_test_engines_eviction.py); the policy
+    computed in the dtype passes through the guided alternative (`EvictionOracle.guided_by`) with the forks off."""
     import kv_test_engines_eviction as engines
     from pytest_kvcompile.contract.engine import declaration_of
-    from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, EvictionOracle, calibrate_scores
+    from pytest_kvcompile.oracles import eviction
+    from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, EvictionOracle
+    from pytest_kvcompile.oracles.eviction_noise import calibrate_scores
     from pytest_kvcompile.oracles.token_match import token_verdict
 
     path = zoo.checkpoint("llama", zoo_cache)
@@ -270,6 +273,22 @@ def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype
     assert mismatches(engines.tova_nudged(spec, noise.tolerance)) == 0
     assert mismatches(engines.tova_nudged(spec, 2 * noise.tolerance)) >= 1
     assert mismatches(engines.TOVAEvictsTheMostAttended(spec)) == len(prompts)
+
+    # The policy computed in this dtype (an engine doing just that): its tokens pass by the guided alternative alone
+    # (the forks off: MAX_STATES 1), fail without it (the twin), and the guide widens nothing for a wrong policy.
+    low = EvictionOracle(spec, strategy)
+    computed = types.SimpleNamespace(generate=lambda batch, n: [list(low.reference(batch[0], n).tokens)])
+    monkeypatch.setattr(eviction, "MAX_STATES", 1)
+    truth._forced.clear()
+    assert mismatches(computed) >= 1, "the 16-bit policy's tokens never left the truth's cuts: nothing was tested"
+    truth.guided_by(spec, strategy)
+    truth._forced.clear()
+    assert mismatches(computed) == 0
+    assert mismatches(engines.TOVAEvictsTheMostAttended(spec)) == len(prompts)
+    monkeypatch.undo()  # the forks back on, the guide kept: the nudge twins read as before
+    truth._forced.clear()
+    assert mismatches(engines.tova_nudged(spec, noise.tolerance)) == 0
+    assert mismatches(engines.tova_nudged(spec, 2 * noise.tolerance)) >= 1
 
 
 def test_a_16_bit_eviction_run_prints_its_measured_eviction_rule(kvtester):

@@ -221,3 +221,16 @@ __all__ = [
     "held_bytes",
     "live_tensor_bytes",
 ]
+
+
+def available_bytes(device: str) -> int | None:
+    """Memory a new allocation on `device` can still get: a CUDA device's free memory plus what torch's allocator
+    has reserved but not allocated; the host's ``MemAvailable`` (Linux) for the CPU; None where unknown."""
+    if str(device).startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    try:
+        with open("/proc/meminfo") as info:
+            return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None

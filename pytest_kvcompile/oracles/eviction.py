@@ -109,7 +109,7 @@ only the last kept with the first evicted. The greedy `reference` takes the rule
 follows the swaps (`EvictionOracle.teacher_forced_run`), cheapest first.
 The tolerance: float32 ``EVICTION_TIE_TOLERANCE`` (1e-4: a float32 computation's score differences are ~5e-6 from
 float64 at the cuts, measured below); bfloat16 and float16 are measured per model and policy at run time
-(`calibrate_scores`: a 16-bit computation vs the float64 truth at the truth's cuts, NOISE_FACTOR x the p99 relative
+(`eviction_noise.py`: a 16-bit computation vs the float64 truth at the truth's cuts, NOISE_FACTOR x the p99 relative
 error; docs/precision.md). Zoo Llama, CPU: TOVA bfloat16 0.213, float16 0.040; H2O bfloat16 0.040, float16 0.0062
 (H2O sums a token's weights over steps: steadier than TOVA's one row); float32 both ~5e-6 before the floor.
 Relative, not absolute: the two policies' score scales differ 50-fold, their relative errors 4-fold.
@@ -119,7 +119,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -144,11 +146,27 @@ from pytest_kvcompile.oracles.policies import (  # noqa: F401 (the policies, re-
     order,
     policy_for,
 )
-from pytest_kvcompile.oracles.precision import NOISE_FACTOR
 from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.oracles.truth import Widened, load_lm
 
 # --------------------------------------------------------------------------- the oracle
+
+
+def _swaps(ties, layer: int, ours: torch.Tensor, theirs: torch.Tensor) -> tuple[float, int] | None:
+    """(cost, entries swapped) of keeping `theirs` instead of `ours` at `layer` ([1, kv_heads, n] kept sets): each
+    entry one keeps and the other evicts must be a side of one of this step's near-tied swaps on that head (`ties`:
+    `_Masks._near_ties`), costing the cheapest such swap; None where one is not (a difference beyond the noise)."""
+    cost, count = 0.0, 0
+    for head in range(ours.size(1)):
+        near = [t for t in ties if t[0] == layer and head in t[1]]
+        sides = {}
+        for _, _, kept, evicted, c in near:
+            sides[kept], sides[evicted] = min(c, sides.get(kept, c)), min(c, sides.get(evicted, c))
+        changed = (ours[0, head] ^ theirs[0, head]).nonzero()[:, 0].tolist()
+        if any(p not in sides for p in changed):
+            return None
+        cost, count = cost + sum(sides[p] for p in changed) / 2, count + len(changed) // 2
+    return cost, count
 
 def kv_sources(config) -> dict[int, int]:
     """KV-sharing layer -> the layer whose K/V it reads: the last earlier non-shared layer of its layer type
@@ -299,10 +317,15 @@ class _Branch:
     masks: _Masks
     cost: float = 0.0
     flips: int = 0  # non-default choices taken so far
+    #: (the policy computed in the run's dtype, its own branch): this branch takes that one's kept sets where they
+    #: differ from its own by near-tied swaps only (`EvictionOracle.guided_by`); it never forks
+    guide: tuple[EvictionOracle, _Branch] | None = None
 
     def forks(self, most: int) -> list[_Branch]:
         """Itself, then copies taking the other side of this step's near-tied swaps, cheapest first (up to
         `FLIPS_PER_STEP` swaps at once, no candidate swapped twice), `most` in all."""
+        if self.guide is not None:
+            return [self]
         ties = sorted(self.masks.ties, key=lambda t: t[4])
         subsets = []
         for r in range(1, FLIPS_PER_STEP + 1):  # r swaps at once among the cheapest most, 12, 6 (r = 1, 2, 3)
@@ -366,6 +389,7 @@ class EvictionOracle:
                             f"factor {factor:.4f} once (a re-rotation through the scaled cos/sin gives "
                             f"{factor ** 2:.4f}x keys)")
         self.eviction_tie_tolerance = EVICTION_TIE_TOLERANCE["float32"]
+        self._guide: Callable[[], EvictionOracle] | None = None  # `guided_by`
         self._memo: dict[tuple[tuple[int, ...], int], tuple[Reference, _Masks]] = {}
         self._forced: dict[tuple, Forced] = {}
 
@@ -384,6 +408,33 @@ class EvictionOracle:
     def evicted(self, prompt, max_new_tokens: int) -> int:
         """How many entries the greedy run evicted in all, over layers (with a cache of their own) and KV heads."""
         return sum(int((~alive).sum()) for alive in self.run(prompt, max_new_tokens)[1].alive.values())
+
+    def guided_by(self, spec: ModelSpec, strategy: Strategy) -> None:
+        """Verifying 16-bit tokens (this oracle the float64 truth): besides the forks, `teacher_forced_run` follows one
+        alternative whose cuts are the policy's computed in `spec`'s dtype, wherever they differ from the truth's by
+        near-tied swaps only. An engine computing the policy in that dtype keeps those sets, with more swaps in one
+        step than the forks combine (a long prompt's prefill cut: kvpress's SnapKV in bfloat16 on a 240-token
+        prompt). Its oracle is built on first use."""
+        self._guide = functools.cache(lambda: EvictionOracle(spec, strategy))
+
+    def _guided_step(self, branch: _Branch, inputs) -> torch.Tensor:
+        """`_step` of a guided branch: its 16-bit guide steps too, and where the guide kept another set at this step
+        by near-tied swaps only (this step's `ties`), the branch keeps the guide's; otherwise the guide resumes from
+        the branch's (as `eviction_noise.calibrate_scores` does)."""
+        low, follow = branch.guide
+        low._step(follow, inputs)
+        row = self._step(branch, inputs)
+        for layer, ours in branch.masks.alive.items():
+            theirs = follow.masks.alive[layer].to(ours.device)
+            if torch.equal(ours, theirs):
+                continue
+            taken = _swaps(branch.masks.ties, layer, ours, theirs)
+            if taken is None:
+                follow.masks.alive[layer] = ours.to(theirs.device, copy=True)
+            else:
+                branch.masks.alive[layer], branch.cost, branch.flips = theirs, branch.cost + taken[0], \
+                    branch.flips + taken[1]
+        return row
 
     def _start(self, tolerance: float | None = None) -> _Branch:
         from transformers import DynamicCache
@@ -441,9 +492,13 @@ class EvictionOracle:
         if key in self._forced:
             return self._forced[key]
         live, rows, states, capped, pruned_at = [self._start(self.eviction_tie_tolerance)], [], 1, False, None
+        if self._guide is not None and self.eviction_tie_tolerance is not None:
+            low = self._guide()
+            live.append(dataclasses.replace(self._start(self.eviction_tie_tolerance), guide=(low, low._start())))
         alternatives: list[torch.Tensor] = []
         for i, token in enumerate(tokens):
-            out = [self._step(b, tokens[i - 1:i] if i else key[0]) for b in live]
+            inputs = tokens[i - 1:i] if i else key[0]
+            out = [self._guided_step(b, inputs) if b.guide else self._step(b, inputs) for b in live]
             gaps = [float(row.max() - row[token]) for row in out]
             best = min(range(len(live)), key=gaps.__getitem__)
             rows.append(out[best])
@@ -457,104 +512,11 @@ class EvictionOracle:
                 continue
             for b, gap in zip(live, gaps):
                 b.cost += gap / tie_tolerance if tie_tolerance > 0 else 0.0
-            children = sorted((c for b in survivors for c in b.forks(MAX_STATES)), key=lambda b: (b.cost, b.flips))
+            children = sorted((c for b in survivors for c in b.forks(MAX_STATES)),
+                              key=lambda b: (b.guide is None, b.cost, b.flips))  # the guided one is never capped
             capped |= len(children) > MAX_STATES
             live = children[:MAX_STATES]
             states = max(states, len(live))
         logits = torch.stack(rows) if rows else torch.empty(0, self.spec.vocab_size)
         self._forced[key] = Forced(logits, states, capped, pruned_at, tuple(alternatives))
         return self._forced[key]
-
-
-# --------------------------------------------------------------------------- 16-bit eviction noise
-
-CUT_BAND = 8  # kept and evicted candidates nearest a cut whose score differences are measured
-
-
-@dataclass(frozen=True)
-class ScoreNoise:
-    """The measured 16-bit noise of a scoring policy's cuts on one model (`calibrate_scores`) and the eviction tie
-    tolerance it gives: NOISE_FACTOR x `scale`."""
-
-    policy: str
-    scale: float  # QUANTILE over cuts of the largest relative error on a score difference near the cut
-    max_error: float
-    cuts: int  # cuts measured
-    flips: int  # cuts where the 16-bit computation kept another set than the truth
-
-    @property
-    def tolerance(self) -> float:
-        """NOISE_FACTOR x scale, never below float32's constant."""
-        return max(NOISE_FACTOR * self.scale, EVICTION_TIE_TOLERANCE["float32"])
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "tolerance": self.tolerance, "factor": NOISE_FACTOR}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> ScoreNoise:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
-
-
-def _cut_errors(truth: torch.Tensor, low: torch.Tensor, alive: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
-    """Per KV head [kv_heads]: the largest |(l_a - l_b) - (t_a - t_b)| / max(|t_a|, |t_b|) over the CUT_BAND lowest
-    kept a and highest evicted b (truth's scores); -1 where a head has no cut."""
-    out = torch.full((truth.size(0),), -1.0, dtype=torch.float64)
-    for head in range(truth.size(0)):
-        kept = (alive[head] & usable[head]).nonzero()[:, 0]
-        gone = (~alive[head] & usable[head]).nonzero()[:, 0]
-        if not len(kept) or not len(gone):
-            continue
-        a = kept[truth[head, kept].argsort()[:CUT_BAND]]
-        b = gone[truth[head, gone].argsort(descending=True)[:CUT_BAND]]
-        t_a, t_b, l_a, l_b = truth[head, a][:, None], truth[head, b][None], low[head, a][:, None], low[head, b][None]
-        error = ((l_a - l_b) - (t_a - t_b)).abs() / torch.maximum(t_a.abs(), t_b.abs()).clamp(min=1e-300)
-        out[head] = error.max()
-    return out
-
-
-@torch.inference_mode()
-def calibrate_scores(spec: ModelSpec, strategy: Strategy, truth: EvictionOracle | None = None) -> ScoreNoise | None:
-    """Measure how far a 16-bit computation of `strategy`'s scores is from the truth at the cuts (None: the policy
-    ranks by position, nothing to measure). The 16-bit oracle (`spec`) and the float64 truth of its weights run in
-    lockstep on `precision.CALIBRATION` prompts along the truth's greedy tokens; after each step the 16-bit one is
-    given the truth's kept sets (its own scores, H2O's sums included, go on), so every cut is measured where the truth
-    makes it. Per cut (per KV head, or per layer for a per-layer policy): the largest error on a score difference
-    between the CUT_BAND lowest kept and highest evicted candidates, relative to the larger truth score."""
-    from pytest_kvcompile.oracles.precision import CALIBRATION, QUANTILE, high_precision
-
-    policy = policy_for(strategy)
-    if not policy.scored:
-        return None
-    truth = truth or EvictionOracle(high_precision(spec), strategy)
-    low = EvictionOracle(spec, strategy)
-    lengths, steps, seed = CALIBRATION
-    generator = torch.Generator().manual_seed(seed)
-    errors, flips = [], 0
-    for length in lengths:
-        prompt = torch.randint(0, spec.vocab_size, (length,), generator=generator).tolist()
-        tokens = truth.reference(prompt, steps).tokens
-        t, l_ = truth._start(), low._start()
-        for i in range(steps):
-            inputs = tokens[i - 1:i] if i else prompt
-            before = set(t.masks.alive)
-            truth._step(t, inputs)
-            low._step(l_, inputs)
-            for layer, alive in t.masks.alive.items():
-                if policy.prefill_only and layer in before:  # compressed once, then keeps everything
-                    continue
-                seen = t.masks.seen[layer][0]
-                n = seen.size(-1)
-                pos = torch.where(seen, torch.arange(n, device=seen.device), EMPTY)
-                usable = seen & ~policy.protected(pos, torch.tensor(n - 1, device=seen.device))
-                if int((alive[0] != seen).sum()) == 0:  # nothing evicted at this step
-                    continue
-                found = _cut_errors(t.masks.scores[layer][0].double().cpu(), l_.masks.scores[layer][0].double().cpu(),
-                                    alive[0].cpu(), usable.cpu())
-                found = found if policy.per_head else found[:1]
-                errors += [float(e) for e in found if e >= 0]
-                flips += int(not torch.equal(l_.masks.alive[layer], alive))
-                l_.masks.alive[layer] = alive.clone()
-    if not errors:
-        return ScoreNoise(str(policy.strategy), 0.0, 0.0, 0, 0)
-    found = torch.tensor(errors, dtype=torch.float64)
-    return ScoreNoise(str(policy.strategy), float(found.quantile(QUANTILE)), float(found.max()), len(errors), flips)

@@ -50,7 +50,8 @@ from pytest_kvcompile.models.checkpoints import keep_last
 from pytest_kvcompile.models.zoo import code_hash, shared_kv_layers
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.engine import EngineOracle
-from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE, ScoreNoise, calibrate_scores
+from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
+from pytest_kvcompile.oracles.eviction_noise import ScoreNoise, calibrate_scores
 from pytest_kvcompile.oracles.hf import oracle_for
 from pytest_kvcompile.oracles.recorded import content_digest
 from pytest_kvcompile.oracles.reference import LazyReference, Reference
@@ -171,13 +172,15 @@ class StoredOracle:
 
     def measure_score_noise(self, spec: ModelSpec) -> None:
         """16-bit runs of a scoring eviction policy: measure its cuts' noise in `spec` (the run's dtype) against this
-        oracle, the float64 truth (eviction.calibrate_scores; memoized), and let the oracle's forks follow it."""
+        oracle, the float64 truth (eviction_noise.calibrate_scores; memoized), and let the oracle's forks follow it and
+        one alternative take the cuts of the policy computed in that dtype (`EvictionOracle.guided_by`)."""
         if not getattr(getattr(self.oracle, "policy", None), "scored", False):
             return
         found = self._cached(("score_noise", _PRECISION, dtype_name(spec.dtype)),
                              lambda: calibrate_scores(spec, self.strategy, self.oracle).to_dict())
         self.score_noise = ScoreNoise.from_dict(found)
         self.oracle.eviction_tie_tolerance = self.score_noise.tolerance
+        self.oracle.guided_by(spec, self.strategy)
 
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"

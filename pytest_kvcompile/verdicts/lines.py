@@ -49,7 +49,7 @@ def noise_line(row: Row) -> str:
 
 
 def eviction_noise_line(row: Row) -> str:
-    """A row's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise)."""
+    """A row's measured eviction near-tie rule (oracles/eviction_noise.py: ScoreNoise)."""
     model, dtype, noise = row.model, row.dtype, row.eviction_noise or EvictionNoise()
     return (f"{model} ({dtype}) {noise.policy}: eviction near-tie tolerance {noise.tolerance:.3g} relative "
             f"({noise.factor:g} x p99 {noise.scale:.3g} of the score-difference errors of a {dtype} computation "

@@ -359,7 +359,7 @@ class MeasuredNoise(Record):
 
 @dataclass
 class EvictionNoise(Record):
-    """A row's measured eviction near-tie rule (oracles/eviction.py: ScoreNoise.to_dict())."""
+    """A row's measured eviction near-tie rule (oracles/eviction_noise.py: ScoreNoise.to_dict())."""
 
     policy: str = rule(None, "", types=TEXT)
     scale: float = rule(None, 0.0, types=NUMBER)
