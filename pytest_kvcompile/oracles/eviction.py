@@ -168,6 +168,7 @@ def _swaps(ties, layer: int, ours: torch.Tensor, theirs: torch.Tensor) -> tuple[
         cost, count = cost + sum(sides[p] for p in changed) / 2, count + len(changed) // 2
     return cost, count
 
+
 def kv_sources(config) -> dict[int, int]:
     """KV-sharing layer -> the layer whose K/V it reads: the last earlier non-shared layer of its layer type
     (Gemma3n/Gemma4 ``num_kv_shared_layers``, `zoo.shared_kv_layers`); empty without KV sharing."""
@@ -417,6 +418,10 @@ class EvictionOracle:
         prompt). Its oracle is built on first use."""
         self._guide = functools.cache(lambda: EvictionOracle(spec, strategy))
 
+    def guide(self) -> EvictionOracle | None:
+        """The 16-bit oracle `guided_by` gave (built now if not yet), or None."""
+        return self._guide() if self._guide is not None else None
+
     def _guided_step(self, branch: _Branch, inputs) -> torch.Tensor:
         """`_step` of a guided branch: its 16-bit guide steps too, and where the guide kept another set at this step
         by near-tied swaps only (this step's `ties`), the branch keeps the guide's; otherwise the guide resumes from
@@ -492,8 +497,8 @@ class EvictionOracle:
         if key in self._forced:
             return self._forced[key]
         live, rows, states, capped, pruned_at = [self._start(self.eviction_tie_tolerance)], [], 1, False, None
-        if self._guide is not None and self.eviction_tie_tolerance is not None:
-            low = self._guide()
+        low = self.guide() if self.eviction_tie_tolerance is not None else None
+        if low is not None:
             live.append(dataclasses.replace(self._start(self.eviction_tie_tolerance), guide=(low, low._start())))
         alternatives: list[torch.Tensor] = []
         for i, token in enumerate(tokens):

@@ -59,7 +59,8 @@ def _cut_errors(truth: torch.Tensor, low: torch.Tensor, alive: torch.Tensor, usa
 
 
 @torch.inference_mode()
-def calibrate_scores(spec: ModelSpec, strategy: Strategy, truth: EvictionOracle | None = None) -> ScoreNoise | None:
+def calibrate_scores(spec: ModelSpec, strategy: Strategy, truth: EvictionOracle | None = None,
+                     low: EvictionOracle | None = None) -> ScoreNoise | None:
     """Measure how far a 16-bit computation of `strategy`'s scores is from the truth at the cuts (None: the policy
     ranks by position, nothing to measure). The 16-bit oracle (`spec`) and the float64 truth of its weights run in
     lockstep on `precision.CALIBRATION` prompts along the truth's greedy tokens; after each step the 16-bit one is
@@ -72,7 +73,7 @@ def calibrate_scores(spec: ModelSpec, strategy: Strategy, truth: EvictionOracle 
     if not policy.scored:
         return None
     truth = truth or EvictionOracle(high_precision(spec), strategy)
-    low = EvictionOracle(spec, strategy)
+    low = low or EvictionOracle(spec, strategy)  # the 16-bit computation (a truth's guide, where it has one)
     lengths, steps, seed = CALIBRATION
     generator = torch.Generator().manual_seed(seed)
     errors, flips = [], 0

@@ -176,11 +176,11 @@ class StoredOracle:
         one alternative take the cuts of the policy computed in that dtype (`EvictionOracle.guided_by`)."""
         if not getattr(getattr(self.oracle, "policy", None), "scored", False):
             return
+        self.oracle.guided_by(spec, self.strategy)  # its 16-bit oracle also measures the noise (built on a miss only)
         found = self._cached(("score_noise", _PRECISION, dtype_name(spec.dtype)),
-                             lambda: calibrate_scores(spec, self.strategy, self.oracle).to_dict())
+                             lambda: calibrate_scores(spec, self.strategy, self.oracle, self.oracle.guide()).to_dict())
         self.score_noise = ScoreNoise.from_dict(found)
         self.oracle.eviction_tie_tolerance = self.score_noise.tolerance
-        self.oracle.guided_by(spec, self.strategy)
 
     def __repr__(self) -> str:
         return f"<oracle: {self.source}, model '{self.spec.name}'>"

@@ -204,7 +204,7 @@ class Session:
             return
         del self._built[(name, model)]
         shared.host.close()
-        shared = None
+        shared = None  # this frame's reference too: the collection below frees its memory now
         gc.collect()
         if str(device).startswith("cuda"):
             import torch
