@@ -19,6 +19,7 @@ from pytest_kvcompile.models import zoo
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles import truth as truth_module
 from pytest_kvcompile.oracles.hf import HFEagerOracle
+from pytest_kvcompile.oracles.store import ORACLE_CHECK_TOLERANCE
 
 DTYPES = ("bfloat16", pytest.param("float16", marks=pytest.mark.full))  # float16: the full tier (tests/test_tiers.py)
 P = "--kv-engine=kv_test_engines_precision:"
@@ -450,6 +451,39 @@ def test_the_widened_vocabulary_is_projected_in_slices(zoo_cache, name, monkeypa
     assert {"Embedding", "Linear"} <= set(seen), seen
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert not any("forward" in vars(m) for m in widened.model.modules())  # the modules' own forward again
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma4-kvshared", "gpt2-abspos"])
+def test_the_self_checks_float64_head_is_screened_with_the_same_decisions(zoo_cache, name, monkeypatch):
+    """Issue 54: a float32 run's self-check reads only the float64 path's best token and which entries trail it by
+    more than its tolerance, so a vocabulary's head (over WIDE_AT_ONCE weights) is computed in float32 and only the
+    columns that can matter again in float64 (`_screen`, a third of the 135M run's float64 cost): the same best tokens,
+    the entries within the tolerance the float64 head's, every other entry beyond it in both. A model that changes the
+    head's output afterwards (a final softcap) gets the sliced head's logits unchanged."""
+    path = zoo.checkpoint(name, zoo_cache)
+    widened = precision.load_lm(ModelSpec(name, path, AutoConfig.from_pretrained(path), dtype=torch.float64),
+                                widened=True)
+    monkeypatch.setattr(truth_module, "WIDE_AT_ONCE", 1000)  # the zoo's 256-token head counts as a vocabulary's
+    screens, real = [], truth_module._screen
+    monkeypatch.setattr(truth_module, "_screen", lambda *a: screens.append(real(*a)) or screens[-1])
+    ids = torch.tensor([[(i * 37 + 11) % 256 for i in range(40)]])
+    with torch.inference_mode():
+        full = widened(input_ids=ids, use_cache=False).logits[0]
+        for tolerance in (0.0, ORACLE_CHECK_TOLERANCE["float32"], 0.5):
+            got = widened.screened(tolerance, input_ids=ids, use_cache=False).logits[0]
+            assert screens[-1] is not None and torch.equal(got, screens[-1][0])  # screened, not sliced
+            gap = full.max(-1, keepdim=True).values - full
+            assert torch.equal(got.argmax(-1), full.argmax(-1))
+            near = gap <= tolerance
+            torch.testing.assert_close(got[near], full[near], rtol=1e-12, atol=1e-12)
+            assert torch.equal(got.max(-1, keepdim=True).values - got > tolerance, gap > tolerance), tolerance
+            assert (got != full).any() or tolerance == 0.5  # the far entries come from the float32 pass
+        if name == "gemma4-kvshared":  # its forward softcaps the head's output: the screen's is not returned
+            monkeypatch.setattr(widened.model.config, "final_logit_softcapping", 3.0)
+            capped = widened(input_ids=ids, use_cache=False).logits[0]
+            calls = len(screens)
+            assert torch.equal(widened.screened(0.0, input_ids=ids, use_cache=False).logits[0], capped)
+            assert len(screens) == calls + 1 and not torch.equal(capped, full)
 
 
 @pytest.mark.parametrize("name", ["llama", "mistral-sw", "gemma4-kvshared", "gpt2-abspos"])

@@ -207,7 +207,7 @@ def test_verdicts_do_not_depend_on_test_order(kvtester):
 # --- 8. the oracle checks itself ----------------------------------------------------------------------------------
 CORRUPT_ORACLE = '''
 import pytest
-from pytest_kvcompile.oracles import hf as oracle
+from pytest_kvcompile.oracles import hf as oracle, truth
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -222,6 +222,9 @@ def pytest_configure(config):
         return rows
 
     oracle.HFEagerOracle.teacher_forced = corrupted
+    truth.WIDE_AT_ONCE = 1000  # the zoo's head counts as a vocabulary's: the float64 path screens it (truth._screen)
+    screen = truth._screen
+    truth._screen = lambda *a: open("screened", "a").write("1") and screen(*a)
 '''
 
 
@@ -241,6 +244,7 @@ def test_an_oracle_that_fails_its_self_check_skips_the_model_as_not_judged(kvtes
                                  "(this is not a verdict on the engine)*"])
     result.stdout.fnmatch_lines(["NOT CHECKED  kv_test_engines:Greedy: 1 skipped, not judged on llama (oracle "
                                  "unreliable) (1 model)"])
+    assert (kvtester.path / "screened").read_text()  # caught by the screened float64 head
 
 
 def test_the_kv_check_fixture_is_the_deprecated_spelling_of_kv_check_tokens(kvtester):

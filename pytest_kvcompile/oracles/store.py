@@ -55,7 +55,7 @@ from pytest_kvcompile.oracles.eviction_noise import ScoreNoise, calibrate_scores
 from pytest_kvcompile.oracles.hf import oracle_for
 from pytest_kvcompile.oracles.recorded import content_digest
 from pytest_kvcompile.oracles.reference import LazyReference, Reference
-from pytest_kvcompile.oracles.truth import load_lm
+from pytest_kvcompile.oracles.truth import Widened, load_lm
 from pytest_kvcompile.verdicts.rows import OracleFacts
 
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
@@ -80,7 +80,9 @@ class NoCacheRecompute:
     @torch.inference_mode()
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float = 0.0) -> torch.Tensor:
         ids = torch.tensor([list(prompt) + list(tokens)[:-1]], device=self.spec.device)
-        logits = self.model(input_ids=ids, use_cache=False, **keep_last(self.model, len(tokens))).logits
+        # only the best token and the gaps up to tie_tolerance are read (_check_rows): a sliced head is screened
+        call = functools.partial(self.model.screened, tie_tolerance) if isinstance(self.model, Widened) else self.model
+        logits = call(input_ids=ids, use_cache=False, **keep_last(self.model, len(tokens))).logits
         return logits[0, -len(tokens):].float().cpu()
 
 

@@ -96,6 +96,29 @@ class Widened:
         return getattr(self.model, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run({}, args, kwargs)
+
+    def screened(self, tolerance: float, *args: Any, **kwargs: Any) -> Any:
+        """The call's output, for a caller asking only which token is a position's best and whether another trails it
+        by more than `tolerance` (a float32 oracle's self-check): an output head projected in slices is screened
+        instead (`_screen`: a float32 pass, the entries that can matter recomputed in float64). Where the model
+        changes the head's output afterwards (a softcap, a scale), the plain call's output is returned."""
+        head = self.model.get_output_embeddings()
+        if not (type(head) is torch.nn.Linear and head.bias is None and head.weight.numel() > WIDE_AT_ONCE):
+            return self(*args, **kwargs)
+        given: list[torch.Tensor] = []
+
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            out = _screen(head, tolerance, x)
+            given.append(_sliced(head, x) if out is None else out)
+            return given[-1]
+
+        output = self._run({id(head): forward}, args, kwargs)
+        if len(given) == 1 and torch.equal(output.logits, given[0]):
+            return output
+        return self(*args, **kwargs)
+
+    def _run(self, forwards: dict[int, Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         big = [m for m in self.model.modules() if type(m) in (torch.nn.Linear, torch.nn.Embedding)
                and m.weight.numel() > WIDE_AT_ONCE]  # the vocabulary's: in slices (`_sliced`)
         depth: dict[int, int] = {}
@@ -133,7 +156,7 @@ class Widened:
         handles = [h for m in owners for h in (m.register_forward_pre_hook(widen),
                                                m.register_forward_hook(narrow, always_call=True))]
         for module in big:
-            module.forward = functools.partial(_sliced, module)
+            module.forward = forwards.get(id(module)) or functools.partial(_sliced, module)
         try:
             return self.model(*args, **kwargs)
         finally:
@@ -154,3 +177,41 @@ def _sliced(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     rows = max(1, WIDE_AT_ONCE // module.in_features)
     out = torch.cat([x @ module.weight[i:i + rows].double().T for i in range(0, module.out_features, rows)], dim=-1)
     return out if module.bias is None else out + module.bias.double()
+
+
+_U32 = 2.0 ** -24  # float32's unit roundoff
+_ROW_NORMS: dict[tuple[int, int, int], float] = {}  # a head's weight (id, storage, version) -> its largest row norm
+
+
+def _screen(module: torch.nn.Linear, tolerance: float, x: torch.Tensor) -> torch.Tensor | None:
+    """`_sliced(module, x)` wherever it can decide which token is a position's best and whether another trails it by
+    more than `tolerance`, without widening the head: every entry is computed in float32 from the float64 input, off
+    by at most B = (n u / (1 - n u) + u) |x| max_j |w_j| (Higham's bound for a float32 dot product of length n, u
+    float32's roundoff, Cauchy-Schwarz; doubled for safety), then every column within `tolerance` + 2B of some
+    position's best is recomputed in float64 (WIDE_AT_ONCE weights at a time). So the best token and every entry
+    within `tolerance` of it are exactly the float64 head's, and every other entry trails the best by more than
+    `tolerance` in either computation. None (project in slices) where float32 matmuls may run in a lower precision
+    (TF32), the bound is not finite, or it keeps over half of the columns."""
+    if torch.get_float32_matmul_precision() != "highest":
+        return None
+    weight, n = module.weight, module.in_features
+    key = (id(weight), weight.data_ptr(), weight._version)
+    if key not in _ROW_NORMS:
+        if len(_ROW_NORMS) > 8:
+            _ROW_NORMS.clear()
+        _ROW_NORMS[key] = float(torch.linalg.vector_norm(weight.float(), dim=1).max())
+    largest = _ROW_NORMS[key]
+    x = x.double()
+    flat = x.reshape(-1, n)
+    approx = (flat.float() @ weight.float().T).double()
+    bound = 2 * (n * _U32 / (1 - n * _U32) + _U32) * torch.linalg.vector_norm(flat, dim=1) * largest
+    best = approx.max(dim=1).values
+    if not (torch.isfinite(bound).all() and torch.isfinite(best).all()):
+        return None
+    columns = (approx >= (best - tolerance - 2 * bound)[:, None]).any(dim=0).nonzero().squeeze(1)
+    if 2 * columns.numel() > module.out_features:  # the bound rules out too little to save anything
+        return None
+    rows = max(1, WIDE_AT_ONCE // n)
+    for i in range(0, columns.numel(), rows):
+        approx[:, columns[i:i + rows]] = flat @ weight[columns[i:i + rows]].double().T
+    return approx.reshape(*x.shape[:-1], -1)
