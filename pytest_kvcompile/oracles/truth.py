@@ -180,7 +180,7 @@ def _sliced(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 _U32 = 2.0 ** -24  # float32's unit roundoff
-_ROW_NORMS: dict[tuple[int, int, int], float] = {}  # a head's weight (id, storage, version) -> its largest row norm
+_ROW_NORMS: dict[int, tuple[Any, int, float]] = {}  # id(a head weight) -> (weak reference, version, largest row norm)
 
 
 def _screen(module: torch.nn.Linear, tolerance: float, x: torch.Tensor) -> torch.Tensor | None:
@@ -195,12 +195,12 @@ def _screen(module: torch.nn.Linear, tolerance: float, x: torch.Tensor) -> torch
     if torch.get_float32_matmul_precision() != "highest":
         return None
     weight, n = module.weight, module.in_features
-    key = (id(weight), weight.data_ptr(), weight._version)
-    if key not in _ROW_NORMS:
+    ref, version, largest = _ROW_NORMS.get(id(weight), (None, -1, 0.0))
+    if ref is None or ref() is not weight or version != weight._version:
         if len(_ROW_NORMS) > 8:
             _ROW_NORMS.clear()
-        _ROW_NORMS[key] = float(torch.linalg.vector_norm(weight.float(), dim=1).max())
-    largest = _ROW_NORMS[key]
+        largest = float(torch.linalg.vector_norm(weight.float(), dim=1).max())
+        _ROW_NORMS[id(weight)] = (weakref.ref(weight), weight._version, largest)
     x = x.double()
     flat = x.reshape(-1, n)
     approx = (flat.float() @ weight.float().T).double()
