@@ -210,19 +210,6 @@ def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: i
     return Footprint(layout, layout.rows or rows, width, new_tokens, dtype.itemsize, tuple(terms))
 
 
-__all__ = [
-    "Footprint",
-    "Held",
-    "LayerTerm",
-    "cache_tensors",
-    "expected_kv_bytes",
-    "format_bytes",
-    "held_by",
-    "held_bytes",
-    "live_tensor_bytes",
-]
-
-
 def available_bytes(device: str) -> int | None:
     """Memory a new allocation on `device` can still get: a CUDA device's free memory plus what torch's allocator
     has reserved but not allocated; the host's ``MemAvailable`` (Linux) for the CPU; None where unknown."""
@@ -234,3 +221,18 @@ def available_bytes(device: str) -> int | None:
             return next(int(line.split()[1]) * 1024 for line in info if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return None
+
+
+__all__ = [
+    "Footprint",
+    "Held",
+    "LayerTerm",
+    "available_bytes",
+    "cache_tensors",
+    "expected_kv_bytes",
+    "format_bytes",
+    "held_by",
+    "held_bytes",
+    "live_tensor_bytes",
+]
+

@@ -193,8 +193,8 @@ class Session:
     def _make_room(self, name: str, model: str) -> None:
         """Before another object of an engine is built beside the shared one (a check of what a first call leaves):
         the shared one is released, and built anew by the next test using it, unless a second copy of what it holds
-        fits in half the memory its device has free. Measured, not assumed: on a 24 GiB machine a 3B checkpoint's
-        engine, the harness's model and a fresh engine held 18.8 GiB together (issue 54)."""
+        fits in half the memory its device has free (issue 54: a 3B float32 checkpoint's engine is an 11.5 GiB copy;
+        a 16-bit checkpoint loaded as stored is the file mapped, and a second object mapping it adds little)."""
         shared = self._built.get((name, model))
         if not isinstance(shared, EngineUnderTest) or shared.host.dead:
             return
