@@ -189,8 +189,9 @@ def engines_table() -> str:
 def zoo_table() -> str:
     from pytest_kvcompile.models import zoo
 
-    return _table(("model", "what it is", "in 'all'"),
-                  [(f"`{m.name}`", m.description, "yes" if m.in_all else "named only") for m in zoo.ZOO.values()])
+    return _table(("model", "what it is", "group (--kv-zoo=GROUP)", "in 'all'"),
+                  [(f"`{m.name}`", m.description, f"`{m.group}`", "yes" if m.in_all else "named only")
+                   for m in zoo.ZOO.values()])
 
 
 def ci_jobs(run: str | None = None) -> list[tuple[str, str]]:

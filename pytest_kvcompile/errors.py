@@ -58,6 +58,15 @@ class OracleUnreliable(Skipped):
         super().__init__(reason, pytrace=False)
 
 
+COULD_NOT_RUN = "the oracle could not run"  # how an OracleUnavailable's message begins
+
+
+class OracleUnavailable(OracleUnreliable):
+    """The oracle could not run on a model (it raised: a kernel refusing float64, a model transformers cannot
+    evaluate, memory): its token checks there are not judged, named with the cause and what to try; never a failure
+    of the engine."""
+
+
 class EngineFailed(Exception):
     """A failure of the engine's side told in full: str(exc) is the whole failure (what broke, where, what to try),
     shown as it is; `kind` is its verdict kind (a verdicts.failures.Kind value: errors sits below verdicts). A server's

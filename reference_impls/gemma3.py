@@ -58,7 +58,7 @@ class Gemma3Attention(Attention):
 
 
 class Gemma3Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer: int = 0):
         super().__init__()
         dim, eps = config.hidden_size, config.rms_norm_eps
         self.input_layernorm = Gemma3RMSNorm(dim, eps)

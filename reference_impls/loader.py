@@ -11,10 +11,14 @@ import torch
 from torch import nn
 
 from pytest_kvcompile.contract.engine import ModelSpec
+from reference_impls.deepseek_v3 import DeepseekV3
 from reference_impls.gemma3 import Gemma3
 from reference_impls.gemma4 import Gemma4
 from reference_impls.gpt2 import GPT2
+from reference_impls.gpt_oss import GptOss
 from reference_impls.model import Llama, UnsupportedModel, rope_tables
+from reference_impls.phi3 import Phi3
+from reference_impls.qwen3 import Qwen3
 
 #: config.model_type -> model class.
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -24,6 +28,11 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "gemma3_text": Gemma3,
     "gemma4_text": Gemma4,
     "gpt2": GPT2,
+    "qwen3": Qwen3,
+    "qwen3_moe": Qwen3,
+    "phi3": Phi3,
+    "deepseek_v3": DeepseekV3,
+    "gpt_oss": GptOss,
 }
 
 
@@ -42,6 +51,14 @@ def load_model(spec: ModelSpec) -> nn.Module:
         state["lm_head.weight"] = state[getattr(model, "tied_embedding", "model.embed_tokens.weight")]
     model.load_state_dict(state, strict=True, assign=True)
     model = model.to(spec.dtype).eval().requires_grad_(False)
+    kept = getattr(model, "keep_in_float32", ())  # a router transformers keeps in float32 (DeepSeek-V3's)
+    for name in (name for name in state if name.endswith(kept)):
+        owner, _, attr = name.rpartition(".")
+        module = model.get_submodule(owner)
+        if attr in module._buffers:
+            module._buffers[attr] = state[name].float()
+        else:
+            module._parameters[attr] = nn.Parameter(state[name].float(), requires_grad=False)
     if model.rope:  # RoPE models (not GPT-2)
         model.rope = rope_tables(config, spec.device)  # not in the checkpoint; fp32 like transformers
     return model

@@ -65,6 +65,8 @@ def rope_inv_freq(config, layer_type: str | None = None) -> tuple[torch.Tensor, 
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
     if kind == "default":
         theta = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        # partial rotary (Phi-3): RoPE over the first head_dim x factor dimensions only (`apply_rope` leaves the rest)
+        head_dim = int(head_dim * rope.get("partial_rotary_factor", getattr(config, "partial_rotary_factor", 1.0)))
         return 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float) / head_dim)), 1.0
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -94,8 +96,13 @@ def rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x [..., head_dim] rotated by the angles of `rope_cos_sin` (transformers' rotate_half layout)."""
-    return x * cos + rotate_half(x) * sin
+    """x [..., head_dim] rotated by the angles of `rope_cos_sin` (transformers' rotate_half layout); where the angles
+    cover fewer dimensions (partial rotary, Phi-3), the first of them, the rest passed through."""
+    rotated = cos.size(-1)
+    if rotated == x.size(-1):
+        return x * cos + rotate_half(x) * sin
+    head, tail = x.split([rotated, x.size(-1) - rotated], dim=-1)
+    return torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
 
 
 def attention_mask(q_pos, k_pos, k_real, window: int | None = None):
@@ -154,6 +161,16 @@ class GrowingCache(KVCache):
         return k, v
 
 
+@torch.no_grad()
+def cache_shapes(model) -> list[tuple[torch.Size, torch.Size]]:
+    """Per layer with a cache of its own, what it caches per position: the (K, V) shapes [kv_heads, d] (a latent
+    layer: [1, kv_lora_rank] and [1, qk_rope_head_dim]), read off one eager step, so every architecture fits."""
+    one = torch.zeros(1, 1, dtype=torch.long, device=model.lm_head.weight.device)
+    probe = GrowingCache()
+    model.run(one, one, model.masks(one, one, one == 0), probe)
+    return [(k.shape[2:], v.shape[2:]) for k, v in probe.layers]
+
+
 # --------------------------------------------------------------------------- Llama
 
 
@@ -176,16 +193,16 @@ ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, ap
 
 
 class MLP(nn.Module):
-    def __init__(self, config, hidden_act: str | None = None):
+    def __init__(self, config, hidden_act: str | None = None, inner: int | None = None):
         super().__init__()
         hidden_act = hidden_act or getattr(config, "hidden_act", "silu")
         if hidden_act not in ACTIVATIONS:
             raise UnsupportedModel(f"activation '{hidden_act}' is not supported ({', '.join(ACTIVATIONS)})")
         self.act = ACTIVATIONS[hidden_act]
-        bias = getattr(config, "mlp_bias", False)
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+        bias, inner = getattr(config, "mlp_bias", False), inner or config.intermediate_size
+        self.gate_proj = nn.Linear(config.hidden_size, inner, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=bias)
+        self.down_proj = nn.Linear(inner, config.hidden_size, bias=bias)
 
     def forward(self, x):
         return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
@@ -229,12 +246,20 @@ class Attention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    """A pre-norm decoder layer; an architecture changes its parts (`attention`, `feed_forward`, `norm`)."""
+
+    attention, norm = Attention, RMSNorm
+
+    def __init__(self, config, layer: int = 0):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.input_layernorm = self.norm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = self.attention(config)
+        self.post_attention_layernorm = self.norm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = self.feed_forward(config, layer)
+
+    def feed_forward(self, config, layer: int) -> nn.Module:
+        """Layer `layer`'s MLP (a mixture-of-experts architecture: its experts where the config routes)."""
+        return MLP(config)
 
     def forward(self, x, rope, mask, cache: KVCache, layer: int):
         x = x + self.self_attn(self.input_layernorm(x), rope, mask, cache, layer)
@@ -299,7 +324,7 @@ class Backbone(nn.Module):
     def __init__(self, config, block: type[nn.Module], norm: type[nn.Module]):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(block(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(block(config, i) for i in range(config.num_hidden_layers))
         self.norm = norm(config.hidden_size, config.rms_norm_eps)
 
 

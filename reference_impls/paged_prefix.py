@@ -41,7 +41,7 @@ from pytest_kvcompile.recompiles.hooks import mark_unbacked, torch_check
 from reference_impls.compile import compile_fresh
 from reference_impls.engine import Engine
 from reference_impls.loader import load_model
-from reference_impls.model import GrowingCache, KVCache
+from reference_impls.model import KVCache, cache_shapes
 from reference_impls.static_cache import LayerBuffers
 
 # 2,048 positions: the suites' largest calls (4 prompts of up to 266 positions plus new tokens; a generation up to
@@ -144,10 +144,9 @@ class PagedModel(nn.Module):
     def __init__(self, llm: nn.Module, slots: int):
         super().__init__()
         self.llm = llm
-        one = torch.zeros(1, 1, dtype=torch.long, device=llm.lm_head.weight.device)
-        probe = GrowingCache()  # one eager step: the (kv_heads, head_dim) of every layer with a cache of its own
-        llm.run(one, one, llm.masks(one, one, one == 0), probe)
-        self.pool = nn.ModuleList(LayerBuffers((slots, *k.shape[2:]), k.dtype, k.device) for k, _ in probe.layers)
+        weight = llm.lm_head.weight
+        self.pool = nn.ModuleList(LayerBuffers((slots, *k), weight.dtype, weight.device, (slots, *v))
+                                  for k, v in cache_shapes(llm))  # every layer with a cache of its own
 
     def forward(self, tokens, q_pos, k_pos, valid, write, read):
         """Last-position logits [b, vocab] of tokens [b, t] at positions q_pos [b, t], written at slots write [b * t],

@@ -39,10 +39,11 @@ import torch
 from torch import nn
 
 from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelSpec
+from pytest_kvcompile.models.layers import layer_caches
 from pytest_kvcompile.recompiles.hooks import mark_unbacked, torch_check
 from reference_impls.compile import compile_fresh
 from reference_impls.loader import load_model
-from reference_impls.model import FULL, KVCache, UnsupportedModel
+from reference_impls.model import FULL, KVCache, Llama, UnsupportedModel, cache_shapes
 
 # defaults, as declared in kv_layout (512: the suites' prompts reach 266 positions)
 MAX_CACHE_LEN, MAX_BATCH_SIZE = 512, 4
@@ -51,12 +52,13 @@ PAD_ID = 0  # token of left pads and dummy rows; they are masked from every real
 
 
 class LayerBuffers(nn.Module):
-    """One layer's preallocated keys and values [batch, max_cache_len, kv_heads, head_dim]."""
+    """One layer's preallocated keys and values [batch, max_cache_len, kv_heads, head_dim] (`v_shape`: values of
+    another shape, a latent layer's rope key)."""
 
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device):
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device, v_shape: tuple[int, ...] | None = None):
         super().__init__()
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(v_shape or shape, dtype=dtype, device=device), persistent=False)
 
 
 class SlotWrites(KVCache):
@@ -79,10 +81,10 @@ class StaticLlama(nn.Module):
 
     def __init__(self, llama: nn.Module, batch: int, max_cache_len: int):
         super().__init__()
-        attn, device = llama.model.layers[0].self_attn, llama.lm_head.weight.device
-        shape = (batch, max_cache_len, attn.n_kv_heads, attn.head_dim)
+        device, rows = llama.lm_head.weight.device, (batch, max_cache_len)
         self.llama = llama
-        self.caches = nn.ModuleList(LayerBuffers(shape, llama.lm_head.weight.dtype, device) for _ in llama.layers)
+        self.caches = nn.ModuleList(LayerBuffers((*rows, *k), llama.lm_head.weight.dtype, device, (*rows, *v))
+                                    for k, v in cache_shapes(llama))
         self.register_buffer("valid", torch.zeros(batch, max_cache_len, dtype=torch.bool, device=device))
         self.register_buffer("pad", torch.zeros(batch, dtype=torch.long, device=device))
         self.register_buffer("slots", torch.arange(max_cache_len, device=device))
@@ -134,16 +136,21 @@ class StaticCache:
     def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN,
                  max_batch_size: int = MAX_BATCH_SIZE):
         name = type(self).__name__
-        if spec.config.model_type != "llama":
+        kinds = sorted({cache.kind for cache in layer_caches(spec.config)} - {"full", "latent"})
+        if kinds:
             raise UnsupportedModel(
-                f"{name} supports model_type 'llama' only (full attention); model '{spec.name}' is "
-                f"'{spec.config.model_type}' (sliding-window and hybrid layouts need a windowed mask)"
-            )
+                f"{name} supports full-attention layers only (per-head or latent caches); model '{spec.name}' has "
+                f"{', '.join(kinds)} layers (sliding-window and hybrid layouts need a windowed mask, shared KV a "
+                "source layer)")
         if max_cache_len < 2 or max_batch_size < 1:
             raise ValueError(f"{name} needs max_cache_len >= 2 and max_batch_size >= 1, got {max_cache_len}, "
                              f"{max_batch_size}")
         self.spec, self.max_cache_len, self.max_batch_size = spec, max_cache_len, max_batch_size
-        self.model = self.model_class(load_model(spec), max_batch_size, max_cache_len)
+        model = load_model(spec)
+        if not isinstance(model, Llama):
+            raise UnsupportedModel(f"{name} runs the RoPE decoders of reference_impls (Llama and its kin); model "
+                                   f"'{spec.name}' is '{spec.config.model_type}'")
+        self.model = self.model_class(model, max_batch_size, max_cache_len)
         self.compiled_prefill = compile_fresh(prefill, compile_backend)
         self.compiled_decode = compile_fresh(decode, compile_backend)
 

@@ -28,6 +28,7 @@ from pytest_kvcompile.memory.measure import (
     format_bytes,
 )
 from pytest_kvcompile.models.checkpoints import OwnConfig
+from pytest_kvcompile.models.layers import LatentLayer, expanded
 from pytest_kvcompile.models.prompts import variant
 from pytest_kvcompile.verdicts.failures import Kind, fail
 from pytest_kvcompile.verdicts.rows import KVBytes, LayerBytes
@@ -50,8 +51,9 @@ def _reported(kv_engine) -> int:
     return got
 
 
-def _hint(footprint, got: int, footprint_of) -> str:
-    """What a wrong count most likely means (footprint_of: layout -> Footprint of the same call)."""
+def _hint(footprint, got: int, footprint_of, config) -> str:
+    """What a wrong count most likely means (footprint_of: layout -> Footprint of the same call; `config` the
+    model's, for the layers' cache kinds)."""
     other_offset = dataclasses.replace(footprint.layout, window_offset=-1 - footprint.layout.window_offset)
     other = footprint_of(other_offset)
     if got == other.total != footprint.total:
@@ -74,6 +76,17 @@ def _hint(footprint, got: int, footprint_of) -> str:
                         f"not the declared max_cache_len={footprint.layout.max_cache_len}: the engine's cache length "
                         "setting was ignored (transformers < 5.13 ignored generate()'s cache_config={'max_cache_len': "
                         "...} on the static path, #46424), and every new length re-sizes the cache")
+    caches = [t.cache for t in footprint.layers]
+    wide = dataclasses.replace(footprint, layers=tuple(dataclasses.replace(t, cache=expanded(t.cache, config))
+                                                       for t in footprint.layers))
+    if got == wide.total != footprint.total:
+        if any(isinstance(c, LatentLayer) for c in caches):
+            return ("the count matches K and V per head, the latent up-projected (kv_b_proj) before it was cached: "
+                    "multi-head latent attention caches the compressed latent and the shared RoPE key "
+                    f"({caches[0].shape} per position), which is its memory saving; cache those and up-project (or "
+                    "absorb the projection into the query and output) when attending")
+        return ("the count matches K and V repeated for every query head (num_attention_heads instead of "
+                "num_key_value_heads): a grouped-query cache holds each KV head once; repeat at attention time")
     if 2 * got == footprint.total:
         return "the count is exactly half the footprint: are keys or values left out?"
     if footprint.rows > 1 and got * footprint.rows == footprint.total:
@@ -118,7 +131,8 @@ def _check_footprint(kv_engine, prompts, what: str) -> None:
             Kind.MEMORY,
             f"engine '{kv_engine.name}' on model '{spec.name}', {what}, {new_tokens} new tokens: kv_cache_bytes() = "
             f"{format_bytes(got)} but its declared {layout} holds {format_bytes(footprint.total)} "
-            f"({got - footprint.total:+,} B)\n{footprint.explain()}\n  hint: {_hint(footprint, got, footprint_of)}",
+            f"({got - footprint.total:+,} B)\n{footprint.explain()}\n"
+            f"  hint: {_hint(footprint, got, footprint_of, spec.config)}",
         )
 
 

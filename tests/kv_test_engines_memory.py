@@ -53,9 +53,24 @@ class KeepsOutOfWindowKeys(DynamicBytes):
         return Greedy._run(self, prompt, steps, forced, cache=self.cache)
 
 
+class CachesExpandedLatent(DynamicBytes):
+    """Bug (memory only, tokens stay right) on a latent-attention model: what it keeps per layer is K and V per head,
+    the latent up-projected through kv_b_proj (the non-absorbed MLA path), not the latent itself."""
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        out = super()._run(prompt, steps, forced)
+        self.expanded = [tuple(t.contiguous() for t in layer.self_attn.expand_kv(c.keys, c.values))
+                         for layer, c in zip(self.model.model.layers, self.cache.layers)]
+        return out
+
+    def kv_cache_bytes(self):
+        return held_bytes([t for pair in self.expanded for t in pair])
+
+
 # The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
 # counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
-MUST_FAIL = ("NbytesNotStorage", "KeepsEveryCache", "KeepsOutOfWindowKeys")
+MUST_FAIL = ("NbytesNotStorage", "KeepsEveryCache", "KeepsOutOfWindowKeys", "CachesExpandedLatent")
 MUST_PASS = ("DynamicBytes",)
 MUST_SKIP: tuple[str, ...] = ()
 HELPERS: tuple[str, ...] = ()

@@ -12,6 +12,7 @@ from pytest_kvcompile.contract.engine import KVLayout
 from pytest_kvcompile.memory.measure import cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
 from pytest_kvcompile.models import zoo
 from pytest_kvcompile.models.checkpoints import with_cache
+from pytest_kvcompile.models.layers import expanded
 
 NEW_TOKENS = 5
 MAX_CACHE_LEN = 40
@@ -144,7 +145,8 @@ def test_sliding_layer_holds_more_than_its_nbytes():
 
 def test_per_layer_geometry():
     footprint = expected_kv_bytes(KVLayout(), _gemma4_wide_global(), torch.float32, 1, 10, 4)
-    assert [(t.kv_heads, t.head_dim) for t in footprint.layers] == [(2, 16), (1, 32), (2, 16), (1, 32)]
+    assert [getattr(t.cache, "kv_heads", 0) for t in footprint.layers] == [2, 1, 0, 0]  # 2 and 3 reuse 0's and 1's
+    assert [getattr(t.cache, "head_dim", 0) for t in footprint.layers] == [16, 32, 0, 0]
 
 
 def test_shared_kv_layers_hold_nothing():
@@ -152,7 +154,20 @@ def test_shared_kv_layers_hold_nothing():
     assert [(t.kind, t.positions) for t in footprint.layers] == [("sliding", 8), ("full", 13), ("shared", 0),
                                                                   ("shared", 0)]
     assert footprint.total == 2 * (8 + 13) * 2 * 2 * 16 * 2
-    assert "layer 2 (shared KV): 0" in footprint.explain()
+    assert "layer 2 (shared): 0 (reuses another layer's KV)" in footprint.explain()
+
+
+def test_latent_layers_hold_the_latent_and_the_rope_key():
+    """Multi-head latent attention (DeepSeek-V3): kv_lora_rank + qk_rope_head_dim values per position, no per-head K/V;
+    the per-head alternative (`expanded`) is what the hint compares with."""
+    config = zoo.ZOO["deepseek-v3"].build_config()
+    footprint = expected_kv_bytes(KVLayout(), config, torch.bfloat16, 2, 10, 4)
+    assert [(t.kind, t.positions, t.cache.values) for t in footprint.layers] == [("latent", 13, 32 + 8)] * 3
+    assert footprint.total == 3 * 2 * 13 * (32 + 8) * 2
+    assert expanded(footprint.layers[0].cache, config).values == 4 * ((16 + 8) + 16)
+    llama = zoo.ZOO["llama"].build_config()
+    gqa = expected_kv_bytes(KVLayout(), llama, torch.float32, 1, 4, 2).layers[0].cache
+    assert expanded(gqa, llama).values == 4 * 2 * 16  # GQA's 2 KV heads repeated for the 4 query heads
 
 
 # --------------------------------------------------------------------------- the suite on test engines
@@ -183,10 +198,10 @@ def test_memory_suite_passes_correct_and_fails_broken_engines(kvtester):
         "engine 'kv_test_engines_memory:NbytesNotStorage' on model 'mistral-sw', prompt 'long48' alone, 16 new "
         "tokens: kv_cache_bytes() = 3,584 B (3.5 KiB) but its declared KVLayout('dynamic') holds 4,096 B (4.0 KiB) "
         "(-512 B)",
-        "KVLayout('dynamic'), T = width 48 + new_tokens 16 - 1 = 63; bytes = rows x positions x 2 (K,V) x kv_heads x "
-        "head_dim x dtype bytes",
-        "  layer 0 (sliding): 1 x 8 [min(T=63, W=8)] x 2 x 2 x 16 x 4 = 2048",
-        "  layer 1 (sliding): 1 x 8 [min(T=63, W=8)] x 2 x 2 x 16 x 4 = 2048",
+        "KVLayout('dynamic'), T = width 48 + new_tokens 16 - 1 = 63; bytes = rows x positions x values per position "
+        "(the layer's kind) x dtype bytes",
+        "  layer 0 (sliding): 1 x 8 [min(T=63, W=8)] x 2 (K,V) x 2 kv_heads x 16 head_dim x 4 = 2048",
+        "  layer 1 (sliding): 1 x 8 [min(T=63, W=8)] x 2 (K,V) x 2 kv_heads x 16 head_dim x 4 = 2048",
         "  total: 4096",
         "  hint: the count matches KVLayout('dynamic', window_offset=-1), sliding layers holding W-1 positions, not W.*"
         "count storages with pytest_kvcompile.memory.measure.held_bytes, not tensor.nbytes*",
@@ -197,6 +212,22 @@ def test_memory_suite_passes_correct_and_fails_broken_engines(kvtester):
         "  live tensor bytes: 4,112 B (4.0 KiB) after 1 warmup call(s), then +4,112 B, +4,112 B, +4,112 B per call",
         "  hint: generate() keeps something per call (caches or outputs appended to a list*",
     ], consecutive=True)
+
+
+def test_a_latent_cache_held_per_head_fails_naming_the_latent(kvtester):
+    """Multi-head latent attention: the footprint is the latent's; an engine caching K and V per head (the latent
+    up-projected) fails with a hint naming that, while the correct engine on the same model passes."""
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines_memory:CachesExpandedLatent",
+                        "--kv-engine=kv_test_engines_memory:DynamicBytes", "--kv-zoo=deepseek-v3",
+                        "-k", "test_kv_cache_bytes and long48")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([
+        "engine 'kv_test_engines_memory:CachesExpandedLatent' on model 'deepseek-v3', prompt 'long48' alone, 16 new "
+        "tokens: kv_cache_bytes() = 120,960 B (118.1 KiB) but its declared KVLayout('dynamic') holds 30,240 B "
+        "(29.5 KiB) (+90,720 B)",
+        "*layer 0 (latent): 1 x 63 [[]T=63[]] x (32 kv_lora_rank + 8 qk_rope_head_dim) x 4 = 10080",
+        "*hint: the count matches K and V per head, the latent up-projected (kv_b_proj) before it was cached*",
+    ])
 
 
 def test_memory_held_skips_by_name_when_nothing_is_visible(kvtester):

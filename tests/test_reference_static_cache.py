@@ -76,7 +76,8 @@ def test_factories_and_declarations():
 
 def test_unsupported_models_and_devices_are_clear_errors(llama, tmp_path):
     config = MistralConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=1)
-    with pytest.raises(UnsupportedModel, match="StaticCache supports model_type 'llama' only.*'mistral'"):
+    with pytest.raises(UnsupportedModel, match="StaticCache supports full-attention layers only .*model 'mistral-sw' "
+                                               "has sliding layers"):
         StaticCache(ModelSpec("mistral-sw", tmp_path, config))
     assert issubclass(UnsupportedModel, ModelNotSupported)  # the plugin skips the model with this reason
     with pytest.raises(ValueError, match="needs a CUDA device for CUDA graphs, got device 'cpu'"):

@@ -247,6 +247,44 @@ def test_an_oracle_that_fails_its_self_check_skips_the_model_as_not_judged(kvtes
     assert (kvtester.path / "screened").read_text()  # caught by the screened float64 head
 
 
+REFUSING_KERNEL = '''
+import pytest
+from pytest_kvcompile.oracles import store
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config):
+    def refuses(self, prompt, tokens, tie_tolerance=0.0):  # as transformers' grouped experts kernel in float64
+        raise RuntimeError("Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double")
+
+    store.NoCacheRecompute.teacher_forced = refuses
+'''
+
+
+def test_an_oracle_that_cannot_run_is_not_checked_with_its_cause_never_the_engines_failure(kvtester):
+    """Issue 69: the float64 self-check raising (a kernel refusing float64) is no failure of the engine and no
+    traceback of ours: every token check on the model is a named skip saying what raised where and what to try, the
+    oracle-free checks still run, the verdict line says the oracle could not run, and no vacuous-run rule fires.
+    The fix it names (--kv-oracle-check=off) then judges the same engine."""
+    kvtester.makepyfile(refusing_kernel=REFUSING_KERNEL)
+    select = "(token_identity and (short7 or long48) and not batched) or test_determinism"
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "-p", "refusing_kernel", "-rs",
+                        f"--kv-cache-dir={kvtester.path / 'private-cache'}", "-k", select)
+    result.assert_outcomes(passed=2, skipped=2)  # the two determinism checks run, the two token checks skip
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*the oracle could not run on model 'llama' (float32, cpu): RuntimeError: Expected "
+                                 "mat_a to be Float32, BFloat16 or Float16 matrix, got Double at refusing_kernel.py:* "
+                                 "(refuses), in its float64 self-check (transformers eager greedy*; transformers *, "
+                                 "torch *). Its token checks on this model are not judged (no verdict on the engine); "
+                                 "try --kv-oracle-check=off*"])
+    result.stdout.fnmatch_lines(["PASS  kv_test_engines:Greedy: 2 passed, 2 skipped, not judged on llama (the oracle "
+                                 "could not run) (1 model)"])
+    assert "Traceback" not in result.stdout.str() and "no token was verified" not in result.stdout.str()
+    fixed = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "-p", "refusing_kernel", "-k", select,
+                       f"--kv-cache-dir={kvtester.path / 'private-cache'}", "--kv-oracle-check=off")
+    fixed.assert_outcomes(passed=4)
+
+
 def test_the_kv_check_fixture_is_the_deprecated_spelling_of_kv_check_tokens(kvtester):
     """Downstream tests written with ``kv_check`` or ``kv_engine.check`` keep working, warned to move to
     ``kv_check_tokens`` (issue 27)."""

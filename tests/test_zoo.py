@@ -21,7 +21,7 @@ from pytest_kvcompile.models import prompts, zoo
 from pytest_kvcompile.models.checkpoints import returned_cache, with_cache
 
 NAMES = list(zoo.ZOO)
-WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "qwen2-sw", "gemma2-hybrid"]
+WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt-oss", "qwen2-sw", "gemma2-hybrid"]
 #: zoo name -> (sliding layers, attention window, shared-KV layers)
 LAYOUT = {
     "llama": ([], None, []),
@@ -29,6 +29,11 @@ LAYOUT = {
     "gemma3-hybrid": ([0, 2], zoo.WINDOW, []),
     "gemma4-kvshared": ([0, 2], zoo.WINDOW, [2, 3]),
     "gpt2-abspos": ([], None, []),
+    "qwen3": ([], None, []),
+    "phi3": ([], None, []),
+    "qwen3-moe": ([], None, []),
+    "deepseek-v3": ([], None, []),
+    "gpt-oss": ([0, 2], zoo.WINDOW, []),
     "qwen2-sw": ([0, 1], zoo.WINDOW, []),
     "gemma2-hybrid": ([0, 2], zoo.WINDOW, []),
     "llama-yarn": ([], None, []),
@@ -53,9 +58,13 @@ def load(tmp_path_factory):
 
 
 def test_zoo_names_in_order():
-    assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos", "qwen2-sw",
-                     "gemma2-hybrid", "llama-yarn"]
-    assert [n for n, m in zoo.ZOO.items() if not m.in_all] == ["qwen2-sw", "gemma2-hybrid", "llama-yarn"]  # named only
+    assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos", "qwen3", "phi3",
+                     "qwen3-moe", "deepseek-v3", "gpt-oss", "qwen2-sw", "gemma2-hybrid", "llama-yarn"]
+    assert zoo.GROUPS["all"] == NAMES[:5] == zoo.GROUPS["classic"]
+    assert zoo.GROUPS["served"] == ["qwen3", "phi3", "qwen3-moe", "deepseek-v3", "gpt-oss"]
+    assert zoo.GROUPS["released"] == ["qwen2-sw", "gemma2-hybrid", "llama-yarn"]  # named only, as the served ones
+    assert zoo.selected(["llama", "served", "qwen3"]) == ["llama", "qwen3", "phi3", "qwen3-moe", "deepseek-v3",
+                                                          "gpt-oss"]
     assert all(m.name == n and m.description and "\n" not in m.description for n, m in zoo.ZOO.items())
 
 
@@ -320,3 +329,26 @@ def test_a_changed_code_hash_builds_the_zoo_and_the_oracle_store_anew(tmp_path, 
     changed = _CountingOracle()
     stored(changed).cached_reference([3, 4, 5], 2)
     assert changed.computed == 1  # a new key: computed anew, never the old entry
+
+
+@pytest.mark.parametrize("name", [n for n in zoo.GROUPS["served"] if n in ("qwen3-moe", "deepseek-v3", "gpt-oss")])
+def test_the_truths_per_expert_path_computes_what_the_grouped_kernel_does(name, zoo_cache):
+    """Issue 69: transformers' grouped experts kernel refuses float64, so the float64 truth runs the per-expert loop
+    (checkpoints.per_expert): in float32 both give the same logits to rounding, the widened float64 forward runs,
+    agrees with them, and leaves the model's own implementation as it was."""
+    from pytest_kvcompile.models.checkpoints import experts_implementation, per_expert, pretrained
+    from pytest_kvcompile.oracles.truth import Widened
+
+    model = pretrained(zoo.checkpoint(name, zoo_cache), torch.float32).eval()
+    own = experts_implementation(model)
+    assert own is not None and set(own.values()) != {"eager"}  # the grouped kernel by default
+    ids = torch.randint(0, 256, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        grouped = model(ids).logits
+        wide = Widened(model)(input_ids=ids).logits
+        assert experts_implementation(model) == own  # restored after the float64 call
+        per_expert(model)
+        looped = model(ids).logits
+    torch.testing.assert_close(looped, grouped, atol=1e-5, rtol=1e-5)
+    assert wide.dtype == torch.float64
+    torch.testing.assert_close(wide.float(), grouped, atol=1e-4, rtol=1e-4)

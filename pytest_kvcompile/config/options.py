@@ -234,8 +234,9 @@ OPTIONS = [
     Option(MODEL, "kv_models", [], "local Hugging Face checkpoint directory to add to the model zoo (repeatable)",
            "PATH", str, "linelist"),
     Option(ZOO, "kv_zoo", "all",
-           "comma-separated built-in tiny models to use ('all': all but the named-only qwen2-sw, gemma2-hybrid and "
-           "llama-yarn; 'none'; or names such as 'llama,mistral-sw')", "NAMES"),
+           "comma-separated built-in tiny models or groups to use ('all': the classic group, dense models of 2023; "
+           "'served': the architectures served in 2026, MoE, latent attention, sinks, qk-norm, partial RoPE; "
+           "'released': the released-bug rows' models; 'none'; or names such as 'llama,deepseek-v3')", "NAMES"),
     Option(ZOO_HEAD_DIM, "kv_zoo_head_dim", "16",
            "head_dim of every zoo model (default: 16; an even number >= 2). Engines whose kernels need larger heads "
            "(vLLM's CPU attention: 32 and up) run the same zoo with e.g. 32", "N", _head_dim),

@@ -67,8 +67,9 @@ class KVLayout:
     T = positions written by ``generate(prompts, new_tokens)`` = prompt width + new_tokens - 1: the
     width is the longest prompt (a batch is one padded cache of one row per prompt) and the last
     generated token is never fed back. W = the model's ``sliding_window``. Per layer with its own KV
-    (KV-sharing layers hold none), each of K and V holds ``rows x kv_heads x head_dim`` values per position, as
-    `allocation` (the first argument; ``kind=`` is its deprecated spelling) says:
+    (KV-sharing layers hold none), each position holds what the layer's cache kind holds (models/layers.py: K and V
+    of ``kv_heads x head_dim`` each; a latent-attention layer its ``kv_lora_rank + qk_rope_head_dim`` latent), per
+    row, for as many positions as `allocation` (the first argument; ``kind=`` is its deprecated spelling) says:
 
     ============  ==========================  =====================================================
     allocation    full-attention layer        sliding-window layer (S = W + window_offset)

@@ -26,7 +26,7 @@ import torch
 
 from pytest_kvcompile.contract.engine import KVLayout
 from pytest_kvcompile.memory.units import format_bytes
-from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
+from pytest_kvcompile.models.layers import LayerCache, layer_caches
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -139,17 +139,22 @@ def held_by(root: Any, limit: int = 500_000) -> Held:
 
 @dataclass(frozen=True)
 class LayerTerm:
-    """One layer's share of the footprint."""
+    """One layer's share of the footprint: its cache kind (models/layers.py) and the positions it holds."""
 
-    layer: int
-    kind: str  # "full", "sliding" or "shared"
+    cache: LayerCache
     positions: int
     why: str
-    kv_heads: int
-    head_dim: int
+
+    @property
+    def layer(self) -> int:
+        return self.cache.layer
+
+    @property
+    def kind(self) -> str:  # "full", "sliding", "latent" or "shared"
+        return self.cache.kind
 
     def bytes(self, rows: int, itemsize: int) -> int:
-        return rows * self.positions * 2 * self.kv_heads * self.head_dim * itemsize
+        return rows * self.positions * self.cache.values * itemsize
 
 
 @dataclass(frozen=True)
@@ -171,42 +176,28 @@ class Footprint:
         """The formula with its terms, one line per layer."""
         lines = [f"{self.layout}, T = width {self.width} + new_tokens {self.new_tokens} - 1 = "
                  f"{self.width + self.new_tokens - 1}; "
-                 f"bytes = rows x positions x 2 (K,V) x kv_heads x head_dim x dtype bytes"]
+                 f"bytes = rows x positions x values per position (the layer's kind) x dtype bytes"]
         for t in self.layers:
-            if t.kind == "shared":
-                lines.append(f"  layer {t.layer} (shared KV): 0")
+            if not t.cache.values:
+                lines.append(f"  layer {t.layer} ({t.kind}): {t.cache.shape}")
                 continue
-            lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x {t.positions} [{t.why}] x 2 x {t.kv_heads} x "
-                         f"{t.head_dim} x {self.itemsize} = {t.bytes(self.rows, self.itemsize)}")
+            lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x {t.positions} [{t.why}] x {t.cache.shape} x "
+                         f"{self.itemsize} = {t.bytes(self.rows, self.itemsize)}")
         lines.append(f"  total: {self.total}")
         return "\n".join(lines)
-
-
-def _geometry(config: Any, layer: int) -> tuple[int, int]:
-    """(kv_heads, head_dim) of one layer: transformers' per-layer view where it has one (Gemma4's global layers)."""
-    per_layer = getattr(config, "per_layer_config", None)
-    c = per_layer[layer] if per_layer is not None else config
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    return heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
 
 
 def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: int, width: int,
                       new_tokens: int) -> Footprint:
     """The footprint `layout` holds after ``generate(<rows prompts, longest `width`>, new_tokens)`` on `config`
-    (``layout.rows`` rows where it fixes them)."""
+    (``layout.rows`` rows where it fixes them), each layer by its cache kind (models/layers.py)."""
     if new_tokens < 2:
         raise ValueError(f"expected_kv_bytes needs new_tokens >= 2 (at least one decode step), got {new_tokens}")
     written = width + new_tokens - 1
-    sliding, shared = set(sliding_layers(config)), set(shared_kv_layers(config))
     terms = []
-    for layer in range(config.num_hidden_layers):
-        heads, head_dim = _geometry(config, layer)
-        if layer in shared:
-            terms.append(LayerTerm(layer, "shared", 0, "reuses another layer's KV", heads, head_dim))
-            continue
-        window = config.sliding_window if layer in sliding else None
-        positions, why = layout.positions(written, window)
-        terms.append(LayerTerm(layer, "sliding" if window else "full", positions, why, heads, head_dim))
+    for cache in layer_caches(config):
+        positions, why = layout.positions(written, cache.window) if cache.values else (0, "reuses another layer's KV")
+        terms.append(LayerTerm(cache, positions, why))
     return Footprint(layout, layout.rows or rows, width, new_tokens, dtype.itemsize, tuple(terms))
 
 

@@ -62,7 +62,34 @@ def pretrained(path: Path | str, dtype: torch.dtype, **kwargs: Any):
     from transformers import AutoModelForCausalLM
 
     keyword = "dtype" if transformers_version() >= (4, 56) else "torch_dtype"
-    return AutoModelForCausalLM.from_pretrained(path, **{keyword: dtype}, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(path, **{keyword: dtype}, **kwargs)
+    if dtype == torch.float64:
+        per_expert(model)
+    return model
+
+
+#: transformers' experts implementation that loops over experts with plain matmuls: the one that runs in float64
+#: (its default, "grouped_mm", calls torch's grouped GEMM, which refuses float64 on every device)
+PER_EXPERT = "eager"
+
+
+def experts_implementation(model: Any) -> dict[str, str | None] | None:
+    """`model`'s experts implementation (transformers' `get_experts_implementation`), None where it has no routed
+    experts it can set (a dense model, or a transformers without the switch)."""
+    can = getattr(model, "_can_set_experts_implementation", None)
+    if not (callable(can) and can() and hasattr(model, "get_experts_implementation")):
+        return None
+    return model.get_experts_implementation()
+
+
+def per_expert(model: Any) -> dict[str, str | None] | None:
+    """Switch a mixture-of-experts `model` to the per-expert loop (PER_EXPERT), the same function as the grouped
+    kernel (checked to float32's rounding in tests/test_zoo.py and by the float64 self-check of every float32 run)
+    that also runs in float64; returns what to restore (`set_experts_implementation`), None for a dense model."""
+    before = experts_implementation(model)
+    if before is not None and set(before.values()) - {PER_EXPERT, None}:
+        model.set_experts_implementation(PER_EXPERT)
+    return before
 
 
 def keep_last(model: Any, n: int) -> dict[str, int]:
@@ -124,11 +151,11 @@ def max_positions(config: Any) -> int | None:
 
 def collect(settings: Settings) -> dict[str, ModelEntry]:
     """Zoo entries (as selected) then local checkpoints; a bad selection is a usage error."""
-    names = [n for n, m in zoo.ZOO.items() if m.in_all] if settings.zoo is None else list(settings.zoo)
+    names = zoo.selected(["all"] if settings.zoo is None else list(settings.zoo))
     unknown = [n for n in names if n not in zoo.ZOO]
     if unknown:
-        raise UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; "
-                         f"choose from {', '.join(zoo.ZOO)}, 'all' or 'none'")
+        raise UsageError(f"{ZOO}: unknown zoo model(s) {unknown}; choose from {', '.join(zoo.ZOO)}, a group "
+                         f"({', '.join(repr(g) for g in zoo.GROUPS)}) or 'none'")
     entries: dict[str, ModelEntry] = {}
     for name in names:
         try:

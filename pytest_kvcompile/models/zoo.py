@@ -48,6 +48,7 @@ SEED = 20240601
 WEIGHT_GAIN = 1.5
 HEAD_GAIN = 4.0
 WINDOW = 8  # sliding window of every windowed zoo model
+ROUTER_BIAS = 0.1  # std of a router's saved score-correction bias (its sigmoid scores lie in (0, 1))
 HEAD_DIM = 16  # the default; --kv-zoo-head-dim builds the zoo with another (vLLM's CPU kernels need >= 32)
 
 _TINY: dict[str, Any] = dict(
@@ -79,7 +80,8 @@ class ZooModel:
     _build: Callable[[dict[str, Any]], Any] = field(repr=False, compare=False)
     weight_gain: float = WEIGHT_GAIN
     head_gain: float = HEAD_GAIN
-    in_all: bool = True  # False: run only when named (--kv-zoo=NAME), for the released-bug rows
+    in_all: bool = True  # False: run only when named (--kv-zoo=NAME or its group), for the released-bug rows
+    group: str = "classic"  # a name --kv-zoo accepts for the group's models (GROUPS)
 
     def build_config(self, head_dim: int = HEAD_DIM) -> transformers.PretrainedConfig:  # noqa: F821
         return self._build({**_TINY, "head_dim": head_dim})
@@ -154,6 +156,51 @@ def _gemma4_or_gemma3n(tiny):
     return gemma3n(**shared, laurel_rank=8, altup_num_inputs=2, activation_sparsity_pattern=[0.0] * 4)
 
 
+#: default RoPE for the served architectures whose configs default to a scaled one (DeepSeek-V3's YaRN over 4,096
+#: original positions, GPT-OSS's over 4,096): at the zoo's 512 positions that scaling only warns
+PLAIN_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def _qwen3(tiny):
+    """Qwen3: per-head RMSNorm of q and k before RoPE (qk-norm)."""
+    return _config_class("Qwen3Config", "Qwen3 (needs >= 4.51)")(**tiny, num_hidden_layers=2)
+
+
+def _phi3(tiny):
+    """Phi-3: one fused qkv projection, RoPE on the first half of each head (partial_rotary_factor 0.5)."""
+    heads = {k: v for k, v in tiny.items() if k != "head_dim"}  # Phi-3 derives head_dim = hidden / heads
+    return _config_class("Phi3Config", "Phi-3 (needs >= 4.40)")(
+        **{**heads, "hidden_size": tiny["num_attention_heads"] * tiny["head_dim"]}, num_hidden_layers=2,
+        partial_rotary_factor=0.5)
+
+
+def _qwen3_moe(tiny):
+    """Qwen3-MoE: 8 routed experts, top-2 after a softmax, renormalised (norm_topk_prob), every layer sparse."""
+    return _config_class("Qwen3MoeConfig", "Qwen3-MoE (needs >= 4.51)")(
+        **tiny, num_hidden_layers=2, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+
+
+def _deepseek_v3(tiny):
+    """DeepSeek-V3: multi-head latent attention (the cache holds a 32-wide latent and an 8-wide shared RoPE key per
+    token), a dense first layer, then 8 routed experts in 4 groups (top-2 groups, top-2 experts by sigmoid scores
+    plus a correction bias, renormalised, scaled) beside one shared expert."""
+    heads = {k: v for k, v in tiny.items() if k != "head_dim"}
+    return _config_class("DeepseekV3Config", "DeepSeek-V3 (needs >= 4.51)")(
+        **{**heads, "num_key_value_heads": tiny["num_attention_heads"]}, num_hidden_layers=3, first_k_dense_replace=1,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, moe_intermediate_size=32,
+        n_shared_experts=1, routed_scaling_factor=2.5, norm_topk_prob=True, kv_lora_rank=32, q_lora_rank=48,
+        qk_rope_head_dim=8, qk_nope_head_dim=tiny["head_dim"], v_head_dim=tiny["head_dim"],
+        rope_parameters=dict(PLAIN_ROPE))
+
+
+def _gpt_oss(tiny):
+    """GPT-OSS: a learned attention-sink logit per head, layers alternating sliding and full, 4 experts top-2."""
+    return _config_class("GptOssConfig", "GPT-OSS (needs >= 4.55)")(
+        **tiny, num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW,
+        num_local_experts=4, num_experts_per_tok=2, rope_parameters=dict(PLAIN_ROPE))
+
+
 def _gpt2(tiny):
     """GPT-2 with the tiny sizes; `hidden = heads * head_dim` (no KV groups, no separate head_dim)."""
     heads = tiny["num_attention_heads"]
@@ -181,15 +228,37 @@ ZOO: dict[str, ZooModel] = {
         ),
         ZooModel("gpt2-abspos", "GPT-2, 2 layers, learned absolute position embeddings, 4 heads (no GQA)", _gpt2,
                  weight_gain=2.0, head_gain=4.5),
+        # The architectures served in 2026 (--kv-zoo=served): qk-norm, partial RoPE, routed experts, latent attention,
+        # attention sinks.
+        ZooModel("qwen3", "Qwen3, 2 layers, per-head q/k RMSNorm (qk-norm), GQA 4/2", _qwen3, in_all=False,
+                 group="served", weight_gain=2.0),  # at 1.5 one continuation of 32 repeats (6 distinct tokens)
+        ZooModel("phi3", "Phi-3, 2 layers, fused qkv, RoPE on half of each head (partial rotary)", _phi3,
+                 in_all=False, group="served"),
+        ZooModel("qwen3-moe", "Qwen3-MoE, 2 layers, 8 routed experts top-2 (softmax, renormalised)", _qwen3_moe,
+                 in_all=False, group="served"),
+        ZooModel("deepseek-v3", "DeepSeek-V3, 3 layers, latent attention (MLA: 32+8 cached per token), a dense "
+                 "layer, then 8 experts in 4 groups top-2 with a correction bias and a shared expert", _deepseek_v3,
+                 in_all=False, group="served"),
+        ZooModel("gpt-oss", f"GPT-OSS, 4 layers alternating sliding (window {WINDOW}) and full, learned attention "
+                 "sinks, 4 experts top-2", _gpt_oss, in_all=False, group="served"),
         # Named only (not in 'all'): the architectures of released 4.x bugs (docs/released-bugs.md).
         ZooModel("qwen2-sw", f"Qwen2, 2 layers, every layer sliding (window {WINDOW}), q/k/v biases; named only",
-                 _qwen2, in_all=False),
+                 _qwen2, in_all=False, group="released"),
         ZooModel("gemma2-hybrid", f"Gemma2 text, 4 layers alternating sliding (window {WINDOW}) and global; named only",
-                 _hybrid("Gemma2Config", "Gemma2 (needs >= 4.42)"), in_all=False),
+                 _hybrid("Gemma2Config", "Gemma2 (needs >= 4.42)"), in_all=False, group="released"),
         ZooModel("llama-yarn", "Llama, 2 layers, YaRN RoPE (factor 4 over 128 original positions); named only",
-                 _llama_yarn, in_all=False),
+                 _llama_yarn, in_all=False, group="released"),
     )
 }
+
+#: the names --kv-zoo accepts besides the models' own: 'all' (every model in 'all') and each group
+GROUPS = {"all": [m.name for m in ZOO.values() if m.in_all],
+          **{g: [m.name for m in ZOO.values() if m.group == g] for g in dict.fromkeys(m.group for m in ZOO.values())}}
+
+
+def selected(names: list[str]) -> list[str]:
+    """`names` (zoo names or GROUPS names) as zoo names, groups expanded in zoo order, each once."""
+    return list(dict.fromkeys(n for name in names for n in GROUPS.get(name, [name])))
 
 
 @functools.cache
@@ -225,6 +294,8 @@ def _fan_in(module: torch.nn.Module, param: torch.Tensor) -> int:
         return module.in_features
     if isinstance(module, Conv1D):
         return module.weight.shape[0]
+    if param.dim() == 3 and getattr(module, "is_transposed", False):  # experts stored [experts, in, out] (GPT-OSS)
+        return param.shape[-2]
     return param.shape[-1]
 
 
@@ -241,6 +312,9 @@ def _build_model(config, weight_gain: float = WEIGHT_GAIN, head_gain: float = HE
             if "norm" not in name and not isinstance(module, torch.nn.LayerNorm):
                 gain = head_gain if name.startswith("lm_head.") else weight_gain
                 param.copy_(torch.randn(param.shape, generator=gen) * (gain / _fan_in(module, param) ** 0.5))
+        for name, buffer in sorted(model.state_dict().items()):  # a router's saved bias (DeepSeek-V3's correction)
+            if name.endswith("correction_bias") and buffer.is_floating_point():
+                buffer.copy_(torch.randn(buffer.shape, generator=gen) * ROUTER_BIAS)
     return model.eval()
 
 
@@ -328,10 +402,12 @@ __all__ = [
     "WEIGHT_GAIN",
     "WINDOW",
     "ZOO",
+    "GROUPS",
     "ModelUnavailable",
     "ZooModel",
     "attention_window",
     "checkpoint",
+    "selected",
     "shared_kv_layers",
     "sliding_layers",
 ]

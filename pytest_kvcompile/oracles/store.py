@@ -45,7 +45,7 @@ from typing import Any
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
-from pytest_kvcompile.errors import OracleUnreliable
+from pytest_kvcompile.errors import COULD_NOT_RUN, OracleUnavailable, OracleUnreliable, UsageError
 from pytest_kvcompile.models.checkpoints import keep_last
 from pytest_kvcompile.models.zoo import code_hash, shared_kv_layers
 from pytest_kvcompile.oracles import precision
@@ -170,6 +170,7 @@ class StoredOracle:
         self.check_absent: str | None = None  # why no independent path exists for this oracle (reported)
         self._checked: set[tuple] = set()
         self.unreliable: str | None = None
+        self.unavailable: str | None = None  # why the oracle could not run on the model (`_ran`)
         self.score_noise: ScoreNoise | None = None  # 16-bit eviction oracles: the measured noise of the policy's cuts
 
     def measure_score_noise(self, spec: ModelSpec) -> None:
@@ -207,10 +208,23 @@ class StoredOracle:
         if key not in self._memo:
             found = self._disk.load(key)
             if found is None:
-                found = compute()
+                found = self._ran(key[0], compute)
                 self._disk.save(key, found)
             self._memo[key] = found
         return self._memo[key]
+
+    def _ran(self, what: str, compute: Callable[[], Any]) -> Any:
+        """`compute()`, the oracle's work named `what` (a store key's kind); where it raises, this oracle cannot run on
+        the model: OracleUnavailable with the cause (`could_not_run`), now and for every later computation."""
+        if self.unavailable:
+            raise OracleUnavailable(self.unavailable)
+        try:
+            return compute()
+        except UsageError:
+            raise
+        except Exception as exc:
+            self.unavailable = self.unreliable = could_not_run(self.spec, self.source, what, exc)
+            raise OracleUnavailable(self.unavailable) from None
 
     @property
     def lazy(self) -> bool:
@@ -336,7 +350,7 @@ class StoredOracle:
         if key in self._checked:
             return
         if self._independent is None:
-            self._independent = independent(self.strategy, self.spec, self.oracle)
+            self._independent = self._ran("independent", lambda: independent(self.strategy, self.spec, self.oracle))
         path, name = self._independent
         if path is None:
             self.check_absent = name
@@ -366,3 +380,37 @@ class StoredOracle:
                 )
                 raise OracleUnreliable(self.unreliable)
         self._checked.add(key)
+
+
+#: what each of the store's computations is, for a message naming where the oracle could not run (`_ran`), and what
+#: to try there besides another transformers version
+_STAGES = {
+    "load": ("loading it", "--kv-oracle=eager (the engine's own eager mode as the oracle)"),
+    "reference": ("its greedy decode", "--kv-oracle=eager (the engine's own eager mode as the oracle)"),
+    "forced": ("its teacher-forced forward along the engine's tokens",
+               "--kv-oracle=eager (the engine's own eager mode as the oracle)"),
+    "independent": ("its float64 self-check", "--kv-oracle-check=off (the oracle without its float64 self-check: "
+                    "its near ties are then not checked against float64)"),
+    "computations": ("the equivalent 16-bit computations of the noise calibration",
+                     "--kv-tie-tolerance, --kv-max-near-ties and --kv-max-near-tie-rate given explicitly"),
+    "noise": ("the 16-bit noise calibration",
+              "--kv-tie-tolerance, --kv-max-near-ties and --kv-max-near-tie-rate given explicitly"),
+    "kv_noise": ("the noise calibration of the declared KV cache dtype", "a run without Declaration.kv_cache_dtype"),
+    "score_noise": ("the 16-bit eviction noise calibration", "a float32 run (--kv-dtype=float32)"),
+}
+
+
+def could_not_run(spec: ModelSpec, source: str, what: str, exc: BaseException) -> str:
+    """The message of an oracle that raised `exc` in its computation `what` on `spec`'s model: the cause, the frame
+    that raised it, what to try; never a verdict on the engine."""
+    import traceback
+    from importlib.metadata import version
+
+    stage, fix = _STAGES.get(what, (f"its '{what}' computation", "--kv-oracle=eager"))
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})" if frames else ""
+    cause = str(exc).strip().splitlines()[0] if str(exc).strip() else "(no message)"
+    return (f"{COULD_NOT_RUN} on model '{spec.name}' ({dtype_name(spec.dtype)}, {spec.device}): "
+            f"{type(exc).__name__}: {cause}{where}, in {stage} ({source}; transformers {version('transformers')}, "
+            f"torch {torch.__version__}). Its token checks on this model are not judged (no verdict on the engine); "
+            f"try {fix}, or another transformers version")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.models.checkpoints import per_expert
 
 WIDE_AT_ONCE = 1 << 24  # the most weights of one module `Widened` holds in float64 at once (128 MiB)
 
@@ -157,6 +158,7 @@ class Widened:
                                                m.register_forward_hook(narrow, always_call=True))]
         for module in big:
             module.forward = forwards.get(id(module)) or functools.partial(_sliced, module)
+        experts = per_expert(self.model)  # routed experts: the grouped kernel refuses float64
         try:
             return self.model(*args, **kwargs)
         finally:
@@ -164,6 +166,8 @@ class Widened:
                 handle.remove()
             for module in big:
                 del module.forward
+            if experts is not None:
+                self.model.set_experts_implementation(experts)
 
 
 def _sliced(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pytest_kvcompile.errors import COULD_NOT_RUN
 from pytest_kvcompile.verdicts.failures import Problem
 from pytest_kvcompile.verdicts.rows import Outcomes, Row
 
@@ -93,8 +94,8 @@ def verdicts(rows: list[Row], problems: Sequence[Problem] = ()) -> list[tuple[st
         models = len({r.model for r in mine})
         rule = f", {ruled} run rule(s) failed" if ruled else ""
         unjudged = sorted({r.model for r in mine if r.oracle_errors})
-        if unjudged:  # skips, named: the oracle failed its self-check there (oracles/store.py)
-            rule += f", not judged on {', '.join(unjudged)} (oracle unreliable)"
+        if unjudged:  # skips, named: the oracle failed its self-check there, or could not run (oracles/store.py)
+            rule += ", not judged on " + ", ".join(f"{m} ({_unjudged(mine, m)})" for m in unjudged)
         excluded = sorted({i for r in mine for i in r.excluded_ids})
         if excluded:  # Declaration.never_emits: named, with the steps it decided
             steps = sum(r.excluded_tokens for r in mine)
@@ -107,6 +108,13 @@ def verdicts(rows: list[Row], problems: Sequence[Problem] = ()) -> list[tuple[st
         found.append((engine, verdict, f"{shown or 'no tests'}{rule} ({models} model{'s' if models != 1 else ''})"))
     order = ("FAIL", "NOT CHECKED", "PASS with known findings", "PASS")
     return sorted(found, key=lambda f: order.index(f[1]))  # failures first
+
+
+def _unjudged(rows: list[Row], model: str) -> str:
+    """Why an engine's token checks on `model` were not judged, in a verdict line: the oracle could not run there, or
+    failed its self-check."""
+    errors = [e for r in rows if r.model == model for e in r.oracle_errors]
+    return COULD_NOT_RUN if any(e.startswith(COULD_NOT_RUN) for e in errors) else "oracle unreliable"
 
 
 def verdict_lines(rows: list[Row], problems: Sequence[Problem] = ()) -> list[str]:

@@ -35,7 +35,7 @@ from pytest_kvcompile.contract.engine import (
     never_emitted,
 )
 from pytest_kvcompile.contract.registry import SERVER_SOURCE, EngineRef
-from pytest_kvcompile.errors import NotApplicable, Skipped, Unjudgeable, UsageError, fail
+from pytest_kvcompile.errors import NotApplicable, OracleUnavailable, Skipped, Unjudgeable, UsageError, fail
 from pytest_kvcompile.latency.marker import Settings as LatencySettings
 from pytest_kvcompile.memory.measure import available_bytes
 from pytest_kvcompile.memory.units import format_bytes
@@ -46,7 +46,7 @@ from pytest_kvcompile.models.zoo import code_hash
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
 from pytest_kvcompile.oracles.recorded import Recorded, References, content_digest
-from pytest_kvcompile.oracles.store import StoredOracle
+from pytest_kvcompile.oracles.store import StoredOracle, could_not_run
 from pytest_kvcompile.recompiles.hooks import import_inductor_quietly
 from pytest_kvcompile.recompiles.recorder import reset_dynamo
 from pytest_kvcompile.run import host as hosts
@@ -348,6 +348,10 @@ class Session:
                 raw = oracle_for(strategy, judged)
             except (NoOracle, ModelNotSupported) as exc:
                 self._oracles[key] = f"no oracle for {who} on model '{model}': {exc}"
+            except UsageError:
+                raise
+            except Exception as exc:  # not the engine's failure: its token checks there are not judged, named
+                self._oracles[key] = OracleUnavailable(could_not_run(judged, f"the oracle of {who}", "load", exc))
             else:
                 exact = strategy.kind == "exact"
                 # the noise of equivalent 16-bit computations along an engine's tokens (exact attention only)
@@ -359,6 +363,8 @@ class Session:
                     digests=self._digests)
                 if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
                     stored.measure_score_noise(spec)
+        if isinstance(self._oracles[key], OracleUnavailable):
+            raise OracleUnavailable(self._oracles[key].msg)
         return self._oracles[key]
 
     def _engine_rules(self, model: str, kv_cache_dtype: str | None) -> precision.Rules:

@@ -1,0 +1,179 @@
+"""What each layer of a model caches per position, read from its config: one type per cache kind, as transformers'
+`cache_utils.py` has a layer class per kind. The memory check (memory/measure.py) and the reports ask a layer's kind,
+never a model's `model_type`:
+
+==================  =======================================================  ==========================================
+kind                cached per position                                      config fields read
+==================  =======================================================  ==========================================
+`KVLayer` full      K and V: 2 x kv_heads x head_dim values                  num_key_value_heads, head_dim
+`KVLayer` sliding   the same, for the last W positions only                  sliding_window, layer_types
+`LatentLayer`       multi-head latent attention (MLA): one compressed        kv_lora_rank, qk_rope_head_dim
+                    latent (kv_lora_rank) and one shared RoPE key
+                    (qk_rope_head_dim), no per-head K or V
+`SharedLayer`       nothing: it reads an earlier layer's K/V                 num_kv_shared_layers
+==================  =======================================================  ==========================================
+
+Attention sinks (GPT-OSS's learned per-head logit) add no cache entry: the sink is a parameter, not a position, so a
+layer with sinks is a `KVLayer` like any other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """One layer's cache: `values` per position and row (0: it holds none), and how it is described."""
+
+    layer: int
+
+    @property
+    def kind(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def values(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def window(self) -> int | None:
+        """Positions it keeps at most (a sliding window), None: every position."""
+        return None
+
+    @property
+    def shape(self) -> str:
+        """Its values per position as a product of the config's sizes, for a footprint's explanation."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class KVLayer(LayerCache):
+    """Per-head keys and values (GQA/MQA/MHA), full or sliding."""
+
+    kv_heads: int
+    head_dim: int
+    sliding_window: int | None = None
+
+    @property
+    def kind(self) -> str:
+        return "sliding" if self.sliding_window else "full"
+
+    @property
+    def values(self) -> int:
+        return 2 * self.kv_heads * self.head_dim
+
+    @property
+    def window(self) -> int | None:
+        return self.sliding_window
+
+    @property
+    def shape(self) -> str:
+        return f"2 (K,V) x {self.kv_heads} kv_heads x {self.head_dim} head_dim"
+
+
+@dataclass(frozen=True)
+class LatentLayer(LayerCache):
+    """Multi-head latent attention: the compressed latent and the shared RoPE key, the same for every head."""
+
+    latent: int
+    rope_dim: int
+
+    @property
+    def kind(self) -> str:
+        return "latent"
+
+    @property
+    def values(self) -> int:
+        return self.latent + self.rope_dim
+
+    @property
+    def shape(self) -> str:
+        return f"({self.latent} kv_lora_rank + {self.rope_dim} qk_rope_head_dim)"
+
+
+@dataclass(frozen=True)
+class SharedLayer(LayerCache):
+    """A layer reading an earlier layer's K/V (Gemma3n, Gemma4): it caches nothing of its own."""
+
+    @property
+    def kind(self) -> str:
+        return "shared"
+
+    @property
+    def values(self) -> int:
+        return 0
+
+    @property
+    def shape(self) -> str:
+        return "0 (reuses another layer's KV)"
+
+
+@dataclass(frozen=True)
+class ExpandedLayer(LayerCache):
+    """What an engine holds that caches a layer's K and V per query head (`expanded`): GQA's shared heads repeated,
+    or MLA's latent up-projected; never a layer of a config, only a footprint's alternative for a hint."""
+
+    heads: int
+    key_dim: int
+    value_dim: int
+    window_of: int | None = None
+    of: str = "full"
+
+    @property
+    def kind(self) -> str:
+        return self.of
+
+    @property
+    def values(self) -> int:
+        return self.heads * (self.key_dim + self.value_dim)
+
+    @property
+    def window(self) -> int | None:
+        return self.window_of
+
+    @property
+    def shape(self) -> str:
+        return f"{self.heads} heads x ({self.key_dim} + {self.value_dim})"
+
+
+def expanded(cache: LayerCache, config: Any) -> LayerCache:
+    """`cache` as an engine holds it that keeps K and V per query head: a latent layer up-projected
+    (num_attention_heads x (qk_nope + qk_rope + v_head_dim)), a GQA layer's K/V repeated for every query head."""
+    heads = config.num_attention_heads
+    if isinstance(cache, LatentLayer):
+        key = int(getattr(config, "qk_nope_head_dim", 0)) + cache.rope_dim
+        return ExpandedLayer(cache.layer, heads, key, int(getattr(config, "v_head_dim", key)), of="latent")
+    if isinstance(cache, KVLayer) and cache.kv_heads < heads:
+        return ExpandedLayer(cache.layer, heads, cache.head_dim, cache.head_dim, cache.window, cache.kind)
+    return cache
+
+
+def _geometry(config: Any, layer: int) -> tuple[int, int]:
+    """(kv_heads, head_dim) of one layer: transformers' per-layer view where it has one (Gemma4's global layers)."""
+    per_layer = getattr(config, "per_layer_config", None)
+    c = per_layer[layer] if per_layer is not None else config
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    return heads, getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+
+
+def layer_caches(config: Any) -> tuple[LayerCache, ...]:
+    """Each layer's cache kind, from `config` (module docstring)."""
+    sliding, shared = set(sliding_layers(config)), set(shared_kv_layers(config))
+    latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    found: list[LayerCache] = []
+    for layer in range(config.num_hidden_layers):
+        if layer in shared:
+            found.append(SharedLayer(layer))
+        elif latent and rope is not None:
+            found.append(LatentLayer(layer, int(latent), int(rope)))
+        else:
+            heads, head_dim = _geometry(config, layer)
+            found.append(KVLayer(layer, heads, head_dim, config.sliding_window if layer in sliding else None))
+    return tuple(found)
+
+
+__all__ = ["ExpandedLayer", "KVLayer", "LatentLayer", "LayerCache", "SharedLayer", "expanded", "layer_caches"]
