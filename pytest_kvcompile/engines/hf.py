@@ -154,7 +154,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
             "test_no_recompiles_after_warmup", Kind.RECOMPILE,
             "transformers 5.23: the sliding-window cache layer guards on its Python int cumulative_length_int "
             "(cache_utils.py:550/554), so a 1-token prompt recompiles the decode step (docs/findings.md)",
-            models=("mistral-sw", "gemma3-hybrid", "gemma4-kvshared")),),
+            models=("mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt-oss")),),
     )
 
     def __init__(self, spec: ModelSpec, compile_backend: str = "inductor", max_cache_len: int = MAX_CACHE_LEN,

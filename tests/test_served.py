@@ -1,0 +1,56 @@
+"""Issue 69: the architectures served in 2026 (--kv-zoo=served). Each bug taken from the engines that serve them
+(tests/kv_test_engines_served.py) fails the token check on its model, typed and named (model, prompt, step), while
+the reference it is a patch of passes on every served model: one merged run per dtype, each twin read from its JSON
+row. The references' own suites on these models run in CI's served job (.ci/run)."""
+
+import json
+
+import pytest
+
+from conftest import run_suites
+
+MODULE = "kv_test_engines_served"
+#: twin -> the served models its bug lives on (a twin on another model computes what the reference does)
+TWINS = {
+    "LatentHeadsMixedUp": ("deepseek-v3",),
+    "LatentRopeKeyOffByOne": ("deepseek-v3",),
+    "CorrectionBiasIgnored": ("deepseek-v3",),
+    "CorrectionBiasInWeights": ("deepseek-v3",),
+    "GroupLimitIgnored": ("deepseek-v3",),
+    "SharedExpertDropped": ("deepseek-v3",),
+    "SinksOmitted": ("gpt-oss",),
+    "SinksAfterSoftmax": ("gpt-oss",),
+    "SlidingSinksWindowOneTooWide": ("gpt-oss",),
+    "SoftmaxBeforeTopK": ("gpt-oss",),
+    "PartialRotaryOnWholeHead": ("phi3",),
+    "QkNormSkippedInDecode": ("qwen3", "qwen3-moe"),
+    "TopKNotRenormalised": ("qwen3-moe",),
+    "ExpertCapacityDropsTokens": ("qwen3-moe",),
+}
+SERVED = ("qwen3", "phi3", "qwen3-moe", "deepseek-v3", "gpt-oss")
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
+def test_each_served_architecture_bug_fails_and_the_reference_passes(kvtester, dtype):
+    report = kvtester.path / "served.json"
+    pairs = " or ".join(f"({twin} and {model})" for twin, models in TWINS.items() for model in models)
+    result = run_suites(kvtester, *(f"--kv-engine={MODULE}:{e}" for e in ("Eager", *TWINS)), "--kv-zoo=served",
+                        f"--kv-dtype={dtype}", f"--kv-report-json={report}",
+                        "-k", f"test_token_identity and long48 and not batched and (Eager or {pairs})")
+    rows = {(r["engine"].removeprefix(f"{MODULE}:"), r["model"]): r for r in json.loads(report.read_text())["rows"]}
+    for model in SERVED:  # the reference, eagerly traced, on every served model
+        assert rows["Eager", model]["tests"]["passed"] == 1, (model, rows["Eager", model]["failures"])
+    caught = {}
+    for twin, models in TWINS.items():
+        for model in models:
+            row = rows[twin, model]
+            assert row["tests"]["failed"] == 1, (twin, model, row["tests"])
+            failure = row["failures"][0]["failure"]
+            where = (row["failures"][0]["kind"], failure["model"], failure["prompt"])
+            assert where == ("mismatch", model, "prompt 'long48'")
+            caught[twin, model] = failure["step"]
+    assert set(caught) == {(t, m) for t, models in TWINS.items() for m in models}
+    assert len(rows) == len(SERVED) + len(caught)  # nothing else ran
+    result.stdout.fnmatch_lines([f"*TokenMismatch: engine '{MODULE}:QkNormSkippedInDecode' diverges from the oracle on "
+                                 "model 'qwen3', prompt 'long48' (length 48), alone: step *",
+                                 "*hint: prefill was right; decode step *"])
