@@ -68,8 +68,8 @@ class CompiledDynamicCache(Engine):
         kv_cache_bytes=True,
         kv_layout=KVLayout("dynamic", windowed=False),  # sliding layers keep every key (masked), see the docstring
         compiled=True,
-        description="reference: gpt-fast-style Llama/Mistral/Gemma3/Gemma4, dynamic KV cache, torch.compile with "
-        "unbacked dynamic shapes",
+        description="reference: gpt-fast-style decoders (reference_impls/loader.py's table: Llama to DeepSeek-V3), "
+        "dynamic KV cache, torch.compile with unbacked dynamic shapes",
     )
 
     def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor"):
