@@ -55,10 +55,8 @@ def load_model(spec: ModelSpec) -> nn.Module:
     for name in (name for name in state if name.endswith(kept)):
         owner, _, attr = name.rpartition(".")
         module = model.get_submodule(owner)
-        if attr in module._buffers:
-            module._buffers[attr] = state[name].float()
-        else:
-            module._parameters[attr] = nn.Parameter(state[name].float(), requires_grad=False)
+        buffer = attr in dict(module.named_buffers(recurse=False))  # setattr keeps a buffer a buffer
+        setattr(module, attr, state[name].float() if buffer else nn.Parameter(state[name].float(), requires_grad=False))
     if model.rope:  # RoPE models (not GPT-2)
         model.rope = rope_tables(config, spec.device)  # not in the checkpoint; fp32 like transformers
     return model

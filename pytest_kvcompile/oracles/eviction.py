@@ -37,6 +37,10 @@ last earlier non-shared layer of the same layer type, transformers' ``kv_sharing
 `kv_sources`) has no cache of its own: at each step it sees exactly the candidates its
 source layer's queries see (the source's kept entries + the step's new ones; the source's eviction at this
 step applies from the next step on, for both) and it neither scores nor evicts.
+Learned attention sinks (GPT-OSS's ``s_aux``) join each head's softmax as one more logit and attend to nothing; the
+policies score the keys' weights (the sink's share is no position). Multi-head latent attention (DeepSeek-V3) is seen
+as transformers passes it, per-head keys up-projected from the latent: values of ``v_head_dim``; its shared RoPE key
+is the keys' last ``qk_rope_head_dim`` dims, partial rotary's (Phi-3) the first ones: pos-shift rotates those only.
 
 Policies (``Strategy.of(kind, **params)``):
 
@@ -128,6 +132,7 @@ import torch
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
 from pytest_kvcompile.models.checkpoints import with_cache
+from pytest_kvcompile.models.layers import LatentLayer, layer_caches
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
 from pytest_kvcompile.oracles.policies import (  # noqa: F401 (the policies, re-exported: one rule's module)
     EMPTY,
@@ -188,7 +193,7 @@ class _Masks:
     """Per-layer state of one oracle generation: which positions each KV head still sees, and scores.
 
     `sources`: KV-sharing layer -> the layer whose keys it reads; `rope`: layer -> the model's RoPE inverse
-    frequencies, given for ``positions="shifted"`` only; `tolerance`: record this step's near-tied cuts in `ties`
+    frequencies and whether they rotate its keys' last dims (MLA), given for ``positions="shifted"`` only; `tolerance`: record this step's near-tied cuts in `ties`
     (None: record none)."""
 
     def __init__(self, policy: Policy, sources=None, rope=None, tolerance: float | None = None):
@@ -207,11 +212,13 @@ class _Masks:
             alive[0, list(heads), kept], alive[0, list(heads), evicted] = False, True
         return new
 
-    def attend(self, layer: int, query, key, value, scaling: float, mask=None, softcap=None):
+    def attend(self, layer: int, query, key, value, scaling: float, mask=None, softcap=None, sinks=None):
         """Explicit attention over every key ever seen, evicted ones masked on top of the model's `mask`; then evict.
 
         query [1, heads, t, d]; key, value [1, kv_heads, n, d]: the whole sequence so far; mask [1, 1, t, n]
-        (bool, or additive float: 0 = visible), None: causal.
+        (bool, or additive float: 0 = visible), None: causal. `sinks` [heads]: learned attention sinks (GPT-OSS),
+        one more logit per head in the softmax's denominator that attends to nothing; the policies score the keys'
+        weights, the sink's share dropped (no position to keep or evict).
         """
         _, heads, t, d = query.shape
         kv_heads, n = key.shape[1], key.shape[2]
@@ -228,15 +235,20 @@ class _Masks:
             mask = mask == 0
         q, k = query.view(1, kv_heads, heads // kv_heads, t, d), key[:, :, None]
         if self.rope is not None:
-            q, k = _shift(q, k, alive, self.rope[layer])
+            q, k = _shift(q, k, alive, *self.rope[layer])
         logits = (q @ k.transpose(-1, -2)) * scaling  # [1, kv_heads, group, t, n]
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
         logits = logits.masked_fill(~(alive[:, :, None, None, :] & mask), -torch.inf)
-        weights = logits.softmax(dim=-1, dtype=torch.promote_types(query.dtype, torch.float32))
+        wide = torch.promote_types(query.dtype, torch.float32)
+        if sinks is None:
+            weights = logits.softmax(dim=-1, dtype=wide)
+        else:
+            sink = sinks.to(logits.dtype).view(1, kv_heads, heads // kv_heads, 1, 1).expand(*logits.shape[:-1], 1)
+            weights = torch.cat((logits, sink), dim=-1).softmax(dim=-1, dtype=wide)[..., :-1]
         out = weights.to(value.dtype) @ value[:, :, None]  # [1, kv_heads, group, t, d]
 
-        result = out.reshape(1, heads, t, d).transpose(1, 2), None
+        result = out.reshape(1, heads, t, value.size(-1)).transpose(1, 2), None  # MLA: v_head_dim != d
         if source is not None:  # no cache of its own: nothing to score or evict
             return result
         if self.policy.prefill_only and layer in self.alive:  # decode after a one-time compression: keep all
@@ -272,22 +284,30 @@ class _Masks:
                 self.ties.append((layer, heads, int(a[i]), int(b[j]), cost))
 
 
-def _rotate(x, angle):
-    """x rotated by `angle` [..., d / 2] (radians, fp32) the way the model's RoPE rotates (rotate_half layout)."""
+def _rotate(x, angle, last: bool = False):
+    """x rotated by `angle` [..., r / 2] (radians, fp32) the way the model's RoPE rotates (rotate_half layout) on its
+    r rotary dims: the first r (partial rotary, Phi-3), or the last r (`last`: MLA's shared RoPE key, DeepSeek-V3,
+    whose interleaved weights transformers has de-interleaved to rotate_half before the attention sees them); the
+    other dims pass through."""
+    r = 2 * angle.size(-1)
+    if r < x.size(-1):
+        rot, rest = (x[..., -r:], x[..., :-r]) if last else (x[..., :r], x[..., r:])
+        rot = _rotate(rot, angle)
+        return torch.cat((rest, rot) if last else (rot, rest), dim=-1)
     emb = torch.cat((angle, angle), dim=-1)
     x1, x2 = x.chunk(2, dim=-1)
     return x * emb.cos().to(x.dtype) + torch.cat((-x2, x1), dim=-1) * emb.sin().to(x.dtype)
 
 
-def _shift(q, k, alive, inv_freq):
+def _shift(q, k, alive, inv_freq, last: bool = False):
     """pos-shift: keys (after the model's RoPE at their original position p) rotated further by rank - p, so they
     sit at their rank among the step's candidates `alive`; each query at its own key's rank.
-    q [1, kv_heads, group, t, d], k [1, kv_heads, 1, n, d], alive [1, kv_heads, n]."""
+    q [1, kv_heads, group, t, d], k [1, kv_heads, 1, n, d], alive [1, kv_heads, n]; `last`: `_rotate`'s."""
     n, t = alive.size(-1), q.size(-2)
     delta = (alive.long().cumsum(-1) - 1 - torch.arange(n, device=alive.device)).float()  # rank - position
     wide = torch.promote_types(inv_freq.dtype, q.dtype)  # a widened truth's stored buffer: its float64 value
-    angle = delta[..., None].to(wide) * inv_freq.to(alive.device, wide)  # [1, kv_heads, n, d / 2]
-    return _rotate(q, angle[:, :, None, n - t:]), _rotate(k, angle[:, :, None])
+    angle = delta[..., None].to(wide) * inv_freq.to(alive.device, wide)  # [1, kv_heads, n, r / 2]
+    return _rotate(q, angle[:, :, None, n - t:], last), _rotate(k, angle[:, :, None], last)
 
 
 ATTENTION_NAME = "kvcompile_eviction_oracle"
@@ -296,9 +316,10 @@ ATTENTION_NAME = "kvcompile_eviction_oracle"
 def _attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, eviction=None, softcap=None,
                **kwargs):
     """transformers attention function: delegates to the generation's `_Masks`, with the model's own mask,
-    scaling (default 1/sqrt(head_dim), as transformers' eager functions) and softcapping."""
+    scaling (default 1/sqrt(head_dim), as transformers' eager functions), softcapping and sinks (`s_aux`, GPT-OSS)."""
     scaling = query.size(-1) ** -0.5 if scaling is None else scaling
-    return eviction.attend(module.layer_idx, query, key, value, scaling, attention_mask, softcap)
+    sinks = kwargs.get("s_aux")
+    return eviction.attend(module.layer_idx, query, key, value, scaling, attention_mask, softcap, sinks)
 
 
 def _mask(*args, **kwargs):
@@ -379,8 +400,9 @@ class EvictionOracle:
             if rotary is None:
                 raise ModelNotSupported(f"positions='shifted' re-rotates keys: {arch} has no rotary embedding")
             types = getattr(config, "layer_types", None) or [None] * config.num_hidden_layers
-            self.rope = {i: getattr(rotary, f"{kind}_inv_freq") if hasattr(rotary, f"{kind}_inv_freq")
-                         else rotary.inv_freq for i, kind in enumerate(types)}  # per layer type (Gemma) or one
+            latent = {c.layer for c in layer_caches(config) if isinstance(c, LatentLayer)}  # RoPE on the last dims
+            self.rope = {i: (getattr(rotary, f"{kind}_inv_freq") if hasattr(rotary, f"{kind}_inv_freq")
+                             else rotary.inv_freq, i in latent) for i, kind in enumerate(types)}  # per type (Gemma)
         once = " (once, after prefill)" if self.policy.prefill_only else ""
         self.source = f"transformers eager {arch}, all keys kept, evicted ones masked by {self.policy.strategy}{once}"
         factor = float(getattr(rotary, "attention_scaling", 1.0)) if self.rope is not None else 1.0
