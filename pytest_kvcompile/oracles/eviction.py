@@ -193,8 +193,8 @@ class _Masks:
     """Per-layer state of one oracle generation: which positions each KV head still sees, and scores.
 
     `sources`: KV-sharing layer -> the layer whose keys it reads; `rope`: layer -> the model's RoPE inverse
-    frequencies and whether they rotate its keys' last dims (MLA), given for ``positions="shifted"`` only; `tolerance`: record this step's near-tied cuts in `ties`
-    (None: record none)."""
+    frequencies and whether they rotate its keys' last dims (MLA), given for ``positions="shifted"`` only;
+    `tolerance`: record this step's near-tied cuts in `ties` (None: record none)."""
 
     def __init__(self, policy: Policy, sources=None, rope=None, tolerance: float | None = None):
         self.policy, self.sources, self.rope, self.tolerance = policy, sources or {}, rope, tolerance

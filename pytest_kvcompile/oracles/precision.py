@@ -53,6 +53,7 @@ engine whose scheme is noisier than this fails, as its own twin shows.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -70,6 +71,7 @@ from pytest_kvcompile.config.tolerances import (
 )
 from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
 from pytest_kvcompile.models.checkpoints import keep_last, max_positions, with_cache
+from pytest_kvcompile.oracles import routing
 from pytest_kvcompile.oracles.truth import HighPrecisionSpec, Widened, high_precision, load_lm  # noqa: F401 (re-exported)
 from pytest_kvcompile.recompiles.hooks import attention_kernel
 
@@ -103,12 +105,16 @@ def reduced(dtype: torch.dtype | str) -> bool:
 
 
 class Computations:
-    """The equivalent 16-bit computations (`COMPUTATIONS`) of `spec` (its own dtype and device)."""
-
-    names = COMPUTATIONS
+    """The equivalent 16-bit computations (`COMPUTATIONS`) of `spec` (its own dtype and device). A model transformers
+    gives no SDPA path (GPT-OSS: its sinks) computes the no-cache and padded ones with its eager kernel: other
+    roundings still (other shapes, other reductions), one attention family (`family_spread`)."""
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return COMPUTATIONS if self.sdpa is not self.eager else tuple(n.replace("sdpa", "eager") for n in COMPUTATIONS)
 
     @functools.cached_property
     def base(self) -> Any:
@@ -123,7 +129,10 @@ class Computations:
 
     @functools.cached_property
     def sdpa(self) -> Any:
-        return self._kernel("sdpa")
+        try:
+            return self._kernel("sdpa")
+        except ValueError:  # transformers: "does not support an attention implementation through ... sdpa"
+            return self.eager
 
     def _kernel(self, kernel: str) -> Any:
         """The base model computing attention with `kernel`: itself, or switched per call where transformers switches
@@ -134,18 +143,31 @@ class Computations:
             return self.base
         switch = getattr(self.base, "set_attn_implementation", None)
         can = getattr(self.base, "_can_set_attn_implementation", lambda: False)
-        return _Switched(self.base, kernel, home) if switch is not None and can() else \
-            load_lm(self.spec, attn_implementation=kernel)
+        if switch is None or not can():
+            return load_lm(self.spec, attn_implementation=kernel)
+        switch(kernel)  # refused here (ValueError) where transformers has no such path for the model
+        switch(home)
+        return _Switched(self.base, kernel, home)
+
+    @functools.cached_property
+    def routed(self) -> bool:
+        """Whether the model routes tokens to experts (oracles/routing.py): its computations can be `pinned`."""
+        return bool(routing.blocks(self.base))
 
     @torch.inference_mode()
-    def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    def along(self, prompt: Sequence[int], tokens: Sequence[int], pinned: bool = False) -> torch.Tensor:
         """Logits [computations, len(tokens), vocab] (float64, CPU) of each computation at every step of
-        prompt + tokens (row i predicts tokens[i])."""
+        prompt + tokens (row i predicts tokens[i]). `pinned` (a mixture-of-experts model): each routes every token as
+        the float64 truth does (routing.Pinned), so the rows differ from the truth's by rounding alone."""
         prompt, tokens = [int(t) for t in prompt], [int(t) for t in tokens]
         if not tokens:
             return torch.empty(len(COMPUTATIONS), 0, self.spec.vocab_size, dtype=torch.float64)
-        rows = [self._cached(self.eager, [prompt], tokens), self._whole(self.sdpa, prompt, tokens),
-                self._padded(self.sdpa, prompt, tokens), self._cached(self.eager, _chunks(prompt), tokens)]
+        with contextlib.ExitStack() as stack:
+            if pinned and self.routed:
+                chosen = routing.truth_routing(Widened(self.base), prompt + tokens[:-1], self.spec.device)
+                stack.enter_context(routing.Pinned(self.base, chosen))
+            rows = [self._cached(self.eager, [prompt], tokens), self._whole(self.sdpa, prompt, tokens),
+                    self._padded(self.sdpa, prompt, tokens), self._cached(self.eager, _chunks(prompt), tokens)]
         return torch.stack([r.double().cpu() for r in rows])
 
     def _ids(self, ids) -> torch.Tensor:
@@ -324,6 +346,9 @@ class Noise:
     attended: int = 0  # the most positions attended in calibration (its longest prompt + steps; 0: not recorded)
     long_scale: float = 0.0  # QUANTILE of the errors at the long prompts' positions alone (`long_prompts`)
     limited: bool = False  # long prompts left out (a smaller --kv-profile): no sequence past `attended` is judged
+    #: scale and max_error from the computations routed as the truth routes (a mixture-of-experts model: rounding
+    #: alone, `Computations.along(pinned=True)`); the rates from them routing on their own
+    routed: bool = False
 
     @property
     def tolerance(self) -> float:
@@ -399,10 +424,13 @@ class Noise:
                     f"{self.tolerance:.3g} = {NOISE_FACTOR:g} x scale, flip rate {self.flip_rate:.1%}, score tolerance "
                     f"{self.score_tolerance:.3g}")
         oracle = self.per_computation.get(COMPUTATIONS[0], {})
+        routed = "; the scale with every token routed as the truth routes (routing near ties: alternatives)" \
+            if self.routed else ""
         return (f"{self.dtype} noise of '{self.model}': scale {self.scale:.3g} (p99 of the error on top-{TOP} logit "
                 f"differences of {len(COMPUTATIONS)} equivalent computations vs float64 over {self.positions} "
                 f"positions{self._lengths}; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = "
-                f"{NOISE_FACTOR:g} x scale (or x the noise at the position), flip rate {self.flip_rate:.1%}; "
+                f"{NOISE_FACTOR:g} x scale (or x the noise at the position), flip rate {self.flip_rate:.1%}"
+                f"{routed}; "
                 f"transformers' own {self.dtype} path flips vs the truth at {int(oracle.get('flips', 0))}/"
                 f"{self.positions} positions (verdicts use the truth)")
 
@@ -417,6 +445,10 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     computations = computations or Computations(spec)
     names = computations.names
     top_errors, logit_rows, flips = [], [], torch.zeros(len(names), dtype=torch.long)
+    # a mixture-of-experts model: the scale from its computations routed as the truth routes (rounding alone; a
+    # near-tied routing decision taken the other way is routing.alternatives' to follow), the rates as they route
+    routed = bool(getattr(computations, "routed", False))
+    rounding: list[torch.Tensor] = []
     prompts = calibration_prompts(spec.vocab_size, MAX_BLOCKS)
     longer = long_prompts(spec.vocab_size, max_positions(spec.config), needed)
 
@@ -427,6 +459,9 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
         computed = computations.along(prompt, ref.tokens)  # [K, steps, vocab]
         best, others = t.argmax(-1), t.topk(TOP, dim=-1).indices
         top_errors.append(difference_errors(t, computed, best, others).amax(-1))  # [K, steps]
+        if routed:
+            rounding.append(difference_errors(t, computations.along(prompt, ref.tokens, pinned=True), best,
+                                              others).amax(-1))
         logit_rows.append((computed - t).abs().amax(-1))  # [K, steps]
         flips += (computed.argmax(-1) != best).sum(-1)
 
@@ -437,17 +472,19 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     for prompt in longer:
         measure(prompt)
     errors = torch.cat(top_errors, dim=1)  # [K, positions]
-    tail = errors[:, errors.size(1) - len(longer) * steps:]  # the long prompts' positions
+    scaled = torch.cat(rounding, dim=1) if routed else errors
+    tail = scaled[:, scaled.size(1) - len(longer) * steps:]  # the long prompts' positions
     median = float(errors.flatten().median())
     beyond = (errors > median).sum(-1)
     per = {name: {"max": float(errors[i].max()), "p99": float(errors[i].quantile(QUANTILE)), "flips": int(flips[i]),
                   "beyond": int(beyond[i])} for i, name in enumerate(names)}
     logits = torch.cat(logit_rows, dim=1)  # [K, positions]
-    return Noise(spec.name, dtype_name(spec.dtype), float(errors.flatten().quantile(QUANTILE)), float(errors.max()),
+    return Noise(spec.name, dtype_name(spec.dtype), float(scaled.flatten().quantile(QUANTILE)), float(scaled.max()),
                  median, int(flips.max()), errors.size(1), float(logits.max()), per,
                  getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names),
                  max(len(p) for p in prompts[:i + 1] + longer) + steps,
-                 float(tail.flatten().quantile(QUANTILE)) if longer else 0.0, limited_to(spec, needed) is not None)
+                 float(tail.flatten().quantile(QUANTILE)) if longer else 0.0, limited_to(spec, needed) is not None,
+                 routed)
 
 
 def family_spread(logits: torch.Tensor, names: Sequence[str]) -> float:

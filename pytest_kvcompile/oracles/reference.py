@@ -35,6 +35,9 @@ class Reference:
     #: (tokens, tie_tolerance) -> per step the rows [k, vocab] of every alternative the oracle follows (an eviction
     #: oracle after near-tied evictions); None: `given` is the only one
     alternatives: Callable[[Sequence[int], float], list] | None = field(default=None, compare=False, repr=False)
+    #: (tokens, step) -> [(routing.Decision, row [vocab])]: the truth at `step` along `tokens` with one near-tied
+    #: routing decision taken the other way (a 16-bit run on a mixture-of-experts model, oracles/routing.py); None: none
+    routes: Callable[[Sequence[int], int], list] | None = field(default=None, compare=False, repr=False)
 
     def __repr__(self) -> str:
         return f"Reference(prompt of length {len(self.prompt)}, tokens={list(self.tokens)})"
@@ -74,9 +77,10 @@ class LazyReference:
 
     def __init__(self, prompt: tuple[int, ...], steps: int, source: str, greedy: Callable[[], Reference],
                  forced: Callable[[Sequence[int], float], torch.Tensor],
-                 noise: Callable[[Sequence[int]], Any] | None = None) -> None:
+                 noise: Callable[[Sequence[int]], Any] | None = None,
+                 routes: Callable[[Sequence[int], int], list] | None = None) -> None:
         self.prompt, self.steps, self.source = prompt, steps, source
-        self.forced, self.noise = forced, noise
+        self.forced, self.noise, self.routes = forced, noise, routes
         self.evicted: int | None = None  # an exact oracle evicts nothing
         self.alternatives = None
         self._greedy, self._decoded = greedy, None

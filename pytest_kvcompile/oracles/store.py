@@ -48,7 +48,7 @@ from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import COULD_NOT_RUN, OracleUnavailable, OracleUnreliable, UsageError
 from pytest_kvcompile.models.checkpoints import keep_last
 from pytest_kvcompile.models.zoo import code_hash, shared_kv_layers
-from pytest_kvcompile.oracles import precision
+from pytest_kvcompile.oracles import precision, routing
 from pytest_kvcompile.oracles.engine import EngineOracle
 from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
 from pytest_kvcompile.oracles.eviction_noise import ScoreNoise, calibrate_scores
@@ -65,6 +65,7 @@ ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bf
 
 
 _PRECISION = hashlib.sha256(inspect.getsource(precision).encode()).hexdigest()[:12]  # the rule's version, in keys
+_ROUTING = hashlib.sha256(inspect.getsource(routing).encode()).hexdigest()[:12]
 
 
 class NoCacheRecompute:
@@ -241,8 +242,9 @@ class StoredOracle:
         prompt = tuple(int(t) for t in prompt)
         if self.lazy:
             noise = (lambda got: self.local_noise(prompt, got)) if self.computations is not None else None
+            routes = (lambda got, step: self.routes(prompt, got, step)) if self.routed else None
             return LazyReference(prompt, max_new_tokens, self.source, lambda: self._greedy(prompt, max_new_tokens),
-                                 lambda got, tol: self.judged(prompt, got, tol), noise)
+                                 lambda got, tol: self.judged(prompt, got, tol), noise, routes)
         return self._greedy(prompt, max_new_tokens)
 
     def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int) -> Reference:
@@ -281,8 +283,43 @@ class StoredOracle:
         ref = Reference(prompt, tuple(found["tokens"].tolist()), found["logits"] if scored else None, self.source,
                         (lambda got, tol: self.teacher_forced(prompt, got, tol)) if scored else None,
                         None if found["evicted"] < 0 else found["evicted"], noise,
-                        (lambda got, tol: forks(prompt, got, tol)) if forks else None)
+                        (lambda got, tol: forks(prompt, got, tol)) if forks else None,
+                        (lambda got, step: self.routes(prompt, got, step)) if self.lazy and self.routed else None)
         return ref
+
+    @functools.cached_property
+    def routed(self) -> bool:
+        """Whether verdicts follow near-tied routing alternatives (oracles/routing.py): a 16-bit run's exact truth on a
+        mixture-of-experts model."""
+        return self.computations is not None and bool(routing.blocks(self.oracle.model))
+
+    def router_noise(self) -> routing.RouterNoise:
+        """The routers' measured 16-bit noise (routing.calibrate: the truth against the model in the run's dtype on
+        the first calibration prompts, along the truth's tokens), memoized."""
+        spec = self.computations.spec
+        _, steps, _ = precision.CALIBRATION
+
+        def compute() -> dict[str, Any]:
+            prompts = precision.calibration_prompts(spec.vocab_size, 1)[:routing.CALIBRATION_PROMPTS]
+            sequences = [p + list(self.cached_reference(p, steps).tokens[:-1]) for p in prompts]
+            return routing.calibrate(spec.name, dtype_name(spec.dtype), self.oracle.model, self.computations.base,
+                                     sequences, spec.device, precision.NOISE_FACTOR, precision.QUANTILE).to_dict()
+
+        return routing.RouterNoise.from_dict(self._cached(("router_noise", _ROUTING, _PRECISION), compute))
+
+    def routes(self, prompt: Sequence[int], tokens: Sequence[int], step: int) -> list[tuple[routing.Decision, Any]]:
+        """The truth at `step` along prompt + `tokens` with one near-tied routing decision taken the other way
+        (routing.alternatives, within `router_noise`'s tolerance), memoized."""
+        prompt, before = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens[:step])
+        tolerance = self.router_noise().tolerance
+
+        def compute() -> dict[str, Any]:
+            found = routing.alternatives(self.oracle.model, prompt + before, self.spec.device, tolerance)
+            return {"decisions": [dataclasses.asdict(d) for d, _ in found],
+                    "rows": torch.stack([row for _, row in found]) if found else torch.empty(0)}
+
+        found = self._cached(("routes", _ROUTING, prompt, before, tolerance), compute)
+        return [(routing.Decision(**d), row) for d, row in zip(found["decisions"], found["rows"], strict=True)]
 
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)

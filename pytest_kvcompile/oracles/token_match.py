@@ -53,6 +53,7 @@ class Divergence:
     near_tie: bool
     allowed: float = 0.0  # the largest gap that was a near tie here (the tolerance, or the 16-bit local noise rule)
     engine_gap: float | None = None  # |log p(got) - log p(expected)| in the engine's own top-k (inf: one is missing)
+    via: str | None = None  # the near-tied routing decision taken the other way that explains it (`routed`)
 
 
 @dataclass
@@ -123,10 +124,12 @@ def token_verdict(reference: Reference, got: Sequence[int], tie_tolerance: float
         if token != best and gap >= 0:
             allowed = allowed_gap(reference, got, step, best, token, gap, tie_tolerance)
             near, engine_gap = gap <= allowed, None
+            via = None if near else routed(reference, got, step, token, tie_tolerance)
+            near = near or via is not None
             if near and engine_top is not None:
                 engine_gap = top_k_gap(engine_top, step, best, token)
-                near = engine_gap is None or engine_gap <= allowed
-            verdict.divergences.append(Divergence(step, best, token, gap, near, allowed, engine_gap))
+                near = engine_gap is None or engine_gap <= allowed or via is not None
+            verdict.divergences.append(Divergence(step, best, token, gap, near, allowed, engine_gap, via))
             if verdict.mismatch:
                 break
     return verdict
@@ -152,13 +155,29 @@ def _without(row: torch.Tensor, excluded: Sequence[int]) -> torch.Tensor:
 
 def allowed_gap(reference: Reference, got: Sequence[int], step: int, best: int, token: int, gap: float,
                 tie_tolerance: float) -> float:
-    """The largest logit gap between `best` and `token` at `step` (the oracle's row along `got`) that is a near tie:
-    the tie tolerance, or in 16-bit, where larger, the noise of equivalent computations at this very position
-    (`Reference.noise`, oracles/precision.py), looked up only for a gap past the tolerance."""
+    """The largest logit gap between `best` and `token` at `step` (on the oracle's row along `got`, or on a routing
+    alternative's row: `routed`) that is a near tie: the tie tolerance, or in 16-bit, where larger, the noise of
+    equivalent computations at this very position against the oracle's row (`Reference.noise`,
+    oracles/precision.py), looked up only for a gap past the tolerance."""
     if gap <= tie_tolerance or reference.noise is None:
         return tie_tolerance
     row = reference.given(got, tie_tolerance)[step]
     return max(tie_tolerance, reference.noise(got).allowed(step, best, token, row))
+
+
+def routed(reference: Reference, got: Sequence[int], step: int, token: int, tie_tolerance: float) -> str | None:
+    """The near-tied routing decision (oracles/routing.py) whose other side makes `token` a near tie at `step` of
+    `got` (by the same rule: the tolerance or the local noise, on the alternative's own row), described; None: no
+    routing alternative (a dense model, a float32 run) or none explains it."""
+    routes = getattr(reference, "routes", None)
+    if routes is None:
+        return None
+    for decision, row in routes(got, step):
+        best = int(row.argmax())
+        gap = float(row[best] - row[token])
+        if best == token or gap <= allowed_gap(reference, got, step, best, token, gap, tie_tolerance):
+            return decision.describe()
+    return None
 
 
 def check_tokens(
@@ -307,13 +326,18 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
         "  oracle top-3 at this step: " + ", ".join(f"{t} ({v:.4g})" for t, v in failure.top3),
         context, *_sequences(ref, got, bad.step),
     ]
-    lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}"
+    lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}{_via(t)}"
               for t in verdict.near_ties]
     if failure.excluded:
         lines.append(f"  ids {list(failure.excluded)} are out of the oracle's choice (the engine declares it never "
                      f"emits them); the oracle's best was one of them at step(s) {verdict.excluded_steps or 'none'}")
     lines.append(f"  reference: {ref.source}")
     return lines
+
+
+def _via(divergence: Divergence) -> str:
+    return f", the truth's own token with one near-tied routing decision taken the other way ({divergence.via})" \
+        if divergence.via else ""
 
 
 def _allowed(divergence: Divergence, tol: float) -> str:
@@ -329,7 +353,7 @@ def _drift(ref: Reference, got, verdict: Verdict, tol, engine, at) -> list[str]:
         f"engine '{engine}' drifts from the oracle {at}: {len(ties)} near ties in one sequence of "
         f"{verdict.steps} steps, more than the {verdict.max_near_ties} allowed (--kv-max-near-ties)",
         *(f"  near tie at step {t.step}: oracle {t.expected} vs engine {t.got}, "
-          f"gap {t.gap:.3g} <= {max(t.allowed, tol):.3g}"
+          + (f"gap {t.gap:.3g}{_via(t)}" if t.via else f"gap {t.gap:.3g} <= {max(t.allowed, tol):.3g}")
           for t in ties),
         *_sequences(ref, got, ties[0].step if ties else 0),
         f"  reference: {ref.source}",

@@ -6,7 +6,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pytest_kvcompile.verdicts.lines import concurrency_line, coverage_line, eviction_noise_line, noise_line
+from pytest_kvcompile.verdicts.lines import (
+    concurrency_line,
+    coverage_line,
+    eviction_noise_line,
+    noise_line,
+    router_noise_line,
+)
 from pytest_kvcompile.verdicts.rows import Row
 from pytest_kvcompile.verdicts.run_rules import run_rates
 
@@ -59,12 +65,14 @@ def sections(rows: list[Row], max_near_tie_rate: float | None = None,
     near ties and failures."""
     noise = {r.noise_key: r for r in rows if r.noise}
     evictions = {(r.model, r.dtype, r.eviction_policy): r for r in rows if r.eviction_noise}
+    routers = {(r.model, r.dtype): r for r in rows if r.router_noise}
     rates = [(r, found) for r in rows for found in run_rates(r, max_near_tie_rate) if found.positions]
     builds = sorted((r for r in rows if r.builds), key=lambda r: -r.build_s)[:SLOWEST_BUILDS]
     return Sections(
         measured=Section("verdict rules measured per model ({n}): 16-bit, KV stored lower",
                          tuple([noise_line(r) for _, r in sorted(noise.items())]
-                               + [eviction_noise_line(r) for _, r in sorted(evictions.items())])),
+                               + [eviction_noise_line(r) for _, r in sorted(evictions.items())]
+                               + [router_noise_line(r) for _, r in sorted(routers.items())])),
         rates=Section("run-level rates vs the dtype's equivalent computations",
                       tuple(f"{label(r)} ({r.dtype}): {found.line()}" for r, found in rates),
                       tuple(found.failed for _, found in rates)),

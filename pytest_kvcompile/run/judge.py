@@ -20,6 +20,7 @@ from pytest_kvcompile.oracles.token_match import (
     check_score,
     check_tokens,
     compared_rows,
+    routed,
 )
 from pytest_kvcompile.verdicts.failures import Where
 
@@ -95,8 +96,8 @@ class Judge:
         if reference is not None:
             best, other = (a, b) if row[a] >= row[b] else (b, a)
             allowed = allowed_gap(reference, first, step, best, other, gap, self.tie_tolerance)
-        if gap <= allowed:
-            return None
+        if gap <= allowed or (reference is not None and routed(reference, first, step, other, self.tie_tolerance)):
+            return None  # a near tie, or one near-tied routing decision taken the other way (oracles/routing.py)
         return (f"at step {step} ({a} vs {b}): {judge} separates the two by a logit gap of {gap:.4g} > {allowed:.4g}, "
                 "not a near tie")
 

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import os
@@ -178,6 +179,9 @@ class Session:
             stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
             if not isinstance(stored, str) and stored.score_noise is not None:
                 self.collector.add(name, model, eviction_noise=stored.score_noise.to_dict())
+            if not isinstance(stored, str) and stored.lazy and stored.routed and not stored.unavailable:
+                with contextlib.suppress(OracleUnavailable):  # named where a token check asks the oracle
+                    self.collector.add(name, model, router_noise=stored.router_noise().to_dict())
         built = EngineUnderTest(
             ref, spec, host.engine, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
             build_compiles=host.build_compiles, build_captures=host.build_captures, call_timeout=settings.call_timeout,

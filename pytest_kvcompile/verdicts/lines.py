@@ -3,7 +3,7 @@ summary and the Markdown and HTML reports print them."""
 
 from __future__ import annotations
 
-from pytest_kvcompile.verdicts.rows import Coverage, EvictionNoise, MeasuredNoise, Round, Row, Speculation
+from pytest_kvcompile.verdicts.rows import Coverage, EvictionNoise, MeasuredNoise, Round, RouterNoise, Row, Speculation
 
 
 def coverage_line(found: Coverage) -> str:
@@ -54,6 +54,15 @@ def eviction_noise_line(row: Row) -> str:
     return (f"{model} ({dtype}) {noise.policy}: eviction near-tie tolerance {noise.tolerance:.3g} relative "
             f"({noise.factor:g} x p99 {noise.scale:.3g} of the score-difference errors of a {dtype} computation "
             f"vs float64 at {noise.cuts} calibration cuts; it kept another set at {noise.flips})")
+
+
+def router_noise_line(row: Row) -> str:
+    """A row's measured routing near-tie rule (oracles/routing.py: RouterNoise)."""
+    model, dtype, noise = row.model, row.dtype, row.router_noise or RouterNoise()
+    return (f"{model} ({dtype}) routers: routing near-tie tolerance {noise.tolerance:.3g} ({noise.factor:g} x p99 "
+            f"{noise.scale:.3g} of a {dtype} computation's error on the router-score margins of {noise.decisions} "
+            f"decisions vs float64; it routed {noise.flips} the other way): a token explained by one such decision "
+            "taken the other way is a near tie")
 
 
 def first_lines(text: str, n: int = 4, width: int = 300) -> str:

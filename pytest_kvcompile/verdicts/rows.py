@@ -355,6 +355,21 @@ class MeasuredNoise(Record):
     beyond_rate_bound: float | None = rule(None, types=NUMBER)  # None: a file from before the score() rate
     score_spread: float | None = rule(None, types=NUMBER)
     positions_needed: int | None = rule(None, types=INT)
+    routed: bool = rule(None, False, types=(bool,))  # the scale from computations routed as the truth routes (MoE)
+
+
+@dataclass
+class RouterNoise(Record):
+    """A row's measured routing near-tie rule (oracles/routing.py: RouterNoise.to_dict())."""
+
+    model: str = rule(None, "", types=TEXT)
+    dtype: str = rule(None, "", types=TEXT)
+    scale: float = rule(None, 0.0, types=NUMBER)
+    max_error: float = rule(None, 0.0, types=NUMBER)
+    decisions: int = rule(None, 0, types=INT)
+    flips: int = rule(None, 0, types=INT)
+    factor: float = rule(None, 0.0, types=NUMBER)
+    tolerance: float = rule(None, 0.0, types=NUMBER)
 
 
 @dataclass
@@ -420,6 +435,7 @@ class Row(Record):
     latency: Timings | None = rule(_pool, record=Timings)
     noise: MeasuredNoise | None = rule(_first, record=MeasuredNoise)  # 16-bit, or a KV cache stored lower
     eviction_noise: EvictionNoise | None = rule(_first, record=EvictionNoise)
+    router_noise: RouterNoise | None = rule(_first, record=RouterNoise)  # 16-bit, a mixture-of-experts model
     fuzz_coverage: Coverage | None = rule(_coverage, record=Coverage)  # run.fuzz: the covering walk's conditions
     speculation: Speculation | None = rule(_records, record=Speculation)
     oracle: OracleFacts | None = rule(_records, record=OracleFacts)
@@ -478,6 +494,7 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "latency": ("reports.table:cells", "reports.html:_engine_section"),
     "noise": ("verdicts.lines:noise_line", "verdicts.run_rules:run_rates"),
     "eviction_noise": ("verdicts.lines:eviction_noise_line",),
+    "router_noise": ("verdicts.lines:router_noise_line",),
     "fuzz_coverage": ("reports.sections:sections",),
     "speculation": ("reports.sections:sections",),
     "oracle": ("reports.table:verdicts",), "sequences": ("verdicts.run_rules:run_rates",),

@@ -1,0 +1,109 @@
+"""Routing near ties (oracles/routing.py): the decisions read from any mixture-of-experts block, one taken the other
+way, the router noise measured, and the token rule following a near-tied routing alternative -- with its twin just
+outside the tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.models import zoo
+from pytest_kvcompile.oracles import precision, routing
+from pytest_kvcompile.oracles.reference import Reference
+from pytest_kvcompile.oracles.token_match import token_verdict
+from pytest_kvcompile.oracles.truth import high_precision, load_lm
+
+MOE = ("qwen3-moe", "deepseek-v3", "gpt-oss")
+
+
+@pytest.fixture(scope="module")
+def zoo_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("zoo")
+
+
+def _spec(name, root, dtype=torch.bfloat16):
+    return ModelSpec(name, zoo.checkpoint(name, root), zoo.ZOO[name].build_config(), dtype=dtype)
+
+
+def _ids(spec, n=40):
+    return torch.randint(0, spec.vocab_size, (n,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_every_router_decision_is_read_and_one_is_taken_the_other_way(zoo_dir, name):
+    """Each MoE block's top-k per token: experts (DeepSeek-V3 first picks groups); a swap changes that one decision's
+    expert and leaves every earlier decision as it was."""
+    spec = _spec(name, zoo_dir)
+    truth = load_lm(high_precision(spec), widened=True)
+    ids = _ids(spec)
+    logits, calls = routing._forward(truth, ids, "cpu")
+    found = routing.decisions(calls)
+    moe_layers = {d.layer for d in found}
+    assert moe_layers and all(isinstance(layer, int) for layer in moe_layers)
+    assert len([d for d in found if not d.groups]) == len(moe_layers) * len(ids)
+    assert any(d.groups for d in found) == (name == "deepseek-v3")
+    swap = min((d for d in found if not d.groups), key=lambda d: (d.layer, -d.row))  # the first block, last row
+    swapped, after = routing._forward(truth, ids, "cpu", swap)
+    chosen = {(b, c): i for b, c, _, i in after}
+    assert swap.dropped in chosen[(swap.block, swap.call)][swap.row].tolist()
+    assert swap.kept not in chosen[(swap.block, swap.call)][swap.row].tolist()
+    for (block, call, _, before), (_, _, _, now) in zip(calls, after):
+        rows = slice(None) if (block, call) != (swap.block, swap.call) else slice(0, swap.row)
+        if block == swap.block and call <= swap.call or block < swap.block:
+            assert torch.equal(before[rows], now[rows]), (block, call)
+    assert not torch.equal(logits, swapped)
+    assert "instead of expert" in swap.describe() and f"layer {swap.layer}" in swap.describe()
+
+
+def test_a_dense_model_has_no_routing_decisions(zoo_dir):
+    spec = _spec("llama", zoo_dir)
+    truth = load_lm(high_precision(spec), widened=True)
+    assert routing.blocks(truth) == {}
+    assert routing.alternatives(truth, _ids(spec), "cpu", 1.0) == []
+
+
+@pytest.mark.parametrize("name", MOE)
+def test_the_router_noise_is_measured_per_dtype(zoo_dir, name):
+    """bfloat16 routers err on their margins by rounding (and route some tokens the other way); float32 ones by
+    ~1e-6, far below."""
+    seqs = [_ids(_spec(name, zoo_dir), n) for n in (9, 33)]
+    noise = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        spec = _spec(name, zoo_dir, dtype)
+        noise[dtype] = routing.calibrate(name, str(dtype), load_lm(high_precision(spec), widened=True),
+                                         load_lm(spec), seqs, "cpu", precision.NOISE_FACTOR, precision.QUANTILE)
+        assert noise[dtype].decisions > 0
+    assert 1e-4 < noise[torch.bfloat16].scale < 0.2
+    assert noise[torch.float32].scale < 1e-4 < noise[torch.bfloat16].scale
+    assert routing.RouterNoise.from_dict(noise[torch.bfloat16].to_dict()) == noise[torch.bfloat16]
+    assert "router noise" in noise[torch.bfloat16].describe()
+
+
+def test_a_token_from_a_near_tied_routing_swap_is_a_near_tie_and_just_outside_the_tolerance_a_mismatch(zoo_dir):
+    """The engine is the truth with one routing decision taken the other way, at a step where that changes its
+    token: within the router tolerance its token is a near tie naming the swap; with the tolerance just below the
+    decision's margin, a mismatch (the rule's twin, in bfloat16)."""
+    spec = _spec("qwen3-moe", zoo_dir)
+    truth = load_lm(high_precision(spec), widened=True)
+    prompt = _ids(spec, 24)
+    _, calls = routing._forward(truth, prompt, "cpu")
+    base = truth(input_ids=torch.tensor([prompt]), use_cache=False).logits[0, -1].float()
+    flipping = None
+    for decision in sorted(routing.decisions(calls), key=lambda d: d.margin):
+        row, _ = routing._forward(truth, prompt, "cpu", decision)
+        if int(row.argmax()) != int(base.argmax()):
+            flipping, alternative = decision, row
+            break
+    assert flipping is not None, "no single routing swap changes the first token of this prompt"
+    token, best = int(alternative.argmax()), int(base.argmax())
+
+    def verdict(tolerance):
+        ref = Reference(tuple(prompt), (best,), base[None], "the truth",
+                        forced=lambda got, tol: base[None],
+                        routes=lambda got, step: routing.alternatives(truth, prompt, "cpu", tolerance))
+        return token_verdict(ref, [token], tie_tolerance=1e-6)
+
+    near = verdict(flipping.margin * 1.001)
+    assert not near.mismatch and near.near_ties[0].via == flipping.describe()
+    assert verdict(flipping.margin * 0.999).mismatch is not None
