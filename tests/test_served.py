@@ -30,24 +30,30 @@ TWINS = {
 SERVED = ("qwen3", "phi3", "qwen3-moe", "deepseek-v3", "gpt-oss")
 
 
+#: the prompts each dtype's run checks: in bfloat16 also the one-token prompt (CorrectionBiasInWeights moves the
+#: routing weights by the bias, ~0.1 of ~1: within bfloat16's noise on long48's 16 steps, 1.44 > 1.02 on len1's)
+PROMPTS = {"float32": ("long48",), "bfloat16": ("long48", "len1")}
+
+
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
 def test_each_served_architecture_bug_fails_and_the_reference_passes(kvtester, dtype):
     report = kvtester.path / "served.json"
     pairs = " or ".join(f"({twin} and {model})" for twin, models in TWINS.items() for model in models)
+    prompts = " or ".join(f"{p}]" for p in PROMPTS[dtype])
     result = run_suites(kvtester, *(f"--kv-engine={MODULE}:{e}" for e in ("Eager", *TWINS)), "--kv-zoo=served",
                         f"--kv-dtype={dtype}", f"--kv-report-json={report}",
-                        "-k", f"test_token_identity and long48 and not batched and (Eager or {pairs})")
+                        "-k", f"test_token_identity and ({prompts}) and not batched and (Eager or {pairs})")
     rows = {(r["engine"].removeprefix(f"{MODULE}:"), r["model"]): r for r in json.loads(report.read_text())["rows"]}
     for model in SERVED:  # the reference, eagerly traced, on every served model
-        assert rows["Eager", model]["tests"]["passed"] == 1, (model, rows["Eager", model]["failures"])
+        assert rows["Eager", model]["tests"]["passed"] == len(PROMPTS[dtype]), (model, rows["Eager", model]["failures"])
     caught = {}
     for twin, models in TWINS.items():
         for model in models:
             row = rows[twin, model]
-            assert row["tests"]["failed"] == 1, (twin, model, row["tests"])
+            assert row["tests"]["failed"] >= 1, (twin, model, row["tests"])
             failure = row["failures"][0]["failure"]
-            where = (row["failures"][0]["kind"], failure["model"], failure["prompt"])
-            assert where == ("mismatch", model, "prompt 'long48'")
+            where = (row["failures"][0]["kind"], failure["model"])
+            assert where == ("mismatch", model) and failure["prompt"] in {f"prompt '{p}'" for p in PROMPTS[dtype]}
             caught[twin, model] = failure["step"]
     assert set(caught) == {(t, m) for t, models in TWINS.items() for m in models}
     assert len(rows) == len(SERVED) + len(caught)  # nothing else ran
