@@ -345,7 +345,8 @@ def _full_row(scale=1):
                   "layers": [{"layer": 0, "kind": "full", "positions": 4, "why": "w", "bytes": 8}]},
         latency={"prompt_len": 32, "decode_tokens": 8, "timer": "t", "prefill_ms": [1.0 * scale],
                  "decode_ms_per_token": [0.5]},
-        noise={"flip_rate": 0.1}, eviction_noise={"policy": "h2o"}, fuzz_coverage={"covered": scale, "calls": 3},
+        noise={"flip_rate": 0.1}, eviction_noise={"policy": "h2o"}, router_noise={"tolerance": 0.01 * scale},
+        fuzz_coverage={"covered": scale, "calls": 3},
         speculation={"k": 4, "steps": 2, "drafted": 8, "accepted": 3, "lengths": {"1/4": 1, "2/4": 1}},
         oracle={"source": "s", "engine": True, "limitations": [f"l{scale}"]}, sequences={f"s{scale}": [4, 1]},
         scored={f"c{scale}": [3, 0]}, concurrency={"alone": {"identical": 1}})

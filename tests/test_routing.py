@@ -11,7 +11,7 @@ from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
 from pytest_kvcompile.oracles import precision, routing
 from pytest_kvcompile.oracles.reference import Reference
-from pytest_kvcompile.oracles.token_match import token_verdict
+from pytest_kvcompile.oracles.token_match import TokenMismatch, check_tokens, token_verdict
 from pytest_kvcompile.oracles.truth import high_precision, load_lm
 
 MOE = ("qwen3-moe", "deepseek-v3", "gpt-oss")
@@ -107,3 +107,8 @@ def test_a_token_from_a_near_tied_routing_swap_is_a_near_tie_and_just_outside_th
     near = verdict(flipping.margin * 1.001)
     assert not near.mismatch and near.near_ties[0].via == flipping.describe()
     assert verdict(flipping.margin * 0.999).mismatch is not None
+    ref = Reference(tuple(prompt), (best,), base[None], "the truth", forced=lambda got, tol: base[None],
+                    routes=lambda got, step: routing.alternatives(truth, prompt, "cpu", flipping.margin * 0.999))
+    with pytest.raises(TokenMismatch, match=rf"nor is {token} the truth's token with one near-tied routing decision "
+                                            r"taken the other way \(\d+ tried"):
+        check_tokens(ref, [token], tie_tolerance=1e-6, engine="moe", model="qwen3-moe", prompt="p24")

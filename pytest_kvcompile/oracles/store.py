@@ -48,6 +48,7 @@ from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import COULD_NOT_RUN, OracleUnavailable, OracleUnreliable, UsageError
 from pytest_kvcompile.models.checkpoints import keep_last
 from pytest_kvcompile.models.zoo import code_hash, shared_kv_layers
+from pytest_kvcompile.oracles import computations as equivalent
 from pytest_kvcompile.oracles import precision, routing
 from pytest_kvcompile.oracles.engine import EngineOracle
 from pytest_kvcompile.oracles.eviction import EVICTION_TIE_TOLERANCE
@@ -64,7 +65,8 @@ from pytest_kvcompile.verdicts.rows import OracleFacts
 ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 1.0}
 
 
-_PRECISION = hashlib.sha256(inspect.getsource(precision).encode()).hexdigest()[:12]  # the rule's version, in keys
+_PRECISION = hashlib.sha256((inspect.getsource(precision) + inspect.getsource(equivalent)).encode()).hexdigest()[
+    :12]  # the rule's version, in keys
 _ROUTING = hashlib.sha256(inspect.getsource(routing).encode()).hexdigest()[:12]
 
 

@@ -326,6 +326,13 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
         "  oracle top-3 at this step: " + ", ".join(f"{t} ({v:.4g})" for t, v in failure.top3),
         context, *_sequences(ref, got, bad.step),
     ]
+    routes = getattr(ref, "routes", None)
+    if routes is not None:  # a 16-bit mixture-of-experts run: the truth's routing alternatives were asked too
+        tried = routes(got, bad.step)
+        lines.append(f"  nor is {bad.got} the truth's token with one near-tied routing decision taken the other way "
+                     f"({len(tried)} tried, within the measured router tolerance: oracles/routing.py)" if tried else
+                     "  no routing decision along these tokens is near-tied (oracles/routing.py): the experts chosen "
+                     "are the truth's")
     lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}{_via(t)}"
               for t in verdict.near_ties]
     if failure.excluded:
