@@ -16,7 +16,7 @@ from conftest import TOKEN_CHECKS, run_suites
 from pytest_kvcompile.config.tolerances import FALSE_ALARM, binomial_tail, run_rate_exceeded
 from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.models import zoo
-from pytest_kvcompile.oracles import precision
+from pytest_kvcompile.oracles import computations, precision
 from pytest_kvcompile.oracles import truth as truth_module
 from pytest_kvcompile.oracles.hf import HFEagerOracle
 from pytest_kvcompile.oracles.store import ORACLE_CHECK_TOLERANCE
@@ -371,7 +371,7 @@ def test_the_computations_share_one_copy_of_the_weights(zoo_cache, name):
     shared = precision.Computations(spec)
     home = shared.base.config._attn_implementation  # transformers' default (sdpa)
     switched = shared.eager if home != "eager" else shared.sdpa
-    assert isinstance(switched, precision._Switched) and switched.model is shared.base
+    assert isinstance(switched, computations._Switched) and switched.model is shared.base
     assert {shared.eager if home == "eager" else shared.sdpa} == {shared.base}
     eager_apart = precision.load_lm(spec, attn_implementation="eager")
     sdpa_apart = precision.load_lm(spec, attn_implementation="sdpa")

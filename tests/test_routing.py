@@ -112,3 +112,16 @@ def test_a_token_from_a_near_tied_routing_swap_is_a_near_tie_and_just_outside_th
     with pytest.raises(TokenMismatch, match=rf"nor is {token} the truth's token with one near-tied routing decision "
                                             r"taken the other way \(\d+ tried"):
         check_tokens(ref, [token], tie_tolerance=1e-6, engine="moe", model="qwen3-moe", prompt="p24")
+
+
+def test_a_model_without_an_sdpa_path_is_calibrated_on_its_eager_kernel(zoo_dir):
+    """GPT-OSS (sinks) has no SDPA path in transformers: the no-cache and padded computations run its eager kernel
+    (named so), where they once made the calibration's oracle "could not run" on it."""
+    spec = _spec("gpt-oss", zoo_dir)
+    computed = precision.Computations(spec)
+    assert computed.sdpa is computed.eager
+    assert computed.names == ("eager, cache", "eager, no cache", "eager, left-padded batch", "eager, chunked prefill")
+    assert computed.along([3, 1, 4, 1, 5], [9, 2]).shape == (4, 2, spec.vocab_size)
+    assert computed.routed
+    pinned = computed.along([3, 1, 4, 1, 5], [9, 2], pinned=True)
+    assert pinned.shape == (4, 2, spec.vocab_size) and torch.isfinite(pinned).all()
