@@ -50,7 +50,8 @@ def test_every_router_decision_is_read_and_one_is_taken_the_other_way(zoo_dir, n
     assert swap.kept not in chosen[(swap.block, swap.call)][swap.row].tolist()
     for (block, call, _, before), (_, _, _, now) in zip(calls, after):
         rows = slice(None) if (block, call) != (swap.block, swap.call) else slice(0, swap.row)
-        if block == swap.block and call <= swap.call or block < swap.block:
+        layer = routing.Decision(block, call, 0, 0, 0, 0.0).layer
+        if (layer, call) <= (swap.layer, swap.call):  # the calls before the swapped one, and its own earlier rows
             assert torch.equal(before[rows], now[rows]), (block, call)
     assert not torch.equal(logits, swapped)
     assert "instead of expert" in swap.describe() and f"layer {swap.layer}" in swap.describe()
