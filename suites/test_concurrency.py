@@ -8,9 +8,10 @@ short; then the largest round again once the cache is warm. Every response is ju
 report says per round how many responses were identical, within near ties, or wrong. 23 requests, each bounded by the
 engine's own timeout and --kv-call-timeout (else 300 s), loopback only for servers.
 
-It runs on servers (engines/server.py) and on in-process engines declaring ``thread_safe=True``; any other engine is a
-named skip. A server's cap on requests at once (``?max_concurrency=N`` in its URL) bounds the rounds: those larger
-are not sent, and the summary names them. tests/test_servers.py shows it failing on servers whose answers change
+It runs on servers (engines/server.py) and on engines declaring ``thread_safe=True``, in process or isolated (the
+engine's process releases each round from its own threads); any other engine is a named skip. A server's cap on
+requests at once (``?max_concurrency=N`` in its URL) bounds the rounds: those larger are not sent, and the summary
+names them. tests/test_servers.py shows it failing on servers whose answers change
 under concurrency."""
 
 import pytest
@@ -45,7 +46,7 @@ def _others(vocab: int, longest: int, count: int) -> list[Prompt]:
 @pytest.fixture
 def concurrent_engine(kv_engine):
     """kv_engine, or a named skip before the oracle is asked for anything: concurrent calls cannot reach it."""
-    if kv_engine.host.why_not_concurrent:  # an isolated engine: one pipe to its process
+    if kv_engine.host.why_not_concurrent:  # a host that cannot release a round (none of today's)
         pytest.skip(f"engine '{kv_engine.name}' {kv_engine.host.why_not_concurrent}")
     if not (kv_engine.server or kv_engine.ref.declaration.thread_safe):
         pytest.skip(f"engine '{kv_engine.name}' is neither a server nor declares thread_safe=True: concurrent callers "

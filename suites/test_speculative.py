@@ -106,8 +106,8 @@ class Calls:
             steps = engine.acceptance(len(prompts)) if self.declared.acceptance else None
         wrong = []
         for i, (prompt, tokens) in enumerate(zip(prompts, got)):
-            where = Where(index=i, lengths=lengths, number=number, calls=calls,
-                          before=tuple(self.served[-3:]), note=what[i])
+            where = Where(index=i, lengths=lengths, number=number, calls=calls, before=tuple(self.served[-3:]),
+                          note=what[i], speculation=_rows(steps) if steps and len(prompts) > 1 else ())
             self.check(self.reference(prompt), tokens, prompt, where)
             if steps is None:
                 continue
@@ -170,6 +170,11 @@ class Calls:
         kept = sorted({a for d, a in self.steps if a < d}) + (["all"] if any(a == d > 0 for d, a in self.steps) else [])
         self.record("speculative decoding", f"{self.engine.name} / {self.engine.spec.name}: {kind}: {found.steps} "
                     f"verify step(s), {self.judged} judged; rejected first at {kept or 'none'}", speculation=found)
+
+
+def _rows(steps) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """acceptance()'s rows as the failure's `Where.speculation`."""
+    return tuple(tuple((int(d), int(a)) for d, a in row) for row in steps)
 
 
 def _prompts(kv_prompts):

@@ -42,7 +42,8 @@ def run_pytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
 def prewarmed_server() -> prewarmed.Server:
     """This worker's server, started at its first use."""
     if not _SERVER:
-        _SERVER.append(prewarmed.Server({**_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS_DIR)}))
+        path = os.pathsep.join(p for p in (str(TESTS_DIR), _ENV.get("PYTHONPATH", "")) if p)  # the caller's kept
+        _SERVER.append(prewarmed.Server({**_ENV, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}))
         atexit.register(_SERVER[0].close)
     return _SERVER[0]
 

@@ -156,9 +156,12 @@ CORRECT = ("kv_test_engines_verdicts:Recompute", "kv_test_engines_precision:Chun
 def test_correct_engines_pass_in_16_bit(kvtester, dtype):
     """At every length a check uses (issue 59): the prefix suite's flood of 256-token prompts and its 512-position
     extensions, the long generations to the models' last position, judged by the noise measured up to there."""
+    # The token checks on every model; the long checks (prefix floods, generations to the last position) on llama for
+    # all three and on gpt2-abspos for the two cached ones: Recompute runs the whole sequence every step (quadratic:
+    # 60% of this test), gemma4-kvshared's 4 layers double each step, and their long runs add no rule the others lack
+    long = "(prefix_cache or long_generation) and (llama or (gpt2 and not Recompute))"
     result = run_suites(kvtester, *(f"--kv-engine={e}" for e in CORRECT), f"--kv-dtype={dtype}",
-                        "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k",
-                        f"{TOKEN_CHECKS} or prefix_cache or long_generation")
+                        "--kv-zoo=llama,gemma4-kvshared,gpt2-abspos", "-k", f"{TOKEN_CHECKS} or ({long})")
     assert result.ret == 0, result.stdout.str()[-4000:]
     assert "failed" not in result.parseoutcomes()
     for engine in CORRECT:  # (the verdict lines' order is the report's, not the options')
@@ -267,13 +270,22 @@ def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype
     gen = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=gen).tolist() for n in (17, 24, 33, 40, 48, 64, 20, 30)]
 
+    def mismatched(engine, among=prompts):  # per prompt, lazily: a mismatch's verdict follows the engine's tokens
+        return (token_verdict(truth.reference(p, 16), engine.generate([p], 16)[0], logits).mismatch is not None
+                for p in among)
+
     def mismatches(engine) -> int:
-        return sum(token_verdict(truth.reference(p, 16), engine.generate([p], 16)[0], logits).mismatch is not None
-                   for p in prompts)
+        return sum(mismatched(engine))
+
+    def some(engine) -> bool:  # at least one prompt fails (stops there)
+        return any(mismatched(engine))
+
+    def every(engine) -> bool:  # a wrong policy fails on each of the first three
+        return all(mismatched(engine, prompts[:3]))
 
     assert mismatches(engines.tova_nudged(spec, noise.tolerance)) == 0
-    assert mismatches(engines.tova_nudged(spec, 2 * noise.tolerance)) >= 1
-    assert mismatches(engines.TOVAEvictsTheMostAttended(spec)) == len(prompts)
+    assert some(engines.tova_nudged(spec, 2 * noise.tolerance))
+    assert every(engines.TOVAEvictsTheMostAttended(spec))
 
     # The policy computed in this dtype (an engine doing just that): its tokens pass by the guided alternative alone
     # (the forks off: MAX_STATES 1), fail without it (the twin), and the guide widens nothing for a wrong policy.
@@ -281,15 +293,15 @@ def test_eviction_ties_are_measured_and_a_nudge_past_them_fails(zoo_cache, dtype
     computed = types.SimpleNamespace(generate=lambda batch, n: [list(low.reference(batch[0], n).tokens)])
     monkeypatch.setattr(eviction, "MAX_STATES", 1)
     truth._forced.clear()
-    assert mismatches(computed) >= 1, "the 16-bit policy's tokens never left the truth's cuts: nothing was tested"
+    assert some(computed), "the 16-bit policy's tokens never left the truth's cuts: nothing was tested"
     truth.guided_by(spec, strategy)
     truth._forced.clear()
     assert mismatches(computed) == 0
-    assert mismatches(engines.TOVAEvictsTheMostAttended(spec)) == len(prompts)
+    assert every(engines.TOVAEvictsTheMostAttended(spec))
     monkeypatch.undo()  # the forks back on, the guide kept: the nudge twins read as before
     truth._forced.clear()
     assert mismatches(engines.tova_nudged(spec, noise.tolerance)) == 0
-    assert mismatches(engines.tova_nudged(spec, 2 * noise.tolerance)) >= 1
+    assert some(engines.tova_nudged(spec, 2 * noise.tolerance))
 
 
 def test_a_16_bit_eviction_run_prints_its_measured_eviction_rule(kvtester):

@@ -52,7 +52,7 @@ def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester
     result = run_suites(kvtester, f"--kv-engine={T}SpeculativeK2", "--kv-engine=ref-speculative-lookup",
                         "--kv-engine=hf-prompt-lookup",
                         *(f"--kv-engine={T}{twin}" for twin in TWINS),
-                        "--kv-compile-backend=aot_eager", "-k", SELECT, f"--kv-report-json={report}", "-p", "no:xdist")
+                        "--kv-compile-backend=eager", "-k", SELECT, f"--kv-report-json={report}", "-p", "no:xdist")
     rows = {row["engine"]: row for row in json.loads(report.read_text())["rows"]}
 
     def failures(twin):
@@ -70,6 +70,11 @@ def test_speculative_suite_passes_a_correct_decoder_and_fails_each_twin(kvtester
     shared = failures("OneRowsRollbackForAll")
     assert "test_speculative_schedules" not in shared and shared["test_speculative_schedules_batched"]["kind"] \
         == "mismatch"
+    rollback = shared["test_speculative_schedules_batched"]["failure"]  # the hint: each row's drafts, per-row rollback
+    assert "drafts kept per row (acceptance()): verify step " in rollback["hint"], rollback
+    assert "the rows kept different numbers of drafts: roll each row's K/V (and positions) back by its own " \
+        "acceptance" in rollback["hint"], rollback
+    assert rollback["where"]["speculation"][rollback["where"]["index"]], rollback
     # the draft model's cache not cropped: every token right (the suite's drafter passes), the acceptance its draft
     # earns is not
     draft = failures("DraftCacheNotRolledBack")
@@ -146,6 +151,25 @@ def test_judge_names_the_step_that_kept_another_number():
     assert "generate() returned 6" in judge(row, [(3, 1)], tokens).wrong  # steps that cannot have made the tokens
     diverged = judge(row, [(3, 1), (3, 0), (0, 0), (0, 0)], [5, 6, 7, 3, 1, 2])  # a near tie at position 3
     assert diverged.wrong is None and diverged.unjudged >= 1
+
+
+def test_a_batched_speculative_mismatch_names_each_rows_drafts_and_per_row_rollback():
+    from pytest_kvcompile.verdicts.failures import Failure, Kind, Where
+
+    def hint(speculation, step, index=1):
+        where = Where(index=index, lengths=(9, 9), speculation=speculation)
+        return Failure(Kind.MISMATCH, "e", "llama", "p", 9, where, step=step, tokens=(0,) * 8).hint
+
+    # the prefill's token first (start 1), then each verify step's kept drafts and its bonus: 8 tokens per row
+    rows = (((4, 2), (4, 2), (0, 0)), ((4, 3), (4, 2)))  # row 0: 1 + 3 + 3 + 1 = 8; row 1: 1 + 4 + 3 = 8
+    said = hint(rows, step=6)  # row 1: the prefill's 0, step 1 tokens 1-4, step 2 tokens 5-7
+    assert ("its token 6 from row 1's verify step 2; drafts kept per row (acceptance()): verify step 1: row 0 2 of 4, "
+            "row 1 3 of 4; verify step 2: row 0 2 of 4, row 1 2 of 4; the rows kept different numbers of drafts: roll "
+            "each row's K/V (and positions) back by its own acceptance") in said, said
+    same = hint((((4, 3), (4, 2)), ((4, 3), (4, 2))), step=6)
+    assert "verify step 1: row 0 3 of 4, row 1 3 of 4" in same and "every row kept as many drafts" in same, same
+    assert "check padding, attention masks" in hint((), step=6)  # no acceptance(): the batch's generic hint
+    assert "drafts kept per row" not in hint(rows, step=0)  # the prefill's token: no verify step made it
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_match_of_the_longest_ngram():

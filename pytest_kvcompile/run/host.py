@@ -133,6 +133,12 @@ class Host(ABC):
         """Requests the engine takes at once by its own limit (a server's ``?max_concurrency=N``), None: no limit."""
         return None
 
+    def concurrently(self, calls: list[list[list[int]]], max_new_tokens: int, timeout: float) -> list[Any] | None:
+        """Where the engine's process runs a round of concurrent calls itself (isolated): per call a stand-in whose
+        ``generate()`` gives that call's answer, for the call's own checks. None: the caller releases the calls from
+        threads in this process."""
+        return None
+
     @property
     def where(self) -> str:
         """Where the engine runs, as a suffix for messages ("built in 1.2 s in process 4242"): '' in process."""
@@ -278,8 +284,6 @@ class Subprocess(Host):
 
     isolated = True
     cuda_here = False
-    why_not_concurrent = ("runs isolated (one pipe to its process, --kv-isolate): concurrent calls cannot reach it; "
-                          "run it in process to check it under concurrent callers")
     unreachable = "the engine runs isolated"
 
     def __init__(self, engine: IsolatedEngine) -> None:
@@ -307,6 +311,10 @@ class Subprocess(Host):
         compiles, hits, eager, captures = self.engine.observed
         seen.compiles, seen.guard_hits = seen.compiles + tuple(compiles), seen.guard_hits + hits
         seen.eager_runs, seen.captures = seen.eager_runs + eager, seen.captures + tuple(captures)
+
+    def concurrently(self, calls: list[list[list[int]]], max_new_tokens: int, timeout: float) -> list[Any]:
+        """The round released at once from threads in the engine's process (run/isolation.py: IsolatedEngine)."""
+        return self.engine.concurrently(calls, max_new_tokens, timeout)
 
     def reset_dynamo(self) -> None:
         self.engine.remote("reset")

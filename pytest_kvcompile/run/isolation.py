@@ -3,8 +3,9 @@
 Native runtimes (llama.cpp, ONNX Runtime, C++ engines) can segfault, abort or hang inside C code, and in the
 pytest process that takes the run and its reports with it. An *isolated* engine (its declaration says
 ``isolated=True``, or ``--kv-isolate=NAME,...|all``) is built in a child Python process; ``generate``, ``score``,
-``kv_cache_bytes``, a speculative engine's ``use_drafter`` and ``acceptance``, and the memory measurements are
-forwarded to it over a pipe, and what dynamo did in the child comes back with every call, so the recompile and memory
+``kv_cache_bytes``, a speculative engine's ``use_drafter`` and ``acceptance``, the concurrency suite's rounds
+(released at once from threads in the child, as in process) and the memory measurements are forwarded to it over a
+pipe, and what dynamo did in the child comes back with every call, so the recompile and memory
 checks still observe the engine itself.
 
 - The child dies (a signal, ``os._exit``): the test fails naming the signal, the call and the engine's last output
@@ -101,6 +102,19 @@ class IsolatedEngine:
     def acceptance(self) -> Any:
         return self._ask(("acceptance",), "acceptance()")
 
+    def concurrently(self, calls: list[list[list[int]]], max_new_tokens: int, timeout: float) -> list[Answered]:
+        """Each of `calls` as one generate() in the engine's process, all released at once from threads of their own
+        there (as run/harness.py's concurrently does in process); the answers, each to be replayed through
+        contract/engine_io.py for its checks. The whole round is bounded by `timeout`."""
+        what = (f"{len(calls)} concurrent generate() calls (lengths {[[len(p) for p in c] for c in calls]}, "
+                f"max_new_tokens={max_new_tokens})")
+        self.observed, self.last_ms = ((), 0, 0, ()), None
+        answers, self.observed, self.last_ms = self._ask(("concurrent", calls, max_new_tokens, timeout), what,
+                                                        timeout=timeout)
+        self.calls += [f"generate(<{len(c)} prompt(s) of lengths {[len(p) for p in c]}>, max_new_tokens="
+                       f"{max_new_tokens}) (concurrent)" for c in calls]
+        return [Answered(tuple(answer)) for answer in answers]
+
     def remote(self, what: str) -> Any:
         """A measurement or reset in the engine's process: 'held' (memory.measure.held_by of the engine),
         'freeze' / 'live' / 'unfreeze' (the live-tensor census, memory.measure.live_tensor_bytes), 'reset'
@@ -134,18 +148,7 @@ class IsolatedEngine:
             raise
         if request[0] in ("generate", "score"):
             self.calls.append(what)
-        if status == "ok":
-            return payload[0] if len(payload) == 1 else payload
-        if status == "raised":
-            raise RemoteError(*payload)
-
-        from pytest_kvcompile.errors import NotApplicable
-
-        if status == "not-applicable":
-            raise NotApplicable(payload[0])
-        if status == "skip":
-            skip(payload[0])
-        fail(payload[0], pytrace=False)
+        return _decoded(status, payload)
 
     def _read(self, size: int, what: str, deadline: float | None) -> bytes:
         fd, chunks, got = self.proc.stdout.fileno(), [], 0
@@ -230,6 +233,35 @@ class IsolatedEngine:
 
     def __repr__(self) -> str:
         return f"<engine '{self.name}' in process {self.proc.pid}>"
+
+
+def _decoded(status: str, payload: list) -> Any:
+    """A reply from the engine's process as the call's outcome here: its value, or what it raised or decided."""
+    if status == "ok":
+        return payload[0] if len(payload) == 1 else payload
+    if status == "raised":
+        raise RemoteError(*payload)
+
+    from pytest_kvcompile.errors import NotApplicable
+
+    if status == "not-applicable":
+        raise NotApplicable(payload[0])
+    if status == "skip":
+        skip(payload[0])
+    fail(payload[0], pytrace=False)
+
+
+class Answered:
+    """One generate() answered in the engine's process during a concurrent round, standing in for the engine so that
+    the call's checks (contract/engine_io.py: generate) read it as they read any call: its output, or what it
+    raised."""
+
+    def __init__(self, reply: tuple) -> None:
+        self.reply = reply
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> Any:
+        status, *payload = self.reply
+        return _decoded(status, payload)
 
 
 def _threads() -> int | None:
@@ -358,6 +390,8 @@ def _answer(engine: Any, request: tuple) -> Any:
             _synchronize()
             ms = (time.perf_counter() - started) * 1e3
         return out, (tuple(recorder.events), *recorder.guards, tuple(recorder.captures)), ms
+    if kind == "concurrent":
+        return _concurrently(engine, *args)
     if kind == "score":
         return engine.score(*args)
     if kind == "kv_cache_bytes":
@@ -380,6 +414,39 @@ def _answer(engine: Any, request: tuple) -> Any:
 
         return reset_dynamo()
     raise ValueError(f"unknown request {kind!r}")
+
+
+def _concurrently(engine: Any, calls: list, max_new_tokens: int, timeout: float) -> tuple:
+    """Each call's generate() from a thread of its own, all released at once (a barrier); per call ("ok", output) or
+    its failure, what dynamo did over the round, its wall time. A call still running at `timeout` is left behind
+    (a daemon): the parent's own wait on the pipe kills this process first."""
+    import threading
+
+    from pytest_kvcompile.recompiles.recorder import CompileRecorder
+
+    found: list[tuple] = [("raised", "RuntimeError", "the call's thread ended without an answer", "")] * len(calls)
+    start = threading.Barrier(len(calls))
+
+    def run(i: int) -> None:
+        try:
+            start.wait(timeout)
+            out = engine.generate(calls[i], max_new_tokens)
+            pickle.dumps(out, protocol=pickle.HIGHEST_PROTOCOL)  # one call's unsendable output fails that call alone
+            found[i] = ("ok", out)
+        except BaseException as exc:
+            found[i] = _failure(exc)
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True, name=f"kvcompile-call-{i}")
+               for i in range(len(calls))]
+    with CompileRecorder() as recorder:
+        started = time.perf_counter()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        _synchronize()
+        ms = (time.perf_counter() - started) * 1e3
+    return found, (tuple(recorder.events), *recorder.guards, tuple(recorder.captures)), ms
 
 
 def _synchronize() -> None:

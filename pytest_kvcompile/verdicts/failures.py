@@ -46,7 +46,9 @@ class Kind(str, Enum):
 class Where:
     """Which call of the engine a token check verified: the row of a batch (`index`, `lengths` of the call's
     prompts), the `number` of the call on one engine object out of `calls`, the prompts it served `before`, and a
-    `note` for people. A plain string given where a Where is expected becomes its note (no facts, no facts' hints)."""
+    `note` for people; `speculation`: a speculative engine's ``acceptance()`` for the call, per row its (drafted,
+    accepted) verify steps. A plain string given where a Where is expected becomes its note (no facts, no facts'
+    hints)."""
 
     index: int | None = None
     lengths: tuple[int, ...] = ()
@@ -54,6 +56,7 @@ class Where:
     calls: int | None = None
     before: tuple[str, ...] = ()
     note: str = ""
+    speculation: tuple[tuple[tuple[int, int], ...], ...] = ()
 
     @classmethod
     def of(cls, where: Where | str | None) -> Where:
@@ -79,11 +82,14 @@ class Where:
         return f"{text}: {self.note}" if text and self.note else text or self.note
 
     def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "lengths": list(self.lengths), "before": list(self.before)}
+        return {**dataclasses.asdict(self), "lengths": list(self.lengths), "before": list(self.before),
+                "speculation": [[list(step) for step in row] for row in self.speculation]}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Where:
-        return cls(**{**data, "lengths": tuple(data.get("lengths", ())), "before": tuple(data.get("before", ()))})
+        speculation = tuple(tuple(tuple(step) for step in row) for row in data.get("speculation", ()))
+        return cls(**{**data, "lengths": tuple(data.get("lengths", ())), "before": tuple(data.get("before", ())),
+                      "speculation": speculation})
 
 
 @dataclass(frozen=True)
@@ -160,11 +166,53 @@ def _token_hint(failure: Failure) -> str:
     if failure.where.before or (failure.where.number or 0) > 1:
         hint += "; earlier calls ran on this engine object: check that caches and positions are reset per call"
     if failure.where.batched:
-        hint += "; it happens inside a batch: check padding, attention masks and per-row positions"
+        hint += _speculation_hint(failure) or "; it happens inside a batch: check padding, attention masks and " \
+            "per-row positions"
     if not failure.scored:
         hint += ("; if this is a near tie, give the oracle engine score() (Declaration(scoring=True)) so near ties "
                  "can be judged")
     return hint
+
+
+def _verify_step(steps: tuple[tuple[int, int], ...], generated: int, token: int) -> int | None:
+    """The verify step (0-based) of a row's `steps` that produced its generated token `token` (None: the prefill's
+    token, or steps that do not account for the row's tokens). Each step yields its accepted drafts and a bonus; the
+    tokens not covered by the steps come first (from the prefill)."""
+    start = generated - sum(a + 1 for _, a in steps)
+    if start not in (0, 1) or token < start:
+        return None
+    end = start
+    for number, (_, accepted) in enumerate(steps):
+        end += accepted + 1
+        if token < end:
+            return number
+    return None
+
+
+def _speculation_hint(failure: Failure) -> str:
+    """For a row of a batched speculative call (`Where.speculation`): how many drafts each row kept at the verify
+    step that produced the wrong token and at the one before it, naming per-row rollback when rows kept different
+    numbers ("" without the engine's acceptance() or where the steps do not place the token)."""
+    where, rows = failure.where, failure.where.speculation
+    if where.index is None or where.index >= len(rows) or failure.step is None:
+        return ""
+    number = _verify_step(rows[where.index], len(failure.tokens), failure.step)
+    if number is None:
+        return ""
+    shown, differ = [], False
+    for n in (number - 1, number):
+        if n < 0:
+            continue
+        kept = [row[n] if n < len(row) else None for row in rows]
+        differ |= len({step[1] for step in kept if step is not None}) > 1
+        shown.append(f"verify step {n + 1}: " + ", ".join(
+            f"row {r} {'-' if step is None else f'{step[1]} of {step[0]}'}" for r, step in enumerate(kept)))
+    said = (f"; it happens inside a batch of a speculative engine, its token {failure.step} from row {where.index}'s "
+            f"verify step {number + 1}; drafts kept per row (acceptance()): {'; '.join(shown)}")
+    if differ:
+        return said + ("; the rows kept different numbers of drafts: roll each row's K/V (and positions) back by "
+                       "its own acceptance, not by one row's or the batch's longest/shortest")
+    return said + "; every row kept as many drafts: check padding, attention masks and per-row positions"
 
 
 HINTS: dict[Kind, Callable[[Failure], str]] = {  # one table: kind of a token verdict -> what to try
