@@ -90,6 +90,9 @@ class Proxy:
     def generate(self, prompts, n):
         return [[1] * n for _ in prompts]
 
+    def concurrently(self, calls, n, timeout):  # the round answered in the engine's process
+        return [[[7] * n for _ in call] for call in calls]
+
     def remote(self, what):
         if self.dead:
             raise EngineProcessDied(self.dead)
@@ -114,9 +117,9 @@ def test_in_process_host():
     engine = types.SimpleNamespace(generate=lambda prompts, n: [[1] * n for _ in prompts])
     host = hosts.host_of(engine)
     assert isinstance(host, hosts.InProcess) and host.engine is engine and not host.isolated
-    assert (host.where, host.dead, host.why_not_concurrent, host.unreachable, host.cuda_here) == ("", None, None, None,
-                                                                                                  True)
+    assert (host.where, host.dead, host.unreachable, host.cuda_here) == ("", None, None, True)
     assert host.timed(lambda: None, lambda call: 7.0) == 7.0  # the caller's timer
+    assert host.concurrently([[[1, 2]]], 2, 5.0) is None  # the caller releases a round from its own threads
     with pytest.raises(CallTimeout):  # SIGALRM in the pytest process
         with host.bounded(0.2):
             time.sleep(5)
@@ -135,7 +138,7 @@ def test_subprocess_host_merges_what_dynamo_did_in_the_engine_process():
     host = hosts.Subprocess(proxy)
     assert host.isolated and not host.cuda_here and host.where == " in process 4242"
     assert host.unreachable == "the engine runs isolated"
-    assert host.why_not_concurrent is None  # its process releases a concurrent round itself (IsolatedEngine)
+    assert host.concurrently([[[1, 2]]], 2, 5.0) == [[[7, 7]]]  # its process releases a round itself
     assert host.timed(lambda: None, lambda call: 999.0) == 12.5  # the child's own timing, not the pipe's
     eut = _eut(host)
     eut.generate([Prompt("two", [1, 2])])

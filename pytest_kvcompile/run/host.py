@@ -110,8 +110,6 @@ class Host(ABC):
     cuda_grown: int | None = None  # growth of torch.cuda.memory_allocated() while the factory ran (None: not here)
     #: torch.cuda in this process counts the engine's allocations (False: they are another process's)
     cuda_here: bool = True
-    #: why concurrent calls cannot reach the engine (the phrase after "engine 'NAME' " in a skip), or None
-    why_not_concurrent: str | None = None
     #: why `engine` answers only the contract's calls, not the engine object's own attributes (a server's
     #: `served`), or None
     unreachable: str | None = None
