@@ -44,7 +44,7 @@ def test_each_served_architecture_bug_fails_and_the_reference_passes(kvtester, d
                         f"--kv-dtype={dtype}", f"--kv-report-json={report}",
                         "-k", f"test_token_identity and ({prompts}) and not batched and (Eager or {pairs})")
     rows = {(r["engine"].removeprefix(f"{MODULE}:"), r["model"]): r for r in json.loads(report.read_text())["rows"]}
-    for model in SERVED:  # the reference, eagerly traced, on every served model
+    for model in SERVED:  # the reference, run eagerly, on every served model
         assert rows["Eager", model]["tests"]["passed"] == len(PROMPTS[dtype]), (model, rows["Eager", model]["failures"])
     caught = {}
     for twin, models in TWINS.items():

@@ -418,8 +418,8 @@ def _answer(engine: Any, request: tuple) -> Any:
 
 def _concurrently(engine: Any, calls: list, max_new_tokens: int, timeout: float) -> tuple:
     """Each call's generate() from a thread of its own, all released at once (a barrier); per call ("ok", output) or
-    its failure, what dynamo did over the round, its wall time. A call still running at `timeout` is left behind
-    (a daemon): the parent's own wait on the pipe kills this process first."""
+    its failure, what dynamo did over the round, its wall time. The parent's wait on the pipe bounds the round: at
+    `timeout` it dumps this process's stacks and kills it (a stuck call fails its test naming the round)."""
     import threading
 
     from pytest_kvcompile.recompiles.recorder import CompileRecorder
