@@ -167,7 +167,8 @@ def test_correct_engines_pass_in_16_bit(kvtester, dtype):
     for engine in CORRECT:  # (the verdict lines' order is the report's, not the options')
         result.stdout.fnmatch_lines([f"PASS  {engine}: *"])
     result.stdout.fnmatch_lines(["*verdict rules measured per model (*): 16-bit, KV stored lower*",
-                                 f"llama ({dtype}): tie tolerance * (1.5 x noise scale *"])
+                                 f"llama ({dtype}): tie tolerance * (1.5 x noise scale *; calibration * s for * "
+                                 "positions (*this run; kept in the cache dir*"])
 
 
 # --- every token-changing bug class still fails in both -----------------------------------------------------------

@@ -238,3 +238,16 @@ def test_a_long_sequence_is_shown_as_a_window_around_its_divergence():
     assert "  engine, steps 42-58 of 100: [... 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0, 0 ...]" in message
     assert str([0] * 100) not in message and "--kv-report-json" in message
     assert len(failed.value.failure.tokens) == len(failed.value.failure.oracle) == 100
+
+
+def test_a_mismatch_on_a_model_with_a_tokenizer_shows_its_tokens_as_text():
+    """`decode` (the model's tokenizer, models/texts.py): the expected and the engine's tokens and the text before."""
+    words = {0: " Paris", 1: " Lyon", 2: ".", 5: "The", 6: " capital", 7: " is"}
+    decode = lambda ids: repr("".join(words[i] for i in ids))  # noqa: E731
+    with pytest.raises(TokenMismatch) as raised:
+        check_tokens(REF, [1, 0, 1, 2], tie_tolerance=1e-3, decode=decode)
+    lines = str(raised.value).splitlines()
+    assert lines[2] == "  as text: expected ' Paris', got ' Lyon', after ...'The capital is' (the model's tokenizer)"
+    with pytest.raises(TokenMismatch) as plain:  # no tokenizer: ids alone
+        check_tokens(REF, [1, 0, 1, 2], tie_tolerance=1e-3)
+    assert "as text" not in str(plain.value)

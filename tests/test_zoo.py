@@ -20,7 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from pytest_kvcompile.models import prompts, zoo
 from pytest_kvcompile.models.checkpoints import returned_cache, with_cache
 
-NAMES = list(zoo.ZOO)
+NAMES = zoo.RANDOM  # the random-weight models (the trained one: tests/test_trained.py)
 WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt-oss", "qwen2-sw", "gemma2-hybrid"]
 #: zoo name -> (sliding layers, attention window, shared-KV layers)
 LAYOUT = {
@@ -63,6 +63,7 @@ def test_zoo_names_in_order():
     assert zoo.GROUPS["all"] == NAMES[:5] == zoo.GROUPS["classic"]
     assert zoo.GROUPS["served"] == ["qwen3", "phi3", "qwen3-moe", "deepseek-v3", "gpt-oss"]
     assert zoo.GROUPS["released"] == ["qwen2-sw", "gemma2-hybrid", "llama-yarn"]  # named only, as the served ones
+    assert list(zoo.ZOO) == NAMES[:10] + ["smollm2-135m"] + NAMES[10:] and zoo.GROUPS["trained"] == ["smollm2-135m"]
     assert zoo.selected(["llama", "served", "qwen3"]) == ["llama", "qwen3", "phi3", "qwen3-moe", "deepseek-v3",
                                                           "gpt-oss"]
     assert all(m.name == n and m.description and "\n" not in m.description for n, m in zoo.ZOO.items())

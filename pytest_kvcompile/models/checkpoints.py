@@ -159,13 +159,22 @@ def collect(settings: Settings) -> dict[str, ModelEntry]:
     entries: dict[str, ModelEntry] = {}
     for name in names:
         try:
-            entries[name] = ModelEntry(name, zoo.ZOO[name].build_config(settings.zoo_head_dim), None)
+            entries[name] = (_trained_entry(name, settings) if zoo.ZOO[name].trained is not None
+                             else ModelEntry(name, zoo.ZOO[name].build_config(settings.zoo_head_dim), None))
         except zoo.ModelUnavailable as exc:
             entries[name] = ModelEntry(name, None, None, unavailable=str(exc))
     for path in settings.models:
         entries[_local_name(path, entries)] = _local_entry(path, _local_name(path, entries),
                                                            any(o != "hf" for _, o in settings.oracles))
     return entries
+
+
+def _trained_entry(name: str, settings: Settings) -> ModelEntry:
+    """A trained zoo model: its checkpoint dequantised once (models/trained.py), its config read from there."""
+    from transformers import AutoConfig
+
+    path = zoo.checkpoint(name, settings.cache_dir / "zoo")
+    return ModelEntry(name, AutoConfig.from_pretrained(path, local_files_only=True), path)
 
 
 def _local_name(path: Path, taken: dict) -> str:

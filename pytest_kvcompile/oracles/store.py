@@ -166,6 +166,7 @@ class StoredOracle:
         self._disk = DiskMemo(cache_root / _fingerprint(oracle, strategy, spec, digests or cache_root / "digests")
                               if cache_root else None)
         self._memo: dict[tuple, Any] = {}
+        self._measured: set[tuple] = set()  # the keys this store computed (not read from disk)
         self._check = check
         # 16-bit (oracles/precision.py): the equivalent computations in the run's dtype, for the noise along tokens
         self.computations = computations
@@ -213,6 +214,7 @@ class StoredOracle:
             if found is None:
                 found = self._ran(key[0], compute)
                 self._disk.save(key, found)
+                self._measured.add(key)
             self._memo[key] = found
         return self._memo[key]
 
@@ -342,7 +344,12 @@ class StoredOracle:
         spec, computations = self.computations.spec, self.computations
         found = self._calibration(("noise", _PRECISION), precision.limited_to(spec, needed),
                                   lambda: precision.calibrate(spec, self._memoized, computations, needed).to_dict())
-        return precision.Noise.from_dict(found)
+        return self._noise(found)
+
+    def _noise(self, found: dict[str, Any]) -> precision.Noise:
+        """A stored calibration as Noise, `cached` where this store did not measure it."""
+        return dataclasses.replace(precision.Noise.from_dict(found),
+                                   cached=not any(self._memo.get(k) is found for k in self._measured))
 
     def _calibration(self, key: tuple, limited: int | None, compute: Callable[[], Any]) -> Any:
         """A calibration stored under `key`; one `limited` to as many positions (precision.limited_to) under its own
@@ -370,7 +377,7 @@ class StoredOracle:
         found = self._calibration(("kv_noise", _PRECISION, dtype_name(spec.dtype), kv_dtype),
                                   precision.limited_to(spec, needed),
                                   lambda: precision.calibrate(spec, self._memoized, computations(), needed).to_dict())
-        return precision.Noise.from_dict(found)
+        return self._noise(found)
 
     def self_check(self, ref: Reference) -> None:
         """Raise OracleUnreliable if the independent path rejects one of the oracle's greedy tokens."""

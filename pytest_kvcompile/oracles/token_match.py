@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -194,6 +194,7 @@ def check_tokens(
     context: str = "",
     excluded: Collection[int] = (),
     engine_top: Sequence[Mapping[int, float] | None] | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> Verdict:
     """Fail with a full explanation unless every step of `got` is the oracle's choice or a near tie,
     and near ties stay within `max_near_ties` (None: unlimited).
@@ -202,7 +203,8 @@ def check_tokens(
     and the prompts served before; the hint reads its fields; a plain string is shown, not read); `window` is the
     model's sliding window, used for hints; `context` is appended to a failure (e.g. the calls the engine object
     served before); `excluded`: ids the engine declares it never emits (out of the oracle's choice, module rule);
-    `engine_top`: the engine's own top-k log-probabilities per step, which narrow a near tie (module rule).
+    `engine_top`: the engine's own top-k log-probabilities per step, which narrow a near tie (module rule);
+    `decode`: ids as the model's tokenizer reads them (a mismatch then shows its tokens as text too).
     """
     __tracebackhide__ = True
     got = [int(t) for t in got]
@@ -230,6 +232,8 @@ def check_tokens(
                               allowed=bad.allowed,
                               top3=_top3(reference, got, bad.step, tie_tolerance), near_ties=ties)
             lines = _mismatch(reference, got, verdict, failure, at)
+            if decode is not None:
+                lines.insert(2, _as_text(decode, reference, got, bad))
         elif verdict.drift:
             failure = Failure(Kind.DRIFT, **facts, near_ties=ties)
             lines = _drift(reference, got, verdict, tie_tolerance, engine, at)
@@ -245,6 +249,13 @@ def assert_tokens_match(*args, **kwargs) -> Verdict:
     warnings.warn("pytest_kvcompile.assert_tokens_match is deprecated: call check_tokens (same arguments)",
                   DeprecationWarning, stacklevel=2)
     return check_tokens(*args, **kwargs)
+
+
+def _as_text(decode: Callable[[Sequence[int]], str], ref: Reference, got: list[int], bad: Divergence) -> str:
+    """A mismatch's tokens as the model's tokenizer reads them: expected, got, and the text before them."""
+    before = (list(ref.prompt) + got[:bad.step])[-12:]
+    return (f"  as text: expected {decode([bad.expected])}, got {decode([bad.got])}, after ...{decode(before)} "
+            "(the model's tokenizer)")
 
 
 def _oracle_tokens(ref: Reference) -> tuple[int, ...]:

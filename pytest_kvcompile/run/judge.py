@@ -39,6 +39,7 @@ class Judge:
     excluded: tuple[int, ...] = ()  # ids the engine declares it never emits on this model
     noise: Any = None  # oracles.precision.Noise the numbers were measured from (16-bit, a KV stored lower)
     strategy: str = ""  # the engine's declared strategy, named where nothing can judge a difference
+    decode: Callable[[Sequence[int]], str] | None = None  # ids as the model's tokenizer reads them (models/texts.py)
 
     def near_tie_budget(self, steps: int) -> int | None:
         """Near ties one sequence of `steps` may hold: the run's budget, set for --kv-max-new-tokens steps; a longer
@@ -56,7 +57,7 @@ class Judge:
         return check_tokens(reference, got, tie_tolerance=self.tie_tolerance,
                             max_near_ties=self.near_tie_budget(reference.steps), engine=self.engine, model=self.model,
                             prompt=f"prompt '{prompt.name}'", where=where, window=self.window, context=context,
-                            excluded=self.excluded, engine_top=engine_top)
+                            excluded=self.excluded, engine_top=engine_top, decode=self.decode)
 
     def _covered(self, prompt: Prompt, steps: int) -> None:
         """Skip, named, a sequence attending past what the noise its numbers came from was calibrated on (a smaller

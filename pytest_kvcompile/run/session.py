@@ -43,6 +43,7 @@ from pytest_kvcompile.memory.units import format_bytes
 from pytest_kvcompile.models import checkpoints as models
 from pytest_kvcompile.models.checkpoints import ModelEntry
 from pytest_kvcompile.models.prompts import Prompt, batch, prompt_set
+from pytest_kvcompile.models.texts import has_tokenizer, text_prompts
 from pytest_kvcompile.models.zoo import code_hash
 from pytest_kvcompile.oracles import precision
 from pytest_kvcompile.oracles.hf import NoOracle, exercising_lengths, oracle_for
@@ -82,13 +83,15 @@ class Session:
 
     def prompts(self, model: str) -> list[Prompt]:
         """The model's prompt set: the standard lengths, those that make the run's strategies act (eviction
-        budgets), all within the model's position limit (prompts.py)."""
+        budgets), all within the model's position limit (prompts.py); where the checkpoint has a tokenizer, text a
+        person would send beside them (texts.py)."""
         entry = self.models[model]
         extra: dict[str, int] = {}
         for ref in self.engines.values():
             extra.update(exercising_lengths(ref.declaration.strategy))
         limit = entry.max_positions - self.settings.max_new_tokens if entry.max_positions else None
-        return prompt_set(entry.vocab_size, entry.window, extra, limit)
+        texts = text_prompts(entry.path, limit) if not entry.own and has_tokenizer(entry.path) else []
+        return prompt_set(entry.vocab_size, entry.window, extra, limit) + texts
 
     def spec(self, model: str) -> ModelSpec:
         entry = self.models[model]

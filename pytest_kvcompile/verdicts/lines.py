@@ -33,7 +33,7 @@ def noise_line(row: Row) -> str:
                 f"near-tie rate {noise.flip_rate:.1%} (bound {noise.flip_rate_bound:.1%}), score() tolerance "
                 f"{noise.score_tolerance:.3g}: what storing the cache that way does to this model's logits, "
                 "measured (oracles/precision.py: KVComputation); the engine is held to the larger of these and the "
-                "model's own numbers")
+                f"model's own numbers; {_cost(noise)}")
     oracle = next(iter(noise.per_computation.values()), {})
     spread = noise.factor if noise.score_spread is None else noise.score_spread
     attended = f" at up to {noise.attended} positions" if noise.attended else ""
@@ -45,7 +45,16 @@ def noise_line(row: Row) -> str:
             f"{noise.flip_rate_bound:.1%}), score() tolerance {noise.score_tolerance:.3g} (or "
             f"{spread:.3g} x the computations' error at the position); judged against float64 "
             f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"
-            f"{noise.positions} calibration positions")
+            f"{noise.positions} calibration positions; {_cost(noise)}")
+
+
+def _cost(noise: MeasuredNoise) -> str:
+    """What the calibration cost: its seconds and positions, and whether this run paid them."""
+    if not noise.seconds:
+        return "calibration time not recorded"
+    paid = "read from the cache this run" if noise.cached else "measured this run"
+    return (f"calibration {noise.seconds:.0f} s for {noise.positions} positions ({paid}; kept in the cache dir per "
+            "model, dtype and code version)")
 
 
 def eviction_noise_line(row: Row) -> str:
