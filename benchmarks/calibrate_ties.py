@@ -383,7 +383,7 @@ def parse_args(argv=None):
     bad = [d for d in args.dtypes if d not in DTYPES]
     if bad or not args.dtypes:
         parser.error(f"--dtypes: unknown {bad}; choose from {', '.join(DTYPES)}")
-    args.models = list(zoo.ZOO) if args.models == "all" else [m for m in args.models.split(",") if m]
+    args.models = zoo.RANDOM if args.models == "all" else [m for m in args.models.split(",") if m]
     bad = [m for m in args.models if m not in zoo.ZOO]
     if bad or not args.models:
         parser.error(f"--models: unknown {bad}; choose from {', '.join(zoo.ZOO)} or 'all'")

@@ -45,7 +45,7 @@ def _calls(prompts: list[Prompt], batching: bool, vocab: int, limit: int | None)
     by_len = {len(p): p for p in prompts}
     short, long = by_len[7], by_len[48]
     warmup = [[short], [long]] + ([[short, long]] if batching else [])
-    others = {len(p): p for p in prompts if p not in (short, long) and len(p) <= 100}
+    others = {len(p): p for p in prompts if len(p) not in (len(short), len(long)) and len(p) <= 100}
     others.update({n: of_length(n, vocab, salt=2) for n in UNSEEN_LENGTHS if n not in others})
     others = [others[n] for n in sorted(others)]
     unseen = [([p], DECODE_STEPS, f"new prompt length {len(p)}") for p in others]

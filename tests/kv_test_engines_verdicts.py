@@ -443,13 +443,51 @@ class KVInt2(KVInt8):
     bits = 2
 
 
+class _Float8KV(DynamicCache):
+    """A KV cache storing each key and value vector (one token, one head) in `fmt` with its own scale (amax / the
+    format's largest value: SGLang's per-head scales, finer than vLLM's per-tensor default)."""
+
+    fmt = torch.float8_e4m3fn
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return super().update(self._round(key_states), self._round(value_states), layer_idx, *args, **kwargs)
+
+    def _round(self, x):
+        scale = x.float().abs().amax(-1, keepdim=True).clamp(min=1e-12) / torch.finfo(self.fmt).max
+        return (x.float() / scale).to(self.fmt).float().mul(scale).to(x.dtype)
+
+
+class KVFloat8(Greedy):
+    """Correct under its declaration: K and V stored as float8 e4m3 with per-vector scales, declared
+    kv_cache_dtype='float8_e4m3fn' (vLLM's fp8 cache)."""
+
+    kv_declaration = Declaration(batching=True, kv_cache_dtype="float8_e4m3fn",
+                                 description="test engine: KV in float8 e4m3 (scaled), declared")
+    fmt = torch.float8_e4m3fn
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        cache = type("KV", (_Float8KV,), {"fmt": self.fmt})(config=self.model.config)
+        return super()._run(prompt, steps, forced, cache)
+
+
+class KVFloat8E5M2DeclaredE4M3(KVFloat8):
+    """Bug twin: stores float8 e5m2 (2 mantissa bits) while declaring e4m3 (3): held to e4m3's measured noise, it
+    must fail."""
+
+    kv_declaration = Declaration(batching=True, kv_cache_dtype="float8_e4m3fn",
+                                 description="test engine: KV in float8 e5m2, declares e4m3")
+    fmt = torch.float8_e5m2
+
+
 # The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
 # counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
 MUST_FAIL = ("FlipThenGarbage", "FlipsAtEveryCloseCall", "ScoreOffByOne", "ScoreLogSoftmax", "CompiledUndeclared",
     "EagerOnRecompile", "SwallowsCompileErrors", "GraphBreaks", "StopsCompiling", "KeepsLast256", "PrefixCacheBug",
     "NeverEvicts", "ContinuesPositions", "PadPositions", "PreallocatesSixteenX", "MemoByPrompt", "UnknownStrategy",
     "StaleWithoutOracle", "SkipsEverything", "LeaksAfterBatchOfThree", "MasksAnIdUndeclared", "DeclaresAnIdItEmits",
-    "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong", "KVInt8Undeclared", "KVInt4DeclaredInt8", "KVInt2")
-MUST_PASS = ("Recompute", "TinyNoise", "WithoutOracle", "MasksAnId", "RefusesLongPrompts", "KVInt8")
+    "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong", "KVInt8Undeclared", "KVInt4DeclaredInt8", "KVInt2",
+    "KVFloat8E5M2DeclaredE4M3")
+MUST_PASS = ("Recompute", "TinyNoise", "WithoutOracle", "MasksAnId", "RefusesLongPrompts", "KVInt8", "KVFloat8")
 MUST_SKIP: tuple[str, ...] = ()
 HELPERS: tuple[str, ...] = ()

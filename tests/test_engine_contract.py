@@ -76,7 +76,8 @@ def test_undeclared_capabilities_skip_with_the_capability_named(kvtester):
     ({"never_emits": None}, "never_emits=None"),
     ({"never_emits": 2}, "never_emits=2"),
     ({"bounds": {"max_prompt": 8}}, "write bounds=Bounds(max_prompt=N, ...)"),
-    ({"kv_cache_dtype": "q4"}, "kv_cache_dtype='q4': one of float16, bfloat16, int8, int4, int2"),
+    ({"kv_cache_dtype": "q4"},
+     "kv_cache_dtype='q4': one of float16, bfloat16, float8_e4m3fn, float8_e5m2, int8, int4, int2"),
     # a typo here made every check a declared skip (issue 45); a str matched by substring ('float16' in 'bfloat16')
     ({"dtypes": ("fp16",)}, "dtypes=('fp16',): 'fp16' (not a torch floating-point dtype)"),
     ({"dtypes": ("half",)}, "'half' (write 'float16', the name runs use)"),

@@ -321,7 +321,7 @@ def test_a_profile_narrows_the_run_and_names_what_it_left_out(kvtester):
     result.stdout.fnmatch_lines(["*kvcompile: peak memory*", "host: * GiB peak RSS in this process*"])
     result.stdout.fnmatch_lines(["*llama (bfloat16): tie tolerance * at up to 162 positions (as far as the profile's "
                                  "checks attend: a sequence past that is not judged)*; calibration * s for * positions "
-                                 "(measured this run; kept in the cache dir per model, dtype and code version)"])
+                                 "(measured this run; kept in the store per model, dtype and code version)"])
 
 
 def test_every_check_a_profile_names_is_a_suite_check():

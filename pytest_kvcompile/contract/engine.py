@@ -98,7 +98,8 @@ class Strategy:
 EXACT = Strategy()
 
 
-KV_CACHE_DTYPES = ("float16", "bfloat16", "int8", "int4", "int2")  # Declaration.kv_cache_dtype
+#: Declaration.kv_cache_dtype: float8 as vLLM's and SGLang's fp8 caches store it (e4m3, e5m2; scale 1 or finer)
+KV_CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "int4", "int2")
 
 
 #: Declaration's groups, in the order its docstring and the reference page (docs.py) show them: (title, lead); each
@@ -172,6 +173,7 @@ class Declaration:
         "which oracle applies (default: the model's exact attention)."))
     kv_cache_dtype: str | None = declared(COMPUTES, None, help=(
         'the format its KV cache stores K and V in when lower than the model\'s dtype (``"float16"``, ``"bfloat16"``, '
+        '``"float8_e4m3fn"``, ``"float8_e5m2"`` (vLLM\'s ``fp8``/``fp8_e4m3`` and ``fp8_e5m2``, scale 1 or finer), '
         '``"int8"``, ``"int4"``, ``"int2"``; vLLM\'s ``kv_cache_dtype``): the token checks then allow the noise of '
         'storing K and V in it, measured on the model (oracles/precision.py: `KVComputation`, memoized by '
         'oracles/store.py: `kv_noise`); a format leaving no token judgeable is a named skip that still fails the '

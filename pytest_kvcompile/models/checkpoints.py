@@ -170,11 +170,18 @@ def collect(settings: Settings) -> dict[str, ModelEntry]:
 
 
 def _trained_entry(name: str, settings: Settings) -> ModelEntry:
-    """A trained zoo model: its checkpoint dequantised once (models/trained.py), its config read from there."""
+    """A trained zoo model: its checkpoint dequantised once (models/trained.py), its config read from there; where
+    that fails, the model is unavailable with the cause (its checks skip by name), never a collection error."""
     from transformers import AutoConfig
 
-    path = zoo.checkpoint(name, settings.cache_dir / "zoo")
-    return ModelEntry(name, AutoConfig.from_pretrained(path, local_files_only=True), path)
+    try:
+        path = zoo.checkpoint(name, settings.cache_dir / "zoo")
+        return ModelEntry(name, AutoConfig.from_pretrained(path, local_files_only=True), path)
+    except zoo.ModelUnavailable:
+        raise
+    except Exception as exc:
+        raise zoo.ModelUnavailable(f"the trained checkpoint could not be converted here: {type(exc).__name__}: "
+                                   f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
 
 
 def _local_name(path: Path, taken: dict) -> str:

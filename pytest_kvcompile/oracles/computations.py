@@ -148,6 +148,9 @@ def kv_round(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     x.dtype."""
     if kv_dtype in ("float16", "bfloat16"):
         return x.to(getattr(torch, kv_dtype)).to(x.dtype)
+    if kv_dtype.startswith("float8"):  # scale 1, saturating at the format's largest value (vLLM's default): the
+        top = torch.finfo(getattr(torch, kv_dtype)).max  # coarsest a correct fp8 cache rounds (a finer scale keeps
+        return x.float().clamp(-top, top).to(getattr(torch, kv_dtype)).to(x.dtype)  # small values out of subnormals)
     levels = 2 ** (int(kv_dtype.removeprefix("int")) - 1) - 1
     size = x.shape[-1]
     group = next(g for g in range(min(KV_GROUP, size), 0, -1) if size % g == 0)

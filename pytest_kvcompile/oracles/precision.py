@@ -39,7 +39,9 @@ docs/precision.md.
 
 float32 keeps its constants (config/tolerances.py): its noise is ~1e-5, far inside them (measured in the same doc).
 
-**A KV cache stored lower** (``Declaration.kv_cache_dtype``: float16, bfloat16, or int8/int4/int2 quantized). The noise
+**A KV cache stored lower** (``Declaration.kv_cache_dtype``: float16, bfloat16, float8 (e4m3 or e5m2, rounded at
+scale 1, saturating at the format's largest value: vLLM's default and the coarsest a correct fp8 cache rounds, since a
+finer scale only keeps more small values out of the subnormals), or int8/int4/int2 quantized). The noise
 of storing K and V that way is measured the same way (`calibrate` with `KVComputation`: transformers eager in the
 run's dtype with every K and V rounded as it enters the cache, `kv_round`) and gives that engine its numbers
 (`Rules.with_kv`): the tolerance, near-tie budget and score tolerance are the larger of the model's and the stored
@@ -178,8 +180,8 @@ class Noise:
     #: scale and max_error from the computations routed as the truth routes (a mixture-of-experts model: rounding
     #: alone, `Computations.along(pinned=True)`); the rates from them routing on their own
     routed: bool = False
-    seconds: float = 0.0  # the calibration's own wall time where it was measured (the truth's references included)
-    cached: bool = False  # this run read it from the store (KVCOMPILE_CACHE_DIR) instead of measuring it
+    seconds: float = 0.0  # the calibration's own wall time where it was measured (truth references it computed too)
+    cached: bool = False  # read from the store (the cache dir, or recorded references) instead of measured
 
     @property
     def tolerance(self) -> float:
@@ -316,7 +318,7 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
                  getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names),
                  max(len(p) for p in prompts[:i + 1] + longer) + steps,
                  float(tail.flatten().quantile(QUANTILE)) if longer else 0.0, limited_to(spec, needed) is not None,
-                 routed, round(time.perf_counter() - started, 1))
+                 routed, round(time.perf_counter() - started, 2))
 
 
 def family_spread(logits: torch.Tensor, names: Sequence[str]) -> float:

@@ -90,8 +90,8 @@ class Session:
         for ref in self.engines.values():
             extra.update(exercising_lengths(ref.declaration.strategy))
         limit = entry.max_positions - self.settings.max_new_tokens if entry.max_positions else None
-        texts = text_prompts(entry.path, limit) if not entry.own and has_tokenizer(entry.path) else []
-        return prompt_set(entry.vocab_size, entry.window, extra, limit) + texts
+        texts = text_prompts(entry.path, entry.vocab_size, limit) if not entry.own and has_tokenizer(entry.path) else []
+        return texts + prompt_set(entry.vocab_size, entry.window, extra, limit)  # ids last: a map by length keeps them
 
     def spec(self, model: str) -> ModelSpec:
         entry = self.models[model]

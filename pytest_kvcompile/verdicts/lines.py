@@ -52,8 +52,8 @@ def _cost(noise: MeasuredNoise) -> str:
     """What the calibration cost: its seconds and positions, and whether this run paid them."""
     if not noise.seconds:
         return "calibration time not recorded"
-    paid = "read from the cache this run" if noise.cached else "measured this run"
-    return (f"calibration {noise.seconds:.0f} s for {noise.positions} positions ({paid}; kept in the cache dir per "
+    paid = "as an earlier run measured it: read from the store" if noise.cached else "measured this run"
+    return (f"calibration {noise.seconds:.3g} s for {noise.positions} positions ({paid}; kept in the store per "
             "model, dtype and code version)")
 
 

@@ -399,6 +399,13 @@ class Coverage(Record):
     seed: int | None = rule(None, types=INT)  # --kv-fuzz-seed's walk (None: the default walk)
 
 
+@described('the first, a measured one before one read from the store')
+def _measured_noise(a: MeasuredNoise, b: MeasuredNoise) -> MeasuredNoise:
+    """One model's calibration per run: where one worker measured it and another read it, the measured one (its
+    seconds and `cached` say what this run paid)."""
+    return b if a.cached and not b.cached else a
+
+
 @described('the walk that covered most')
 def _coverage(a: Coverage, b: Coverage) -> Coverage:
     """One walk per engine and model in a run; across runs, the one that covered most."""
@@ -435,7 +442,7 @@ class Row(Record):
     compiles: Compiles | None = rule(_records, record=Compiles)
     kv_bytes: KVBytes | None = rule(_larger_kv, record=KVBytes)
     latency: Timings | None = rule(_pool, record=Timings)
-    noise: MeasuredNoise | None = rule(_first, record=MeasuredNoise)  # 16-bit, or a KV cache stored lower
+    noise: MeasuredNoise | None = rule(_measured_noise, record=MeasuredNoise)  # 16-bit, or a KV stored lower
     eviction_noise: EvictionNoise | None = rule(_first, record=EvictionNoise)
     router_noise: RouterNoise | None = rule(_first, record=RouterNoise)  # 16-bit, a mixture-of-experts model
     fuzz_coverage: Coverage | None = rule(_coverage, record=Coverage)  # run.fuzz: the covering walk's conditions
