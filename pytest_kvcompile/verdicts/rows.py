@@ -357,7 +357,7 @@ class MeasuredNoise(Record):
     positions_needed: int | None = rule(None, types=INT)
     routed: bool = rule(None, False, types=(bool,))  # the scale from computations routed as the truth routes (MoE)
     seconds: float = rule(None, 0.0, types=NUMBER)  # the calibration's own wall time where it was measured
-    cached: bool = rule(None, False, types=(bool,))  # read from the store (KVCOMPILE_CACHE_DIR), not measured now
+    cached: bool = rule(None, False, types=(bool,))  # read from the store (cache dir or recorded references)
 
 
 @dataclass
