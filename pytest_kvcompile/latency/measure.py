@@ -14,7 +14,12 @@ engines compile there), then N repeats (``--kv-latency-repeats``); the median an
 rank) over the repeats are reported and budgets are checked against the median. Timing is CUDA
 events around the call on a CUDA device, ``time.perf_counter`` on CPU; an isolated engine is timed in its own
 process (perf_counter around the call, after a CUDA synchronize), so the pipe to it is not counted. Engines measured
-side by side (a relative budget) alternate call by call within each repeat, so load changes hit both.
+side by side (a relative budget) alternate within each repeat, so load changes hit both, in an order reversed every
+other repeat (A B, B A: what follows the other engine's calls is shared), and each engine's timed pair is preceded by
+one untimed call of its own (its process and threads awake after the other's calls: on a CI machine an isolated
+engine, each of its T(1) calls the first after the in-process engine's, came out 4.6x that engine's prefill where an
+idle machine measures 0.4-0.8x, with a decode difference of -1.1 ms/token). A relative budget is judged on the
+repeats' paired samples, and confirmed by more rounds before it fails (latency/marker.py: check, Probe).
 """
 
 from __future__ import annotations
@@ -74,6 +79,11 @@ class Latency:
         return Timings(self.prompt_len, self.decode_tokens, self.timer, list(self.prefill_ms),
                        list(self.decode_ms_per_token))
 
+    def pooled(self, more: Latency) -> Latency:
+        """These samples and `more`'s (a confirmation round of the same protocol), in order."""
+        return Latency(self.engine, self.model, self.prompt_len, self.decode_tokens, self.timer,
+                       self.prefill_ms + more.prefill_ms, self.decode_ms_per_token + more.decode_ms_per_token)
+
     prefill = property(lambda self: self.record().prefill, doc="Median and p90 of the prefill samples.")
     decode = property(lambda self: self.record().decode, doc="Median and p90 of the decode samples (per token).")
 
@@ -116,19 +126,21 @@ def _timed(eut: Measured, time_ms: Callable[[Callable[[], object]], float], call
 
 
 def measure(engines: Sequence[Measured], repeats: int, prompt_len: int = PROMPT_LEN,
-            decode_tokens: int = DECODE_TOKENS) -> list[Latency]:
+            decode_tokens: int = DECODE_TOKENS, warmup: int = WARMUP) -> list[Latency]:
     """Latency of each engine (same model) per the module's rule, measured side by side."""
     spec = engines[0].spec
     prompts = fresh(prompt_len, spec.vocab_size)
     name, time_ms = timer_for(spec.device)
     for eut in engines:  # validated calls: a broken engine fails here with a clear message
-        for _ in range(WARMUP):
+        for _ in range(warmup):
             eut.generate([next(prompts)], 1)
             eut.generate([next(prompts)], 1 + decode_tokens)
     prefill: list[list[float]] = [[] for _ in engines]
     decode: list[list[float]] = [[] for _ in engines]
-    for _ in range(repeats):
-        for i, eut in enumerate(engines):
+    for repeat in range(repeats):
+        order = list(enumerate(engines))
+        for i, eut in order if repeat % 2 == 0 else order[::-1]:
+            eut.engine.generate([list(next(prompts).ids)], 1)  # untimed: the engine awake after the other's calls
             first, second = list(next(prompts).ids), list(next(prompts).ids)
             one = _timed(eut, time_ms, lambda eut=eut, first=first: eut.engine.generate([first], 1))
             more = _timed(eut, time_ms, lambda eut=eut, second=second: eut.engine.generate([second], 1 + decode_tokens))
