@@ -33,9 +33,14 @@ _ENV = dict(os.environ)  # before any test's monkeypatch: what the prewarmed ser
 _SERVER: list[prewarmed.Server] = []
 
 
-def run_pytest(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+def run_pytest(pytester: pytest.Pytester, *args: str, isolate: str | None = "declared") -> pytest.RunResult:
     """`pytester.runpytest_subprocess(*args)`, forked from this worker's prewarmed server (tests/prewarmed.py: torch
-    and transformers imported once, not once per run) where the run's environment allows it."""
+    and transformers imported once, not once per run) where the run's environment allows it. The test engines run in
+    process (`--kv-isolate=declared`) unless args or `isolate` say otherwise (None: the plugin's default, 'auto'):
+    an isolated engine's process imports torch and transformers anew, 10-20 s a run here (tests/test_isolation.py
+    and tests/test_crash_safety.py judge isolation)."""
+    if isolate and "no:kvcompile" not in args and not any(a.startswith("--kv-isolate") for a in args):
+        args = (*args, f"--kv-isolate={isolate}")
     return prewarmed_server().run(pytester, *args)
 
 
@@ -97,9 +102,7 @@ def run_suites(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
     opts = [str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir", str(pytester.path)]
     if not any(a.startswith("--kv-zoo") for a in args):
         opts.append("--kv-zoo=llama")
-    if not any(a.startswith("--kv-isolate") for a in args):  # the test engines in process, unless they declare it:
-        opts.append("--kv-isolate=declared")  # a process each would cost minutes (tests/test_crash_safety.py: auto)
-    return run_pytest(pytester, *opts, *args)
+    return run_pytest(pytester, *opts, *args)  # --kv-isolate=declared unless args name one
 
 
 def import_benchmark(name: str):

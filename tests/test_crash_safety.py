@@ -20,7 +20,8 @@ MODES = ["serial", pytest.param("-n 2", marks=pytest.mark.full)]  # under xdist:
 def suites(kvtester, *args):
     """The README's command, no --kv-isolate (run_suites would add one)."""
     return run_pytest(kvtester, str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir",
-                                         str(kvtester.path), "--kv-zoo=llama", "--kv-report-json=r.json", *args)
+                                         str(kvtester.path), "--kv-zoo=llama", "--kv-report-json=r.json", *args,
+                      isolate=None)
 
 
 def rows(kvtester) -> dict:

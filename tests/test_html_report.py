@@ -43,7 +43,7 @@ def report(tmp_path_factory, zoo_cache):
            "PYTHONPATH": f"{Path(__file__).parent}:{os.environ.get('PYTHONPATH', '')}"}
     suites = Path(__file__).parents[1] / "suites"
     command = [sys.executable, "-m", "pytest", str(suites), "-p", "no:cacheprovider", "-p", "no:benchmark",
-               "--rootdir", str(pytester_dir), "--kv-zoo=llama", "--kv-latency-repeats=3",
+               "--rootdir", str(pytester_dir), "--kv-zoo=llama", "--kv-latency-repeats=3", "--kv-isolate=declared",
                *(f"--kv-engine={e}" for e in (WRONG, RECOMPILING, BYTES, SLEEPY)),
                "-k", "(test_token_identity and short7 and not batched and WrongLate) "
                "or (test_no_recompiles_after_warmup "

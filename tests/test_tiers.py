@@ -2,8 +2,8 @@
 
 - The fast tier, the README's test command (``python -m pytest -n 2``): every test not marked ``full``.
 - The full tier adds the tests marked ``@pytest.mark.full`` (``python -m pytest -n 2 -m full``; CI runs both): the
-  other dtypes of the 16-bit twins, inductor runs, the same verdicts under xdist or in another order, the benchmarks'
-  scripts, real venvs.
+  other dtypes of the 16-bit twins, the 16-bit eviction tolerance measured, inductor runs, the same verdicts under
+  xdist or in another order, the benchmarks' scripts, real venvs.
 
 Every engine of the test modules (tests/kv_test_engines*.py, tests/kv_own_model.py) has a declared role at the end of
 its module (MUST_FAIL: a twin carrying a bug; MUST_PASS: a correct engine; MUST_SKIP: a named skip; HELPERS: no

@@ -302,7 +302,8 @@ def test_the_kv_check_fixture_is_the_deprecated_spelling_of_kv_check_tokens(kvte
             kv_check_tokens(kv_oracle.reference(kv_prompt.ids, kv_engine.max_new_tokens), got, kv_prompt)
     """)
     result = kvtester.runpytest_subprocess("-p", "no:cacheprovider", "-p", "no:benchmark", "--kv-zoo=llama",
-                                           "--kv-engine=kv_test_engines:Greedy", "-k", "short7", "-rw")  # (counts
+                                           "--kv-engine=kv_test_engines:Greedy", "-k", "short7", "-rw",
+                                           "--kv-isolate=declared")  # (counts
     # warnings: a run forked from the prewarmed server adds pytest's own about the modules the server imported)
     result.assert_outcomes(passed=3, warnings=2)
     result.stdout.fnmatch_lines(["*test_old.py::test_old*", "*PytestDeprecationWarning: the kv_check fixture is "

@@ -19,6 +19,7 @@ names neither. Findings: docs/engines/hf-export.md.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -132,8 +133,15 @@ def export_program(spec: ModelSpec, max_cache_len: int = MAX_CACHE_LEN, dynamic:
     if dynamic:
         seq = torch.export.Dim("seq_len", min=1, max=max_cache_len)
         dynamic_shapes = {"input_ids": {1: seq}, "cache_position": {0: seq}}
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        # transformers (5.24) sets its output-capturing context variable inside forward; dynamo reports it as a side
+        # effect on every export. Only when it is the one source listed: any other side effect still warns.
+        warnings.filterwarnings("ignore", category=UserWarning, message=_TRANSFORMERS_SIDE_EFFECT)
         return wrapper.export(input_ids=ids, cache_position=positions, dynamic_shapes=dynamic_shapes)
+
+
+_TRANSFORMERS_SIDE_EFFECT = (r"While compiling, we found certain side effects happened in the model\.forward\. .*: "
+                             r"\[\"G\['__import_transformers_dot_utils_dot_output_capturing'\]\._active_collector\"\]$")
 
 
 def _guard_failure(exc: BaseException) -> bool:
