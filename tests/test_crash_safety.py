@@ -18,10 +18,9 @@ MODES = ["serial", pytest.param("-n 2", marks=pytest.mark.full)]  # under xdist:
 
 
 def suites(kvtester, *args):
-    """The README's command, no --kv-isolate (run_suites would add one)."""
+    """The README's command, no --kv-isolate (run_pytest would add one): the plugin's default, 'auto'."""
     return run_pytest(kvtester, str(SUITES_DIR), "-p", "no:cacheprovider", "-p", "no:benchmark", "--rootdir",
-                                         str(kvtester.path), "--kv-zoo=llama", "--kv-report-json=r.json", *args,
-                      isolate=None)
+                      str(kvtester.path), "--kv-zoo=llama", "--kv-report-json=r.json", *args, isolate=None)
 
 
 def rows(kvtester) -> dict:

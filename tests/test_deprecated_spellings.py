@@ -17,8 +17,6 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_pytest
-
 REPO = Path(__file__).resolve().parents[1]
 CONFTEST = """
 from pytest_kvcompile.recompiles import marker as recompile_marker
@@ -62,7 +60,7 @@ def tester(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> pytest
 
 def test_marker_graph_breaks_still_works_and_warns(tester):
     tester.makepyfile(test_old=cases("graph_breaks"))
-    result = run_pytest(tester, *OPTS)
+    result = tester.runpytest_subprocess(*OPTS)
     result.assert_outcomes(passed=1, failed=1, warnings=2)
     result.stdout.fnmatch_lines(["*test_old.py::test_allowed PASSED*", "*test_old.py::test_refused FAILED*"])
     result.stdout.fnmatch_lines([
@@ -76,7 +74,7 @@ def test_marker_graph_breaks_still_works_and_warns(tester):
 
 def test_marker_allow_graph_breaks_works_without_warning(tester):
     tester.makepyfile(test_new=cases("allow_graph_breaks"))
-    result = run_pytest(tester, *OPTS, "-W", "error::pytest.PytestDeprecationWarning")
+    result = tester.runpytest_subprocess(*OPTS, "-W", "error::pytest.PytestDeprecationWarning")
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines(["*test_new.py::test_allowed PASSED*", "*test_new.py::test_refused FAILED*"])
     result.stdout.no_fnmatch_line("*Deprecat*")
@@ -90,7 +88,7 @@ import pytest
 def test_x():
     pass
 """)
-    result = run_pytest(tester, *OPTS)
+    result = tester.runpytest_subprocess(*OPTS)
     result.stdout.fnmatch_lines(["*got an unexpected keyword argument 'graph_breaks'; write "
                                  "@pytest.mark.no_recompile(max_recompiles=0, allow_graph_breaks=False, warmup=False)"])
     assert result.ret == pytest.ExitCode.INTERRUPTED

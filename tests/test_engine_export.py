@@ -5,6 +5,7 @@ ExecuTorch runtime engine (engines/executorch.py) is checked where executorch is
 RECIPE)."""
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -138,9 +139,13 @@ def test_executorch_runtime_matches_the_exported_program(llama):
         engine.generate([[1] * 40], 2)
 
 
-def test_only_transformers_own_side_effect_is_silenced_at_export():
+def test_only_transformers_own_side_effect_is_silenced_at_export(llama):
     """The one side effect dynamo reports on every export of a transformers model (its output-capturing context
     variable) is filtered; a list naming any other source still warns."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        adapter.export_program(llama, max_cache_len=16)
+    assert not [w for w in seen if "side effects" in str(w.message)], [str(w.message) for w in seen]
     ours = ("While compiling, we found certain side effects happened in the model.forward. Here are the list of "
             "potential sources you can double check: [\"G['__import_transformers_dot_utils_dot_output_capturing']"
             "._active_collector\"]")
