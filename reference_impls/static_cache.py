@@ -141,7 +141,7 @@ class StaticCache:
             raise UnsupportedModel(
                 f"{name} supports full-attention layers only (per-head or latent caches); model '{spec.name}' has "
                 f"{', '.join(kinds)} layers (sliding-window and hybrid layouts need a windowed mask, shared KV a "
-                "source layer)")
+                "source layer, a recurrent layer its state: docs/state-caches.md)")
         if max_cache_len < 2 or max_batch_size < 1:
             raise ValueError(f"{name} needs max_cache_len >= 2 and max_batch_size >= 1, got {max_cache_len}, "
                              f"{max_batch_size}")

@@ -24,11 +24,12 @@ import torch
 
 from pytest_kvcompile.contract.engine import KVLayout
 from pytest_kvcompile.memory.measure import (
+    StateSizesUnknown,
     expected_kv_bytes,
     format_bytes,
 )
 from pytest_kvcompile.models.checkpoints import OwnConfig
-from pytest_kvcompile.models.layers import LatentLayer, expanded
+from pytest_kvcompile.models.layers import LatentLayer, StateLayer, expanded
 from pytest_kvcompile.models.prompts import variant
 from pytest_kvcompile.verdicts.failures import Kind, fail
 from pytest_kvcompile.verdicts.rows import KVBytes, LayerBytes
@@ -87,6 +88,9 @@ def _hint(footprint, got: int, footprint_of, config) -> str:
                     "absorb the projection into the query and output) when attending")
         return ("the count matches K and V repeated for every query head (num_attention_heads instead of "
                 "num_key_value_heads): a grouped-query cache holds each KV head once; repeat at attention time")
+    state_hint = _state_hint(footprint, got, footprint_of)
+    if state_hint:
+        return state_hint
     if 2 * got == footprint.total:
         return "the count is exactly half the footprint: are keys or values left out?"
     if footprint.rows > 1 and got * footprint.rows == footprint.total:
@@ -95,6 +99,33 @@ def _hint(footprint, got: int, footprint_of, config) -> str:
             "(untyped_storage().nbytes() of distinct "
             "storages; a view holds its whole base, a shared storage counts once), "
             "or declare the layout the engine has")
+
+
+def _state_hint(footprint, got: int, footprint_of) -> str | None:
+    """What a wrong count on a model with recurrent layers most likely means, None if none of these."""
+    states = [t for t in footprint.layers if isinstance(t.cache, StateLayer)]
+    if not states:
+        return None
+    layers = ", ".join(str(t.layer) for t in states)
+    if got == footprint.total - sum(t.bytes(footprint.rows, 0) for t in states):
+        return (f"the count matches the attention layers alone: the recurrent layers' states (layers {layers}: "
+                f"{states[0].fixed_why} per row) were not counted; count a state layer's conv and recurrent states "
+                "(transformers' LinearAttentionLayer.conv_states and .recurrent_states: "
+                "pytest_kvcompile.memory.measure.cache_tensors does)")
+    written = footprint.width + footprint.new_tokens - 1
+    grown = footprint.total + sum(footprint.rows * t.cache.state.conv_channels * footprint.itemsize
+                                  * (written - t.cache.state.conv_kernel - footprint.layout.conv_window_offset)
+                                  for t in states)
+    if got == grown != footprint.total:
+        return (f"the count matches conv windows holding all T={written} inputs, not the conv's kernel: a recurrent "
+                "layer's state grows with the sequence (transformers' activate_past_recording() keeps every input "
+                "until crop() is called): keep the last kernel inputs only, so the state stays one size per sequence")
+    for dtype in ("bfloat16", "float32"):
+        other = dataclasses.replace(footprint.layout, state_dtype=dtype)
+        if other != footprint.layout and got == footprint_of(other).total != footprint.total:
+            return (f"the count matches recurrent states stored as {dtype}, not as declared: if the engine stores its "
+                    f"states so, declare {other} (a state stored lower is a declared capability)")
+    return None
 
 
 def kv_stored(kv_engine):
@@ -124,8 +155,12 @@ def _check_footprint(kv_engine, prompts, what: str) -> None:
     got = _reported(kv_engine)
     spec = kv_engine.spec
     footprint_of = partial(expected_kv_bytes, config=spec.config, dtype=kv_stored(kv_engine), rows=len(prompts),
-                           width=max(map(len, prompts)), new_tokens=new_tokens)
-    footprint = footprint_of(layout)
+                           width=max(map(len, prompts)), new_tokens=new_tokens, model_dtype=spec.dtype)
+    try:
+        footprint = footprint_of(layout)
+    except StateSizesUnknown as exc:
+        pytest.skip(f"model '{spec.name}': {exc}, so its footprint is not computed and kv_cache_bytes() is not checked "
+                    "(test_memory_held still bounds what the engine holds by what it reports)")
     if got != footprint.total:
         fail(
             Kind.MEMORY,
@@ -178,9 +213,12 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
     declared, spec = kv_engine.ref.declaration, kv_engine.spec
     if declared.kv_layout and isinstance(spec.config, OwnConfig):
         pytest.skip(OWN_MODEL.format(spec.name))
-    footprint = declared.kv_layout and expected_kv_bytes(declared.kv_layout, spec.config,
-                                                         kv_stored(kv_engine) or spec.dtype, len(call),
-                                                         max(map(len, call)), kv_engine.max_new_tokens)
+    try:
+        footprint = declared.kv_layout and expected_kv_bytes(declared.kv_layout, spec.config,
+                                                             kv_stored(kv_engine) or spec.dtype, len(call),
+                                                             max(map(len, call)), kv_engine.max_new_tokens, spec.dtype)
+    except StateSizesUnknown:  # (test_kv_cache_bytes names it) bounded by what it reports alone
+        footprint = None
     expected = footprint and footprint.total
     reported = _reported(kv_engine) if declared.kv_cache_bytes else None
     layers = [LayerBytes(t.layer, t.kind, t.positions, t.why, t.bytes(footprint.rows, footprint.itemsize))
@@ -231,8 +269,12 @@ def _prefix_bound(kv_engine) -> tuple[int, str]:
     if isinstance(spec.config, OwnConfig):
         pytest.skip(OWN_MODEL.format(spec.name).replace("a declared kv_layout", "declared capacity_tokens") +
                     ": declare PrefixCache(capacity_bytes=...) too")
-    kv = expected_kv_bytes(KVLayout("dynamic", windowed=False), spec.config, kv_stored(kv_engine) or spec.dtype, 1,
-                           declared.capacity_tokens, 1 + 1).total
+    try:
+        kv = expected_kv_bytes(KVLayout("dynamic", windowed=False), spec.config, kv_stored(kv_engine) or spec.dtype,
+                               1, declared.capacity_tokens, 1 + 1, spec.dtype).total
+    except StateSizesUnknown as exc:
+        pytest.skip(f"model '{spec.name}': {exc}: the bound of a declared capacity_tokens is not computed; declare "
+                    "PrefixCache(capacity_bytes=...) too")
     return (int(HELD_FACTOR * kv) + HELD_SLACK,
             f"{HELD_FACTOR:g} x the K/V of its declared capacity_tokens={declared.capacity_tokens} "
             f"({format_bytes(kv)}) + {format_bytes(HELD_SLACK)}")

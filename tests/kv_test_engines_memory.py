@@ -68,9 +68,32 @@ class CachesExpandedLatent(DynamicBytes):
         return held_bytes([t for pair in self.expanded for t in pair])
 
 
+class StateNotCounted(DynamicBytes):
+    """Bug (memory only, tokens stay right) on a hybrid model: kv_cache_bytes() counts the attention layers' keys and
+    values only, not the recurrent layers' conv and recurrent states (vLLM's and SGLang's separate state pools)."""
+
+    def kv_cache_bytes(self):
+        return held_bytes([getattr(layer, name, None) for layer in self.cache.layers for name in ("keys", "values")])
+
+
+class StateGrowsWithLength(DynamicBytes):
+    """Bug (memory only, tokens stay right) on a hybrid model: the recurrent layers record every conv input
+    (transformers' activate_past_recording(), there for a speculative rollback) and nothing ever crops them, so the
+    state that should be one size per sequence grows with it."""
+
+    @torch.inference_mode()
+    def _run(self, prompt, steps, forced, cache=None):
+        self.cache = DynamicCache(config=self.model.config)
+        for layer in self.cache.layers:
+            if hasattr(layer, "activate_past_recording"):
+                layer.activate_past_recording()
+        return Greedy._run(self, prompt, steps, forced, cache=self.cache)
+
+
 # The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
 # counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
-MUST_FAIL = ("NbytesNotStorage", "KeepsEveryCache", "KeepsOutOfWindowKeys", "CachesExpandedLatent")
+MUST_FAIL = ("NbytesNotStorage", "KeepsEveryCache", "KeepsOutOfWindowKeys", "CachesExpandedLatent", "StateNotCounted",
+             "StateGrowsWithLength")
 MUST_PASS = ("DynamicBytes",)
 MUST_SKIP: tuple[str, ...] = ()
 HELPERS: tuple[str, ...] = ()

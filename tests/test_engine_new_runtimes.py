@@ -66,6 +66,19 @@ def test_quantized_cache_skips_models_with_sliding_layers(tmp_path):
         quantized.QuantizedQuanto(spec)
 
 
+def test_continuous_batching_refuses_a_model_its_paged_cache_cannot_hold(tmp_path):
+    """transformers 5.24's paged cache has no allocator for a recurrent layer: a named skip, never an engine FAIL on
+    the ValueError its manager raises at the first call (asked of transformers, so a version that pages them runs)."""
+    from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec
+    from pytest_kvcompile.engines import continuous
+    from pytest_kvcompile.models import zoo
+
+    spec = ModelSpec("bamba", tmp_path, zoo.ZOO["bamba"].build_config())  # refused before any loading
+    with pytest.raises(ModelNotSupported, match="continuous batching pages only attention layers .Invalid layer type: "
+                                                "linear_attention.; model 'bamba' has layer types"):
+        continuous.ContinuousBatching(spec)
+
+
 def test_continuous_batching_prefix_cache_declares_the_pool_it_asks_for():
     from pytest_kvcompile.engines import continuous
 

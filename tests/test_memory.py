@@ -9,7 +9,13 @@ from transformers import AutoModelForCausalLM, DynamicCache, StaticCache
 
 from conftest import run_suites
 from pytest_kvcompile.contract.engine import KVLayout
-from pytest_kvcompile.memory.measure import cache_tensors, expected_kv_bytes, held_bytes, live_tensor_bytes
+from pytest_kvcompile.memory.measure import (
+    StateSizesUnknown,
+    cache_tensors,
+    expected_kv_bytes,
+    held_bytes,
+    live_tensor_bytes,
+)
 from pytest_kvcompile.models import zoo
 from pytest_kvcompile.models.checkpoints import with_cache
 from pytest_kvcompile.models.layers import expanded
@@ -54,6 +60,9 @@ def test_live_tensor_bytes_sees_new_tensors():
     (dict(allocation="budget", budget=0), "*budget must be an int >= 1, got 0"),
     (dict(window_offset=1), "*window_offset must be -1 (W-1 positions) or 0 (W), got 1"),
     (dict(rows=0), "*rows must be an int >= 1, got 0"),
+    (dict(conv_window_offset=1),
+     "*conv_window_offset must be -1 (the conv keeps kernel-1 inputs) or 0 (kernel), got 1"),
+    (dict(state_dtype="int8"), "*state_dtype must be one of None, 'float32', 'bfloat16', 'float16', got 'int8'"),
 ])
 def test_bad_layouts_name_the_fix(kwargs, message):
     with pytest.raises(ValueError) as info:
@@ -91,7 +100,36 @@ def _gemma4_wide_global():
     return type(config)(**{**kwargs, "global_head_dim": 32, "num_global_key_value_heads": 1, "attention_k_eq_v": True})
 
 
-CONFIGS = {name: zoo.ZOO[name].build_config for name in zoo.RANDOM} | {"gemma4-wide-global": _gemma4_wide_global}
+def _tiny(class_name: str, **kwargs):
+    """A builder of a tiny config of a hybrid family the zoo does not carry (models/states.py's readers must find its
+    state's sizes in its own field names): ModelUnavailable where this transformers has no such class."""
+    def build():
+        cls = zoo._config_class(class_name, class_name)
+        base = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                    max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=None, eos_token_id=None,
+                    pad_token_id=None)
+        return cls(**{**base, **kwargs})
+
+    return build
+
+
+#: hybrid families beyond the zoo's two, each spelling its state's sizes its own way
+OTHER_HYBRIDS = {
+    "nemotron-h": _tiny("NemotronHConfig", num_hidden_layers=4,
+                        layers_block_type=["mamba", "attention", "mlp", "mamba"],
+                        mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=3,
+                        head_dim=16, chunk_size=16),
+    "granite-4-h": _tiny("GraniteMoeHybridConfig", num_hidden_layers=2, layer_types=["mamba", "attention"],
+                         mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1, mamba_d_state=16, mamba_d_conv=4,
+                         mamba_expand=2, mamba_chunk_size=16, num_local_experts=0),
+    "falcon-h1": _tiny("FalconH1Config", num_hidden_layers=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4,
+                       mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=16,
+                       projectors_bias=False),  # every layer attends and runs a Mamba2 mixer beside: state+kv
+    "jamba": _tiny("JambaConfig", num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                   num_experts=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8),
+}
+CONFIGS = ({name: zoo.ZOO[name].build_config for name in zoo.RANDOM} | {"gemma4-wide-global": _gemma4_wide_global}
+           | OTHER_HYBRIDS)
 
 
 @pytest.fixture(scope="module", params=sorted(CONFIGS))
@@ -170,6 +208,32 @@ def test_latent_layers_hold_the_latent_and_the_rope_key():
     assert expanded(gqa, llama).values == 4 * 2 * 16  # GQA's 2 KV heads repeated for the 4 query heads
 
 
+def test_recurrent_layers_hold_one_state_per_row_whatever_the_length():
+    """A hybrid model's recurrent layers hold a conv window and a recurrent state per row, the same at every length;
+    the conv window in the model's dtype, the recurrent state in float32 unless the layout stores it lower."""
+    config = zoo.ZOO["bamba"].build_config()
+    short, long = (expected_kv_bytes(KVLayout(), config, torch.bfloat16, 2, width, 4) for width in (3, 300))
+    assert [t.kind for t in short.layers] == ["state", "full", "state", "full"]
+    state = (160 * 4 * 2 + 4 * 32 * 16 * 4)  # conv 160 channels x 4 inputs in bfloat16, Mamba2 state in float32
+    assert [t.fixed for t in short.layers] == [state, 0, state, 0] == [t.fixed for t in long.layers]
+    assert long.total - short.total == 2 * 2 * (300 - 3) * 2 * 2 * 16 * 2  # only the attention layers grow
+    lower = expected_kv_bytes(KVLayout(conv_window_offset=-1, state_dtype="bfloat16"), config, torch.bfloat16, 2, 3, 4)
+    assert lower.layers[0].fixed == 160 * 3 * 2 + 4 * 32 * 16 * 2
+    assert ("layer 0 (state): 2 x (conv 160 channels x 4 inputs [K=4] x 2 + mamba2 state 4 x 32 x 16 x 4 (float32)) = "
+            f"{2 * state} (per row whatever the length)") in short.explain()
+    deltanet = expected_kv_bytes(KVLayout(), zoo.ZOO["qwen3-next"].build_config(), torch.float32, 1, 5, 2)
+    assert [t.fixed for t in deltanet.layers] == [(128 * 4 + 4 * 16 * 16) * 4] * 3 + [0]
+
+
+def test_a_state_whose_sizes_no_reader_knows_is_named():
+    config = zoo.ZOO["bamba"].build_config()
+    config.mamba_d_state = None  # a family spelling its state's size in a field the readers do not know
+    with pytest.raises(StateSizesUnknown, match="layer 0 is a recurrent layer .layer type 'linear_attention'. "
+                                                "whose state's sizes are not in config fields the suite reads "
+                                                ".known: Mamba2"):
+        expected_kv_bytes(KVLayout(), config, torch.float32, 1, 5, 2)
+
+
 # --------------------------------------------------------------------------- the suite on test engines
 
 ENGINES = ("DynamicBytes", "NbytesNotStorage", "KeepsOutOfWindowKeys", "KeepsEveryCache")
@@ -227,6 +291,30 @@ def test_a_latent_cache_held_per_head_fails_naming_the_latent(kvtester):
         "(29.5 KiB) (+90,720 B)",
         "*layer 0 (latent): 1 x 63 [[]T=63[]] x (32 kv_lora_rank + 8 qk_rope_head_dim) x 4 = 10080",
         "*hint: the count matches K and V per head, the latent up-projected (kv_b_proj) before it was cached*",
+    ])
+
+
+def test_a_state_not_counted_or_growing_fails_naming_the_state(kvtester):
+    """Hybrid models: the footprint counts each recurrent layer's state once per row; an engine leaving the states
+    out, and one whose conv windows grow with the sequence, fail with hints naming that, on both state families,
+    while the correct engine passes."""
+    result = run_suites(kvtester, *(f"--kv-engine=kv_test_engines_memory:{e}" for e in
+                                    ("DynamicBytes", "StateNotCounted", "StateGrowsWithLength")),
+                        "--kv-zoo=recurrent", "-k", "test_kv_cache_bytes and long48")
+    result.assert_outcomes(passed=2, failed=4)
+    result.stdout.fnmatch_lines([
+        "engine 'kv_test_engines_memory:StateNotCounted' on model 'bamba', prompt 'long48' alone, 16 new tokens: "
+        "kv_cache_bytes() = 32,256 B (31.5 KiB) but its declared KVLayout('dynamic') holds 53,760 B (52.5 KiB) "
+        "(-21,504 B)",
+        "*layer 0 (state): 1 x (conv 160 channels x 4 inputs [[]K=4[]] x 4 + mamba2 state 4 x 32 x 16 x 4 (float32)) "
+        "= 10752 (per row whatever the length)",
+        "*hint: the count matches the attention layers alone: the recurrent layers' states (layers 0, 2: *) were "
+        "not counted*",
+    ])
+    result.stdout.fnmatch_lines([
+        "engine 'kv_test_engines_memory:StateGrowsWithLength' on model 'qwen3-next', prompt 'long48' alone, *",
+        "*hint: the count matches conv windows holding all T=63 inputs, not the conv's kernel: a recurrent layer's "
+        "state grows with the sequence*",
     ])
 
 

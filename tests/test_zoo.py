@@ -19,8 +19,10 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from pytest_kvcompile.models import prompts, zoo
 from pytest_kvcompile.models.checkpoints import returned_cache, with_cache
+from pytest_kvcompile.models.layers import StateLayer, layer_caches
 
 NAMES = zoo.RANDOM  # the random-weight models (the trained one: tests/test_trained.py)
+STATES = {"qwen3-next": [0, 1, 2], "bamba": [0, 2]}  # zoo name -> its recurrent layers
 WINDOWED = ["mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt-oss", "qwen2-sw", "gemma2-hybrid"]
 #: zoo name -> (sliding layers, attention window, shared-KV layers)
 LAYOUT = {
@@ -34,6 +36,8 @@ LAYOUT = {
     "qwen3-moe": ([], None, []),
     "deepseek-v3": ([], None, []),
     "gpt-oss": ([0, 2], zoo.WINDOW, []),
+    "qwen3-next": ([], None, []),
+    "bamba": ([], None, []),
     "qwen2-sw": ([0, 1], zoo.WINDOW, []),
     "gemma2-hybrid": ([0, 2], zoo.WINDOW, []),
     "llama-yarn": ([], None, []),
@@ -59,11 +63,13 @@ def load(tmp_path_factory):
 
 def test_zoo_names_in_order():
     assert NAMES == ["llama", "mistral-sw", "gemma3-hybrid", "gemma4-kvshared", "gpt2-abspos", "qwen3", "phi3",
-                     "qwen3-moe", "deepseek-v3", "gpt-oss", "qwen2-sw", "gemma2-hybrid", "llama-yarn"]
+                     "qwen3-moe", "deepseek-v3", "gpt-oss", "qwen3-next", "bamba", "qwen2-sw", "gemma2-hybrid",
+                     "llama-yarn"]
     assert zoo.GROUPS["all"] == NAMES[:5] == zoo.GROUPS["classic"]
     assert zoo.GROUPS["served"] == ["qwen3", "phi3", "qwen3-moe", "deepseek-v3", "gpt-oss"]
     assert zoo.GROUPS["released"] == ["qwen2-sw", "gemma2-hybrid", "llama-yarn"]  # named only, as the served ones
-    assert list(zoo.ZOO) == NAMES[:10] + ["smollm2-135m"] + NAMES[10:] and zoo.GROUPS["trained"] == ["smollm2-135m"]
+    assert zoo.GROUPS["recurrent"] == ["qwen3-next", "bamba"]
+    assert list(zoo.ZOO) == NAMES[:12] + ["smollm2-135m"] + NAMES[12:] and zoo.GROUPS["trained"] == ["smollm2-135m"]
     assert zoo.selected(["llama", "served", "qwen3"]) == ["llama", "qwen3", "phi3", "qwen3-moe", "deepseek-v3",
                                                           "gpt-oss"]
     assert all(m.name == n and m.description and "\n" not in m.description for n, m in zoo.ZOO.items())
@@ -180,7 +186,9 @@ def test_layer_layout(load, name):
     assert zoo.attention_window(model.config) == window
     assert zoo.shared_kv_layers(model.config) == shared
     attns = [m for n, m in model.named_modules() if n.endswith((".self_attn", ".attn"))]  # GPT-2: transformer.h.N.attn
-    assert len(attns) == model.config.num_hidden_layers
+    states = [c.layer for c in layer_caches(model.config) if isinstance(c, StateLayer)]
+    assert states == STATES.get(name, [])  # a hybrid model's recurrent layers: no attention module
+    assert len(attns) == model.config.num_hidden_layers - len(states)
     assert [i for i, a in enumerate(attns) if getattr(a, "is_kv_shared_layer", False)] == shared
 
 
@@ -332,7 +340,7 @@ def test_a_changed_code_hash_builds_the_zoo_and_the_oracle_store_anew(tmp_path, 
     assert changed.computed == 1  # a new key: computed anew, never the old entry
 
 
-@pytest.mark.parametrize("name", [n for n in zoo.GROUPS["served"] if n in ("qwen3-moe", "deepseek-v3", "gpt-oss")])
+@pytest.mark.parametrize("name", ["qwen3-moe", "deepseek-v3", "gpt-oss", "qwen3-next"])
 def test_the_truths_per_expert_path_computes_what_the_grouped_kernel_does(name, zoo_cache):
     """Issue 69: transformers' grouped experts kernel refuses float64, so the float64 truth runs the per-expert loop
     (checkpoints.per_expert): in float32 both give the same logits to rounding, the widened float64 forward runs,

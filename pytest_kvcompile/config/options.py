@@ -236,6 +236,7 @@ OPTIONS = [
     Option(ZOO, "kv_zoo", "all",
            "comma-separated built-in tiny models or groups to use ('all': the classic group, dense models of 2023; "
            "'served': the architectures served in 2026, MoE, latent attention, sinks, qk-norm, partial RoPE; "
+           "'recurrent': hybrid models whose recurrent layers cache a state per sequence (Gated DeltaNet, Mamba2); "
            "'released': the released-bug rows' models; 'none'; or names such as 'llama,deepseek-v3')", "NAMES"),
     Option(ZOO_HEAD_DIM, "kv_zoo_head_dim", "16",
            "head_dim of every zoo model (default: 16; an even number >= 2). Engines whose kernels need larger heads "

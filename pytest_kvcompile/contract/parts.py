@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 ALLOCATIONS = ("dynamic", "static", "budget")  # KVLayout.allocation
+STATE_DTYPES = (None, "float32", "bfloat16", "float16")  # KVLayout.state_dtype: None, the model reference's
 
 
 def renamed_keywords(**renames: str) -> Callable[[type], type]:
@@ -92,6 +93,12 @@ class KVLayout:
     last W-1 positions declares -1. The formulas hold after a ``generate()`` that ran at least one
     decode step (new_tokens >= 2): after prefill alone transformers' dynamic sliding layer still holds
     the whole prompt (its W-1 kept positions are a view of the prefill's keys).
+
+    A recurrent layer (a hybrid model's Mamba or Gated DeltaNet layer: models/states.py) holds, per row and whatever
+    T, its conv window (conv channels x the conv's kernel K + `conv_window_offset` inputs: transformers keeps K,
+    offset 0; vLLM's and SGLang's state caches keep K-1, offset -1) in the model's dtype and its recurrent state in
+    `state_dtype` (None: what the model's own reference keeps, float32 for every family read; "bfloat16" or
+    "float16": a state stored lower).
     """
 
     allocation: str = "dynamic"
@@ -101,6 +108,8 @@ class KVLayout:
     rows: int | None = None
     windowed: bool = True
     extra_positions: int = 0
+    conv_window_offset: int = 0
+    state_dtype: str | None = None
 
     def __post_init__(self) -> None:
         usage = ('KVLayout("dynamic"), KVLayout("static", max_cache_len=N) or KVLayout("budget", budget=N), '
@@ -121,6 +130,12 @@ class KVLayout:
             raise ValueError(f"{self}: windowed must be True or False, got {self.windowed!r}")
         if type(self.extra_positions) is not int or self.extra_positions < 0:
             raise ValueError(f"{self}: extra_positions must be an int >= 0, got {self.extra_positions!r}")
+        if type(self.conv_window_offset) is not int or self.conv_window_offset not in (-1, 0):
+            raise ValueError(f"{self}: conv_window_offset must be -1 (the conv keeps kernel-1 inputs) or 0 (kernel), "
+                             f"got {self.conv_window_offset!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"{self}: state_dtype must be one of {', '.join(map(repr, STATE_DTYPES))}, got "
+                             f"{self.state_dtype!r}")
 
     def __str__(self) -> str:
         params = [f"{n}={getattr(self, n)}" for n in ("max_cache_len", "budget", "rows")
@@ -128,6 +143,8 @@ class KVLayout:
         params += [f"window_offset={self.window_offset}"] if self.window_offset else []
         params += ["windowed=False"] if not self.windowed else []
         params += [f"extra_positions={self.extra_positions}"] if self.extra_positions else []
+        params += [f"conv_window_offset={self.conv_window_offset}"] if self.conv_window_offset else []
+        params += [f"state_dtype={self.state_dtype!r}"] if self.state_dtype else []
         return f"KVLayout({', '.join([repr(self.allocation), *params])})"
 
     def positions(self, written: int, window: int | None) -> tuple[int, str]:

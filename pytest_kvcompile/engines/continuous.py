@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from pytest_kvcompile.contract.engine import Declaration, ModelSpec, PrefixCache
+from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, ModelSpec, PrefixCache
 from pytest_kvcompile.engines.recipe import Recipe
 
 RECIPE = Recipe(packages=("transformers>=5.23",),
@@ -64,6 +64,7 @@ class ContinuousBatching:
         from pytest_kvcompile.models.checkpoints import pretrained
 
         self.spec = spec
+        _pages(spec)
         self.model = pretrained(spec.path, spec.dtype, attn_implementation="eager").to(spec.device).eval()
         logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)  # its per-call info and warnings
 
@@ -99,6 +100,24 @@ class ContinuousBatching:
         if failed:
             raise RuntimeError(f"continuous batching failed a request: {failed[0]}")
         return [list(done[i].generated_tokens) for i in ids]
+
+
+def _pages(spec: ModelSpec) -> None:
+    """ModelNotSupported where transformers' paged cache has no allocator for one of the model's layer types (a
+    hybrid model's recurrent layers, in 5.24): asked of transformers itself, so a version that pages them runs."""
+    import transformers
+
+    try:
+        from transformers.generation.continuous_batching.cache import group_layers_by_attn_type
+    except ImportError:  # another layout of the package: the manager itself says what it refuses
+        return
+    try:
+        group_layers_by_attn_type(spec.config)
+    except ValueError as exc:
+        raise ModelNotSupported(
+            f"transformers {transformers.__version__}'s continuous batching pages only attention layers "
+            f"({exc}); model '{spec.name}' has layer types {sorted(set(getattr(spec.config, 'layer_types', [])))}"
+        ) from None
 
 
 def spelled_for(options: dict, config_class) -> dict:

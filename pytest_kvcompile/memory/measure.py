@@ -26,7 +26,8 @@ import torch
 
 from pytest_kvcompile.contract.engine import KVLayout
 from pytest_kvcompile.memory.units import format_bytes
-from pytest_kvcompile.models.layers import LayerCache, layer_caches
+from pytest_kvcompile.models.layers import LayerCache, StateLayer, layer_caches
+from pytest_kvcompile.models.states import KNOWN
 
 
 def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -44,11 +45,18 @@ def held_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
 
 
 def cache_tensors(cache: Any) -> list[torch.Tensor | None]:
-    """The key and value tensors of every layer of a transformers ``Cache`` (``None`` where unallocated): its
-    ``layers`` (4.56 on), else its ``key_cache``/``value_cache`` lists (4.x)."""
+    """The tensors of every layer of a transformers ``Cache`` (``None`` where unallocated): keys and values, and a
+    recurrent layer's conv and recurrent states (``LinearAttentionLayer``: 5.24 on); its ``layers`` (4.56 on), else
+    its ``key_cache``/``value_cache`` lists (4.x)."""
     if not hasattr(cache, "layers") and hasattr(cache, "key_cache"):
         return [t for pair in zip(cache.key_cache, cache.value_cache) for t in pair]
-    return [getattr(layer, name, None) for layer in getattr(cache, "layers", ()) for name in ("keys", "values")]
+    found: list[torch.Tensor | None] = []
+    for layer in getattr(cache, "layers", ()):
+        found += [getattr(layer, name, None) for name in ("keys", "values")]
+        for name in ("conv_states", "recurrent_states"):
+            states = getattr(layer, name, None)
+            found += list(states.values()) if isinstance(states, dict) else []
+    return found
 
 
 def live_tensor_bytes() -> int:
@@ -137,24 +145,31 @@ def held_by(root: Any, limit: int = 500_000) -> Held:
     return Held(held_bytes(params), held_bytes(state), len(params) + len(other))
 
 
+class StateSizesUnknown(ValueError):
+    """A recurrent layer whose state's sizes no reader of models/states.py finds in the config; str: which and why."""
+
+
 @dataclass(frozen=True)
 class LayerTerm:
-    """One layer's share of the footprint: its cache kind (models/layers.py) and the positions it holds."""
+    """One layer's share of the footprint: its cache kind (models/layers.py) and the positions it holds; a recurrent
+    layer's state adds `fixed` bytes per row whatever the length (`fixed_why`: its terms)."""
 
     cache: LayerCache
     positions: int
     why: str
+    fixed: int = 0
+    fixed_why: str = ""
 
     @property
     def layer(self) -> int:
         return self.cache.layer
 
     @property
-    def kind(self) -> str:  # "full", "sliding", "latent" or "shared"
+    def kind(self) -> str:  # "full", "sliding", "latent", "shared", "state", "state+kv", "none"
         return self.cache.kind
 
     def bytes(self, rows: int, itemsize: int) -> int:
-        return rows * self.positions * self.cache.values * itemsize
+        return rows * (self.positions * self.cache.values * itemsize + self.fixed)
 
 
 @dataclass(frozen=True)
@@ -178,26 +193,51 @@ class Footprint:
                  f"{self.width + self.new_tokens - 1}; "
                  f"bytes = rows x positions x values per position (the layer's kind) x dtype bytes"]
         for t in self.layers:
-            if not t.cache.values:
+            if t.fixed:
+                kv = (f"{t.positions} [{t.why}] x {t.cache.kv.shape} x {self.itemsize} + "
+                      if isinstance(t.cache, StateLayer) and t.cache.kv else "")
+                lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x ({kv}{t.fixed_why}) = "
+                             f"{t.bytes(self.rows, self.itemsize)} (per row whatever the length)")
+            elif not t.cache.values:
                 lines.append(f"  layer {t.layer} ({t.kind}): {t.cache.shape}")
-                continue
-            lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x {t.positions} [{t.why}] x {t.cache.shape} x "
-                         f"{self.itemsize} = {t.bytes(self.rows, self.itemsize)}")
+            else:
+                lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x {t.positions} [{t.why}] x {t.cache.shape} "
+                             f"x {self.itemsize} = {t.bytes(self.rows, self.itemsize)}")
         lines.append(f"  total: {self.total}")
         return "\n".join(lines)
 
 
+def state_term(cache: StateLayer, layout: KVLayout, model_dtype: torch.dtype) -> tuple[int, str]:
+    """Bytes per row a recurrent layer's state holds under `layout` (its conv window in `model_dtype`, its recurrent
+    state in the layout's or the model reference's dtype: KVLayout), and the terms."""
+    state = cache.state
+    if state is None:
+        raise StateSizesUnknown(
+            f"layer {cache.layer} is a recurrent layer (layer type {cache.layer_type!r}) whose state's sizes are not "
+            f"in config fields the suite reads (known: {KNOWN})")
+    conv = state.conv_kernel + layout.conv_window_offset
+    state_dtype = getattr(torch, layout.state_dtype or state.state_dtype)
+    size = state.state_values * state_dtype.itemsize
+    why = (f"conv {state.conv_channels} channels x {conv} inputs [K{layout.conv_window_offset or ''}={conv}] x "
+           f"{model_dtype.itemsize} + {state.family} state {' x '.join(map(str, state.state_shape))} x "
+           f"{state_dtype.itemsize} ({str(state_dtype).removeprefix('torch.')})")
+    return state.conv_channels * conv * model_dtype.itemsize + size, why
+
+
 def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: int, width: int,
-                      new_tokens: int) -> Footprint:
+                      new_tokens: int, model_dtype: torch.dtype | None = None) -> Footprint:
     """The footprint `layout` holds after ``generate(<rows prompts, longest `width`>, new_tokens)`` on `config`
-    (``layout.rows`` rows where it fixes them), each layer by its cache kind (models/layers.py)."""
+    (``layout.rows`` rows where it fixes them), each layer by its cache kind (models/layers.py): K/V stored in `dtype`,
+    a recurrent layer's conv window in `model_dtype` (None: `dtype`). Raises StateSizesUnknown for a recurrent layer
+    whose sizes the config does not give in fields the suite reads."""
     if new_tokens < 2:
         raise ValueError(f"expected_kv_bytes needs new_tokens >= 2 (at least one decode step), got {new_tokens}")
     written = width + new_tokens - 1
     terms = []
     for cache in layer_caches(config):
-        positions, why = layout.positions(written, cache.window) if cache.values else (0, "reuses another layer's KV")
-        terms.append(LayerTerm(cache, positions, why))
+        positions, why = layout.positions(written, cache.window) if cache.values else (0, "no K/V per position")
+        fixed, fixed_why = state_term(cache, layout, model_dtype or dtype) if isinstance(cache, StateLayer) else (0, "")
+        terms.append(LayerTerm(cache, positions, why, fixed, fixed_why))
     return Footprint(layout, layout.rows or rows, width, new_tokens, dtype.itemsize, tuple(terms))
 
 
@@ -218,6 +258,7 @@ __all__ = [
     "Footprint",
     "Held",
     "LayerTerm",
+    "StateSizesUnknown",
     "available_bytes",
     "cache_tensors",
     "expected_kv_bytes",

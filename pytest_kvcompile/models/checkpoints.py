@@ -51,6 +51,14 @@ def with_cache(cache: Any) -> dict[str, Any]:
     return {cache_keyword(): cache}
 
 
+def positions(start: int, length: int, device: Any = "cpu") -> dict[str, Any]:
+    """The keyword numbering the `length` tokens a forward feeds after `start` cached ones: ``position_ids``. Every
+    incremental forward the harness makes passes it: transformers 5.24's Bamba numbers the tokens of a forward that
+    gets none from 0 whatever its cache holds (``BambaModel.forward``: ``arange(seq_len)``, where Nemotron-H, Falcon-H1
+    and Zamba add the cache's length), so its decode steps all sat at RoPE position 0 (tests/test_states.py)."""
+    return {"position_ids": torch.arange(start, start + length, device=device)[None]}
+
+
 def returned_cache(output: Any) -> Any:
     """The ``Cache`` a transformers model output or ``generate()`` result carries (under `cache_keyword`)."""
     return getattr(output, cache_keyword())

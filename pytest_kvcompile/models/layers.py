@@ -11,6 +11,10 @@ kind                cached per position                                      con
                     latent (kv_lora_rank) and one shared RoPE key
                     (qk_rope_head_dim), no per-head K or V
 `SharedLayer`       nothing: it reads an earlier layer's K/V                 num_kv_shared_layers
+`StateLayer`        nothing per position: a fixed-size state per sequence    layer_types (linear_attention, conv,
+                    (its conv window and recurrent state, models/states.py)  mamba; hybrid: beside K/V), the state's
+                                                                             sizes (models/states.py)
+`NoCacheLayer`      nothing: a layer without attention or state              layer_types (mlp, moe)
 ==================  =======================================================  ==========================================
 
 Attention sinks (GPT-OSS's learned per-head logit) add no cache entry: the sink is a parameter, not a position, so a
@@ -22,7 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_kvcompile.models.states import RecurrentState, recurrent_state
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
+
+#: transformers' layer types (config.layer_types) whose cache is a recurrent state, alone or beside K/V, or nothing
+STATE_TYPES, HYBRID_TYPES, NO_CACHE_TYPES = ("linear_attention", "conv", "mamba"), ("hybrid", "hybrid_sliding"), \
+    ("mlp", "moe", "dummy")
 
 
 @dataclass(frozen=True)
@@ -113,6 +122,52 @@ class SharedLayer(LayerCache):
 
 
 @dataclass(frozen=True)
+class NoCacheLayer(LayerCache):
+    """A layer that caches nothing (Nemotron-H's MLP and MoE layers)."""
+
+    @property
+    def kind(self) -> str:
+        return "none"
+
+    @property
+    def values(self) -> int:
+        return 0
+
+    @property
+    def shape(self) -> str:
+        return "0 (no attention, no state)"
+
+
+@dataclass(frozen=True)
+class StateLayer(LayerCache):
+    """A recurrent layer (Mamba, Mamba2, Gated DeltaNet): a fixed-size state per sequence, whatever its length, and
+    with `kv` K/V per position beside it (a hybrid layer: Falcon-H1). `state` None: its sizes are not in fields any
+    reader of models/states.py knows (`layer_type`: the config's name for the layer)."""
+
+    layer_type: str
+    state: RecurrentState | None
+    kv: KVLayer | None = None
+
+    @property
+    def kind(self) -> str:
+        return "state" if self.kv is None else "state+kv"
+
+    @property
+    def values(self) -> int:
+        return self.kv.values if self.kv is not None else 0
+
+    @property
+    def window(self) -> int | None:
+        return self.kv.window if self.kv is not None else None
+
+    @property
+    def shape(self) -> str:
+        per_position = f"{self.kv.shape} per position, " if self.kv is not None else ""
+        state = self.state.describe(self.state.conv_kernel) if self.state else "sizes unknown"
+        return f"{per_position}{state} per sequence"
+
+
+@dataclass(frozen=True)
 class ExpandedLayer(LayerCache):
     """What an engine holds that caches a layer's K and V per query head (`expanded`): GQA's shared heads repeated,
     or MLA's latent up-projected; never a layer of a config, only a footprint's alternative for a hint."""
@@ -164,10 +219,19 @@ def layer_caches(config: Any) -> tuple[LayerCache, ...]:
     """Each layer's cache kind, from `config` (module docstring)."""
     sliding, shared = set(sliding_layers(config)), set(shared_kv_layers(config))
     latent, rope = getattr(config, "kv_lora_rank", None), getattr(config, "qk_rope_head_dim", None)
+    types = list(getattr(config, "layer_types", None) or [])
     found: list[LayerCache] = []
     for layer in range(config.num_hidden_layers):
+        kind = types[layer] if layer < len(types) else "full_attention"
         if layer in shared:
             found.append(SharedLayer(layer))
+        elif kind in NO_CACHE_TYPES:
+            found.append(NoCacheLayer(layer))
+        elif kind in STATE_TYPES or kind in HYBRID_TYPES:
+            heads, head_dim = _geometry(config, layer)
+            kv = KVLayer(layer, heads, head_dim, config.sliding_window if kind == "hybrid_sliding" else None) \
+                if kind in HYBRID_TYPES else None
+            found.append(StateLayer(layer, kind, recurrent_state(config), kv))
         elif latent and rope is not None:
             found.append(LatentLayer(layer, int(latent), int(rope)))
         else:
@@ -176,4 +240,5 @@ def layer_caches(config: Any) -> tuple[LayerCache, ...]:
     return tuple(found)
 
 
-__all__ = ["ExpandedLayer", "KVLayer", "LatentLayer", "LayerCache", "SharedLayer", "expanded", "layer_caches"]
+__all__ = ["ExpandedLayer", "KVLayer", "LatentLayer", "LayerCache", "NoCacheLayer", "SharedLayer", "StateLayer",
+           "expanded", "layer_caches"]

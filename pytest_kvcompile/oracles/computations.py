@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec
-from pytest_kvcompile.models.checkpoints import keep_last, max_positions, with_cache
+from pytest_kvcompile.models.checkpoints import keep_last, max_positions, positions, with_cache
 from pytest_kvcompile.oracles import routing
 from pytest_kvcompile.oracles.truth import Widened, load_lm
 from pytest_kvcompile.recompiles.hooks import attention_kernel
@@ -97,12 +97,16 @@ class Computations:
 
         if not per_layer_cache():  # see per_layer_cache: the same computation without a cache
             return self._whole(model, [t for chunk in prefill for t in chunk], tokens)
-        cache, rows = dynamic_cache(model.config), []
+        cache, rows, fed = dynamic_cache(model.config), [], 0
         for chunk in prefill:
-            logits = model(input_ids=self._ids(chunk), **with_cache(cache), use_cache=True).logits[0, -1]
+            logits = model(input_ids=self._ids(chunk), **with_cache(cache), use_cache=True,
+                           **positions(fed, len(chunk), self.spec.device)).logits[0, -1]
+            fed += len(chunk)
         rows.append(logits)
         for token in tokens[:-1]:
-            rows.append(model(input_ids=self._ids([token]), **with_cache(cache), use_cache=True).logits[0, -1])
+            rows.append(model(input_ids=self._ids([token]), **with_cache(cache), use_cache=True,
+                              **positions(fed, 1, self.spec.device)).logits[0, -1])
+            fed += 1
         return torch.stack(rows)
 
     def _whole(self, model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -184,11 +188,12 @@ class KVComputation:
         if not tokens:
             return torch.empty(1, 0, self.spec.vocab_size, dtype=torch.float64)
         cache, ids = dynamic_cache(self.model.config, self._cache), [int(t) for t in prompt]
-        rows = []
+        rows, fed = [], 0
         for token in [None, *tokens[:-1]]:
             step = ids if token is None else [token]
             rows.append(self.model(input_ids=torch.tensor([step], device=self.spec.device), **with_cache(cache),
-                                   use_cache=True).logits[0, -1])
+                                   use_cache=True, **positions(fed, len(step), self.spec.device)).logits[0, -1])
+            fed += len(step)
         return torch.stack(rows)[None].double().cpu()
 
 

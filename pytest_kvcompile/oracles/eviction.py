@@ -132,7 +132,7 @@ import torch
 
 from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec, Strategy
 from pytest_kvcompile.models.checkpoints import with_cache
-from pytest_kvcompile.models.layers import LatentLayer, layer_caches
+from pytest_kvcompile.models.layers import LatentLayer, StateLayer, layer_caches
 from pytest_kvcompile.models.zoo import shared_kv_layers, sliding_layers
 from pytest_kvcompile.oracles.policies import (  # noqa: F401 (the policies, re-exported: one rule's module)
     EMPTY,
@@ -387,6 +387,12 @@ class EvictionOracle:
         from transformers.masking_utils import AttentionMaskInterface
 
         self.spec, self.policy = spec, policy_for(strategy)
+        states = [c.layer for c in layer_caches(spec.config) if isinstance(c, StateLayer)]
+        if states:
+            raise ModelNotSupported(
+                f"{strategy} evicts attention keys, and model '{spec.name}' has recurrent layers "
+                f"({', '.join(map(str, states))}) whose state already holds every past token: no cache of it can "
+                "drop one, so there is no eviction to compare with (docs/state-caches.md)")
         AttentionInterface.register(ATTENTION_NAME, _attention)
         AttentionMaskInterface.register(ATTENTION_NAME, _mask)
         self.model = load_lm(spec, widened=True, attn_implementation=ATTENTION_NAME)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy
-from pytest_kvcompile.models.checkpoints import keep_last, with_cache
+from pytest_kvcompile.models.checkpoints import keep_last, positions, with_cache
 from pytest_kvcompile.oracles.eviction import POLICIES, EvictionOracle, policy_for
 from pytest_kvcompile.oracles.reference import Reference
 from pytest_kvcompile.oracles.truth import Widened, load_lm
@@ -93,7 +93,8 @@ class HFEagerOracle:
         for step in range(steps):
             fed = sequence if cache is None or step == 0 else sequence[-1:]  # no cache: the whole sequence again
             ids = torch.tensor([fed], device=self.spec.device)
-            logits = model(input_ids=ids, **with_cache(cache), use_cache=cache is not None).logits[0, -1]
+            logits = model(input_ids=ids, **with_cache(cache), use_cache=cache is not None,
+                           **positions(len(sequence) - len(fed), len(fed), self.spec.device)).logits[0, -1]
             rows.append(logits.float().cpu())
             tokens.append(int(logits.argmax()))
             sequence.append(tokens[-1])
@@ -119,6 +120,7 @@ class HFEagerOracle:
             else:
                 ids = torch.tensor([sequence[cached:] + draft[:-1]], device=self.spec.device)
                 truth = self.model(input_ids=ids, **with_cache(cache), use_cache=True,
+                                   **positions(cached, ids.shape[1], self.spec.device),
                                    **keep_last(self.model, len(draft))).logits[0, -len(draft):]
             for row, drafted in zip(truth, draft):
                 best = int(row.argmax())
