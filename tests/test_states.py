@@ -40,3 +40,9 @@ def test_each_state_bug_fails_and_the_chunked_engine_passes(kvtester):
     assert "prompt 'long48'" in lost and "prompt 'len7'" not in lost, lost
     result.stdout.fnmatch_lines([f"*TokenMismatch: engine '{MODULE}:NoPositionIds' diverges from the oracle on model "
                                  "'bamba', prompt *: step *"])
+    # the hint names the recurrent layers and their state, and what to check of it
+    result.stdout.fnmatch_lines([f"*TokenMismatch: engine '{MODULE}:ConvWindowLostAcrossChunks' diverges from the "
+                                 "oracle on model 'qwen3-next', prompt 'long48' *",
+                                 "*hint: *; model 'qwen3-next' has recurrent layers (layers 0, 1, 2: gated-deltanet, "
+                                 "conv window 4 over 128 channels, state 4 x 16 x 16), whose state is carried, never "
+                                 "cropped or sliced: check that it is carried across prefill chunks*"])

@@ -240,5 +240,20 @@ def layer_caches(config: Any) -> tuple[LayerCache, ...]:
     return tuple(found)
 
 
+def states_of(config: Any) -> str:
+    """The recurrent layers of `config` for a failure's hint ("layers 0, 2: mamba2, conv window 4 over 160
+    channels, state 4 x 32 x 16"), "" where it has none or its config is not a transformers one."""
+    try:
+        found = [c for c in layer_caches(config) if isinstance(c, StateLayer)]
+    except (AttributeError, TypeError, IndexError):  # an engine's own config: no layer kinds to read
+        return ""
+    if not found:
+        return ""
+    state = found[0].state
+    sizes = (f": {state.family}, conv window {state.conv_kernel} over {state.conv_channels} channels, state "
+             f"{' x '.join(map(str, state.state_shape))}") if state else ""
+    return f"layers {', '.join(str(c.layer) for c in found)}{sizes}"
+
+
 __all__ = ["ExpandedLayer", "KVLayer", "LatentLayer", "LayerCache", "NoCacheLayer", "SharedLayer", "StateLayer",
-           "expanded", "layer_caches"]
+           "expanded", "layer_caches", "states_of"]

@@ -191,6 +191,7 @@ def check_tokens(
     prompt: str = "prompt",
     where: Where | str = "",
     window: int | None = None,
+    states: str = "",
     context: str = "",
     excluded: Collection[int] = (),
     engine_top: Sequence[Mapping[int, float] | None] | None = None,
@@ -199,12 +200,13 @@ def check_tokens(
     """Fail with a full explanation unless every step of `got` is the oracle's choice or a near tie,
     and near ties stay within `max_near_ties` (None: unlimited).
 
-    Returns the verdict when it passes. `where` says which call (verdicts/failures.py: `Where`, e.g. the row of a batch
-    and the prompts served before; the hint reads its fields; a plain string is shown, not read); `window` is the
-    model's sliding window, used for hints; `context` is appended to a failure (e.g. the calls the engine object
-    served before); `excluded`: ids the engine declares it never emits (out of the oracle's choice, module rule);
-    `engine_top`: the engine's own top-k log-probabilities per step, which narrow a near tie (module rule);
-    `decode`: ids as the model's tokenizer reads them (a mismatch then shows its tokens as text too).
+    Returns the verdict when it passes. `where` says which call (verdicts/failures.py: `Where`, e.g. the row of a
+    batch and the prompts served before; the hint reads its fields; a plain string is shown, not read); `window` is
+    the model's sliding window and `states` its recurrent layers (models/layers.py: states_of), used for hints;
+    `context` is appended to a failure (e.g. the calls the engine object served before); `excluded`: ids the engine
+    declares it never emits (out of the oracle's choice, module rule); `engine_top`: the engine's own top-k
+    log-probabilities per step, which narrow a near tie (module rule); `decode`: ids as the model's tokenizer reads
+    them (a mismatch then shows its tokens as text too).
     """
     __tracebackhide__ = True
     got = [int(t) for t in got]
@@ -217,7 +219,8 @@ def check_tokens(
             return verdict
     # a failure: its facts name the oracle's own greedy tokens (decoded now where they were not needed before)
     facts = dict(engine=engine, model=model, prompt=prompt, prompt_length=len(reference.prompt), where=where,
-                 window=window, tolerance=tie_tolerance, scored=reference.scored, max_near_ties=max_near_ties,
+                 window=window, states=states, tolerance=tie_tolerance, scored=reference.scored,
+                 max_near_ties=max_near_ties,
                  oracle=_oracle_tokens(reference), tokens=tuple(got),
                  prompt_tail=tuple(int(t) for t in reference.prompt[-8:]), excluded=tuple(sorted(excluded)))
     if len(got) != reference.steps:

@@ -25,6 +25,7 @@ from pytest_kvcompile.contract.engine import ModelSpec
 from pytest_kvcompile.contract.registry import EngineRef
 from pytest_kvcompile.errors import CallTimeout, EngineFailed, EngineProcessDied, Failed, fail
 from pytest_kvcompile.memory.measure import Held
+from pytest_kvcompile.models.layers import states_of
 from pytest_kvcompile.models.prompts import Prompt
 from pytest_kvcompile.models.texts import decoder
 from pytest_kvcompile.oracles.reference import Reference
@@ -287,7 +288,8 @@ class EngineUnderTest:
         """How this engine's answers are judged on its model (run/judge.py): its verdict numbers, as they are now."""
         return Judge(self.name, self.spec.name, self.max_new_tokens, self.tie_tolerance, self.window,
                      self.max_near_ties, self.score_tolerance, self.excluded, self.noise,
-                     str(self.ref.declaration.strategy), decoder(getattr(self.spec, "path", None)))
+                     str(self.ref.declaration.strategy), decoder(getattr(self.spec, "path", None)),
+                     states_of(self.spec.config))
 
     def check_tokens(self, reference: Reference, got: Sequence[int], prompt: Prompt,
                      where: Where | str = "alone") -> Verdict:

@@ -40,6 +40,7 @@ class Judge:
     noise: Any = None  # oracles.precision.Noise the numbers were measured from (16-bit, a KV stored lower)
     strategy: str = ""  # the engine's declared strategy, named where nothing can judge a difference
     decode: Callable[[Sequence[int]], str] | None = None  # ids as the model's tokenizer reads them (models/texts.py)
+    states: str = ""  # the model's recurrent layers, for a failure's hint (models/layers.py: states_of)
 
     def near_tie_budget(self, steps: int) -> int | None:
         """Near ties one sequence of `steps` may hold: the run's budget, set for --kv-max-new-tokens steps; a longer
@@ -56,7 +57,8 @@ class Judge:
         self._covered(prompt, reference.steps)
         return check_tokens(reference, got, tie_tolerance=self.tie_tolerance,
                             max_near_ties=self.near_tie_budget(reference.steps), engine=self.engine, model=self.model,
-                            prompt=f"prompt '{prompt.name}'", where=where, window=self.window, context=context,
+                            prompt=f"prompt '{prompt.name}'", where=where, window=self.window, states=self.states,
+                            context=context,
                             excluded=self.excluded, engine_top=engine_top, decode=self.decode)
 
     def _covered(self, prompt: Prompt, steps: int) -> None:

@@ -122,6 +122,7 @@ class Failure:
     near_ties: tuple[tuple[int, int, int, float], ...] = ()
     max_near_ties: int | None = None
     excluded: tuple[int, ...] = ()  # ids out of the oracle's choice: the engine declares it never emits them
+    states: str = ""  # the model's recurrent layers (models/layers.py: states_of), for the hint
 
     @property
     def hint(self) -> str:
@@ -168,6 +169,11 @@ def _token_hint(failure: Failure) -> str:
     if failure.where.batched:
         hint += _speculation_hint(failure) or "; it happens inside a batch: check padding, attention masks and " \
             "per-row positions"
+    if failure.states:
+        hint += (f"; model '{failure.model}' has recurrent layers ({failure.states}), whose state is carried, never "
+                 "cropped or sliced: check that it is carried across prefill chunks (the conv window's last inputs "
+                 "too), zeroed for each new request, kept in float32 unless declared lower, and that every forward "
+                 "gets its positions (position_ids)")
     if not failure.scored:
         hint += ("; if this is a near tie, give the oracle engine score() (Declaration(scoring=True)) so near ties "
                  "can be judged")
