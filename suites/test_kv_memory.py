@@ -113,7 +113,7 @@ def _state_hint(footprint, got: int, footprint_of) -> str | None:
                 "(transformers' LinearAttentionLayer.conv_states and .recurrent_states: "
                 "pytest_kvcompile.memory.measure.cache_tensors does)")
     written = footprint.width + footprint.new_tokens - 1
-    grown = footprint.total + sum(footprint.rows * t.cache.state.conv_channels * footprint.itemsize
+    grown = footprint.total + sum(footprint.rows * t.conv_input
                                   * (written - t.cache.state.conv_kernel - footprint.layout.conv_window_offset)
                                   for t in states)
     if got == grown != footprint.total:
@@ -221,8 +221,8 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
         footprint = None
     expected = footprint and footprint.total
     reported = _reported(kv_engine) if declared.kv_cache_bytes else None
-    layers = [LayerBytes(t.layer, t.kind, t.positions, t.why, t.bytes(footprint.rows, footprint.itemsize))
-              for t in footprint.layers] if footprint else []
+    layers = [LayerBytes(t.layer, t.kind, t.positions, t.fixed_why or t.why,
+                         t.bytes(footprint.rows, footprint.itemsize)) for t in footprint.layers] if footprint else []
     kv_record.metric(kv_bytes=KVBytes(expected,
                                       reported if reported is not None else held.state, held.state,
                                       str(declared.kv_layout or ""), layers, _describe(call, kv_engine)))

@@ -74,8 +74,8 @@ def test_continuous_batching_refuses_a_model_its_paged_cache_cannot_hold(tmp_pat
     from pytest_kvcompile.models import zoo
 
     spec = ModelSpec("bamba", tmp_path, zoo.ZOO["bamba"].build_config())  # refused before any loading
-    with pytest.raises(ModelNotSupported, match="continuous batching pages only attention layers .Invalid layer type: "
-                                                "linear_attention.; model 'bamba' has layer types"):
+    with pytest.raises(ModelNotSupported, match="continuous batching pages only the layer types it has an "
+                                                "allocator for .Invalid layer type: linear_attention.; model 'bamba'"):
         continuous.ContinuousBatching(spec)
 
 

@@ -115,8 +115,9 @@ def _pages(spec: ModelSpec) -> None:
         group_layers_by_attn_type(spec.config)
     except ValueError as exc:
         raise ModelNotSupported(
-            f"transformers {transformers.__version__}'s continuous batching pages only attention layers "
-            f"({exc}); model '{spec.name}' has layer types {sorted(set(getattr(spec.config, 'layer_types', [])))}"
+            f"transformers {transformers.__version__}'s continuous batching pages only the layer types it has an "
+            f"allocator for ({exc}); model '{spec.name}' has layer types "
+            f"{sorted(set(getattr(spec.config, 'layer_types', None) or []))}"
         ) from None
 
 

@@ -26,6 +26,7 @@ from pytest_kvcompile.contract.engine import Declaration, ModelNotSupported, Mod
 from pytest_kvcompile.engines.hf import HFEager
 from pytest_kvcompile.engines.recipe import Recipe
 from pytest_kvcompile.models.checkpoints import with_cache
+from pytest_kvcompile.models.layers import states_of
 from pytest_kvcompile.models.zoo import sliding_layers
 
 RESIDUAL = 16  # positions QuantizedCache keeps in the model's dtype before quantizing them (transformers: 128)
@@ -56,7 +57,10 @@ class QuantizedQuanto(HFEager):
     kv_declaration = _declaration(backend, nbits, "optimum.quanto", RECIPE.packages[0])
 
     def __init__(self, spec: ModelSpec):
-        sliding = sliding_layers(spec.config)
+        sliding, states = sliding_layers(spec.config), states_of(spec.config)
+        if states:  # transformers raises at the first generate() here too
+            raise ModelNotSupported(f"transformers' QuantizedCache serves models with full-attention layers only "
+                                    f"(this one has recurrent layers, {states})")
         if sliding:  # transformers raises at the first generate(): the model is not one QuantizedCache serves
             raise ModelNotSupported(f"transformers' QuantizedCache serves models with full-attention layers only "
                                     f"(this one has sliding-window layers {sliding}: 'QuantizedCache is only "

@@ -159,6 +159,7 @@ class LayerTerm:
     why: str
     fixed: int = 0
     fixed_why: str = ""
+    conv_input: int = 0  # a recurrent layer's bytes per conv input and row (its channels in the model's dtype)
 
     @property
     def layer(self) -> int:
@@ -236,8 +237,11 @@ def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: i
     terms = []
     for cache in layer_caches(config):
         positions, why = layout.positions(written, cache.window) if cache.values else (0, "no K/V per position")
-        fixed, fixed_why = state_term(cache, layout, model_dtype or dtype) if isinstance(cache, StateLayer) else (0, "")
-        terms.append(LayerTerm(cache, positions, why, fixed, fixed_why))
+        fixed, fixed_why, conv_input = 0, "", 0
+        if isinstance(cache, StateLayer):
+            fixed, fixed_why = state_term(cache, layout, model_dtype or dtype)
+            conv_input = cache.state.conv_channels * (model_dtype or dtype).itemsize
+        terms.append(LayerTerm(cache, positions, why, fixed, fixed_why, conv_input))
     return Footprint(layout, layout.rows or rows, width, new_tokens, dtype.itemsize, tuple(terms))
 
 

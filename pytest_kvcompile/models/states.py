@@ -17,8 +17,8 @@ reader per family (`READERS`) knows them, matched by the fields a config has, ne
   ``mamba_d_state``, ``mamba_d_conv``.
 
 Models' own references keep the recurrent state in float32 in a 16-bit run (transformers' Mamba2 and Gated DeltaNet
-paths, SGLang's default; a config's ``mamba_ssm_cache_dtype`` says so where it has one: Nemotron-H) and the conv
-window in the model's dtype. A layer whose sizes no reader finds is a `StateLayer` without sizes: the memory check
+paths, whatever a config's ``mamba_ssm_cache_dtype`` says: its modeling code never reads it; SGLang's default) and the
+conv window in the model's dtype. A layer whose sizes no reader finds is a `StateLayer` without sizes: the memory check
 then says so by name and checks nothing of it (suites/test_kv_memory.py).
 """
 
@@ -58,11 +58,6 @@ def _field(config: Any, *names: str) -> int | None:
     return None
 
 
-def _ssm_dtype(config: Any) -> str:
-    declared = getattr(config, "mamba_ssm_cache_dtype", None)
-    return declared if isinstance(declared, str) and declared not in ("auto", "") else "float32"
-
-
 def _mamba2(config: Any) -> RecurrentState | None:
     heads = _field(config, "mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
     head_dim = _field(config, "mamba_d_head", "mamba_head_dim", "mamba_headdim")
@@ -72,8 +67,7 @@ def _mamba2(config: Any) -> RecurrentState | None:
     if None in (heads, head_dim, groups, d_state, kernel):
         return None
     inner = heads * head_dim  # Mamba2 splits its inner width into heads: heads x head_dim
-    return RecurrentState("mamba2", inner + 2 * groups * d_state, kernel, (heads, head_dim, d_state),
-                          _ssm_dtype(config))
+    return RecurrentState("mamba2", inner + 2 * groups * d_state, kernel, (heads, head_dim, d_state))
 
 
 def _mamba1(config: Any) -> RecurrentState | None:
@@ -81,7 +75,7 @@ def _mamba1(config: Any) -> RecurrentState | None:
     kernel, hidden = _field(config, "mamba_d_conv", "conv_kernel"), _field(config, "hidden_size")
     if None in (expand, d_state, kernel, hidden):
         return None
-    return RecurrentState("mamba", expand * hidden, kernel, (expand * hidden, d_state), _ssm_dtype(config))
+    return RecurrentState("mamba", expand * hidden, kernel, (expand * hidden, d_state))
 
 
 def _gated_deltanet(config: Any) -> RecurrentState | None:

@@ -122,6 +122,8 @@ class HFEagerOracle:
                 truth = self.model(input_ids=ids, **with_cache(cache), use_cache=True,
                                    **positions(cached, ids.shape[1], self.spec.device),
                                    **keep_last(self.model, len(draft))).logits[0, -len(draft):]
+                held = cached + ids.shape[1]  # what the cache holds now (transformers' get_seq_length() raises on
+                # a cache of recurrent layers alone)
             for row, drafted in zip(truth, draft):
                 best = int(row.argmax())
                 rows.append(row.float().cpu())
@@ -130,7 +132,7 @@ class HFEagerOracle:
                 if best != drafted:
                     break
             cached = len(sequence) - 1  # fed: all but the last token; the cache holds the rest of the draft too
-            if cache is not None and cache.get_seq_length() > cached:
+            if cache is not None and held > cached:
                 try:
                     cache.crop(cached)
                 except (AttributeError, NotImplementedError, ValueError, RuntimeError):  # a layer that cannot crop

@@ -169,15 +169,21 @@ def _token_hint(failure: Failure) -> str:
     if failure.where.batched:
         hint += _speculation_hint(failure) or "; it happens inside a batch: check padding, attention masks and " \
             "per-row positions"
-    if failure.states:
-        hint += (f"; model '{failure.model}' has recurrent layers ({failure.states}), whose state is carried, never "
-                 "cropped or sliced: check that it is carried across prefill chunks (the conv window's last inputs "
-                 "too), zeroed for each new request, kept in float32 unless declared lower, and that every forward "
-                 "gets its positions (position_ids)")
+    hint += _state_hint(failure)
     if not failure.scored:
         hint += ("; if this is a near tie, give the oracle engine score() (Declaration(scoring=True)) so near ties "
                  "can be judged")
     return hint
+
+
+def _state_hint(failure: Failure) -> str:
+    """For a model with recurrent layers: their state, and what to check of it ("" without)."""
+    if not failure.states:
+        return ""
+    return (f"; model '{failure.model}' has recurrent layers ({failure.states}), whose state is carried, never cropped "
+            "or sliced: check that it is carried across prefill chunks (the conv window's last inputs too), zeroed "
+            "for each new request, kept in float32 as the truth keeps it, and that every forward gets its positions "
+            "(position_ids)")
 
 
 def _verify_step(steps: tuple[tuple[int, int], ...], generated: int, token: int) -> int | None:
@@ -226,7 +232,7 @@ HINTS: dict[Kind, Callable[[Failure], str]] = {  # one table: kind of a token ve
     Kind.DRIFT: lambda f: (
         "each flip is within the tie tolerance, but a correct engine flips rarely; this many means its numerics are "
         "not the model's (lower precision in attention or the cache, a wrong scale, accumulated error); if the dtype "
-        "really is this noisy, raise --kv-max-near-ties"),
+        "really is this noisy, raise --kv-max-near-ties" + _state_hint(f)),
     Kind.LENGTH: lambda f: ("generate() must return exactly max_new_tokens tokens per prompt (greedy, no stop at "
                             "EOS): check the stop condition and the returned slice"),
     Kind.SCORE: lambda f: (
