@@ -208,9 +208,9 @@ class Footprint:
         return "\n".join(lines)
 
 
-def state_term(cache: StateLayer, layout: KVLayout, model_dtype: torch.dtype) -> tuple[int, str]:
+def state_term(cache: StateLayer, layout: KVLayout, model_dtype: torch.dtype) -> tuple[int, str, int]:
     """Bytes per row a recurrent layer's state holds under `layout` (its conv window in `model_dtype`, its recurrent
-    state in the layout's or the model reference's dtype: KVLayout), and the terms."""
+    state in the layout's or the model reference's dtype: KVLayout), the terms, and the bytes of one conv input."""
     state = cache.state
     if state is None:
         raise StateSizesUnknown(
@@ -222,7 +222,8 @@ def state_term(cache: StateLayer, layout: KVLayout, model_dtype: torch.dtype) ->
     why = (f"conv {state.conv_channels} channels x {conv} inputs [K{layout.conv_window_offset or ''}={conv}] x "
            f"{model_dtype.itemsize} + {state.family} state {' x '.join(map(str, state.state_shape))} x "
            f"{state_dtype.itemsize} ({str(state_dtype).removeprefix('torch.')})")
-    return state.conv_channels * conv * model_dtype.itemsize + size, why
+    conv_input = state.conv_channels * model_dtype.itemsize
+    return conv_input * conv + size, why, conv_input
 
 
 def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: int, width: int,
@@ -237,10 +238,8 @@ def expected_kv_bytes(layout: KVLayout, config: Any, dtype: torch.dtype, rows: i
     terms = []
     for cache in layer_caches(config):
         positions, why = layout.positions(written, cache.window) if cache.values else (0, "no K/V per position")
-        fixed, fixed_why, conv_input = 0, "", 0
-        if isinstance(cache, StateLayer):
-            fixed, fixed_why = state_term(cache, layout, model_dtype or dtype)
-            conv_input = cache.state.conv_channels * (model_dtype or dtype).itemsize
+        fixed, fixed_why, conv_input = state_term(cache, layout, model_dtype or dtype) \
+            if isinstance(cache, StateLayer) else (0, "", 0)
         terms.append(LayerTerm(cache, positions, why, fixed, fixed_why, conv_input))
     return Footprint(layout, layout.rows or rows, width, new_tokens, dtype.itemsize, tuple(terms))
 
