@@ -1,5 +1,7 @@
 """Engines for the memory checks (suites/test_kv_memory.py): one correct, and one bug each check must catch."""
 
+import inspect
+
 import torch
 from transformers import DynamicCache
 
@@ -86,7 +88,9 @@ class StateGrowsWithLength(DynamicBytes):
         self.cache = DynamicCache(config=self.model.config)
         for layer in self.cache.layers:
             if hasattr(layer, "activate_past_recording"):
-                layer.activate_past_recording()
+                # 5.25 added recurrent_states_to_keep, whose default None breaks Qwen3-Next's prefill (min(None, n))
+                keep = "recurrent_states_to_keep" in inspect.signature(layer.activate_past_recording).parameters
+                layer.activate_past_recording(**({"recurrent_states_to_keep": 0} if keep else {}))
         return Greedy._run(self, prompt, steps, forced, cache=self.cache)
 
 

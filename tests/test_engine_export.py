@@ -151,3 +151,6 @@ def test_only_transformers_own_side_effect_is_silenced_at_export(llama):
             "._active_collector\"]")
     assert re.match(adapter._TRANSFORMERS_SIDE_EFFECT, ours, re.I)
     assert not re.match(adapter._TRANSFORMERS_SIDE_EFFECT, ours[:-1] + ", \"L['self'].cache\"]", re.I)
+    kernels = ", \"G['__import_kernels_dot__internals_dot_layer_dot_layer']._ACTIVE_KERNEL_FUNCS\"]"  # 5.25
+    assert re.match(adapter._TRANSFORMERS_SIDE_EFFECT, ours[:-1] + kernels, re.I)
+    assert not re.match(adapter._TRANSFORMERS_SIDE_EFFECT, ours[:-1] + kernels[:-1] + ", \"L['self'].cache\"]", re.I)

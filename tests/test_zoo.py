@@ -360,4 +360,11 @@ def test_the_truths_per_expert_path_computes_what_the_grouped_kernel_does(name, 
         looped = model(ids).logits
     torch.testing.assert_close(looped, grouped, atol=1e-5, rtol=1e-5)
     assert wide.dtype == torch.float64
-    torch.testing.assert_close(wide.float(), grouped, atol=1e-4, rtol=1e-4)
+
+    def rmse(x):
+        return x.double().pow(2).mean().sqrt().item()
+    # torch's own accuracy rule (torch._dynamo.utils.same, fp64_ref): the grouped kernel is within 2x the per-expert
+    # loop's RMSE to float64 (both float32), and the loop is float32 rounding away from it (Qwen3-Next's chunked
+    # delta rule in float32 is 1.4e-4 away at most, on logits of RMS 4)
+    assert rmse(grouped - wide) <= 2 * rmse(looped - wide), (rmse(grouped - wide), rmse(looped - wide))
+    assert rmse(looped - wide) <= 1e-5 * rmse(wide), (rmse(looped - wide), rmse(wide))

@@ -134,14 +134,19 @@ def export_program(spec: ModelSpec, max_cache_len: int = MAX_CACHE_LEN, dynamic:
         seq = torch.export.Dim("seq_len", min=1, max=max_cache_len)
         dynamic_shapes = {"input_ids": {1: seq}, "cache_position": {0: seq}}
     with torch.no_grad(), warnings.catch_warnings():
-        # transformers (5.24) sets its output-capturing context variable inside forward; dynamo reports it as a side
-        # effect on every export. Only when it is the one source listed: any other side effect still warns.
+        # transformers sets its own globals inside forward (_OWN_SOURCES); dynamo reports them as side effects on
+        # every export. Only when they are the only sources listed: any other side effect still warns.
         warnings.filterwarnings("ignore", category=UserWarning, message=_TRANSFORMERS_SIDE_EFFECT)
         return wrapper.export(input_ids=ids, cache_position=positions, dynamic_shapes=dynamic_shapes)
 
 
+# transformers' own globals that dynamo lists as side effects of every export: its output-capturing context variable
+# (5.24) and, from 5.25, the hub kernels' registry of active kernel functions (the `kernels` package it requires)
+_OWN_SOURCES = (r"\"G\['__import_transformers_dot_utils_dot_output_capturing'\]\._active_collector\"",
+                r"\"G\['__import_kernels_dot__internals_dot_layer_dot_layer'\]\._ACTIVE_KERNEL_FUNCS\"")
+_OWN = "(?:" + "|".join(_OWN_SOURCES) + ")"
 _TRANSFORMERS_SIDE_EFFECT = (r"While compiling, we found certain side effects happened in the model\.forward\. .*: "
-                             r"\[\"G\['__import_transformers_dot_utils_dot_output_capturing'\]\._active_collector\"\]$")
+                             rf"\[{_OWN}(?:, {_OWN})*\]$")
 
 
 def _guard_failure(exc: BaseException) -> bool:
