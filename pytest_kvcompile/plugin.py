@@ -21,7 +21,7 @@ import pytest
 
 from pytest_kvcompile import reports
 from pytest_kvcompile.config import markers, options
-from pytest_kvcompile.config.profiles import PROFILES
+from pytest_kvcompile.config.profiles import PROFILES, Selection
 from pytest_kvcompile.config.tolerances import MEASURED_DTYPES
 from pytest_kvcompile.contract.findings import ENGINE_PARAM, LINE_EXAMPLE, KnownFinding, legacy_line
 from pytest_kvcompile.latency import marker as latency_marker
@@ -200,6 +200,16 @@ class Run:
             if hasattr(config, "workerinput"):  # a UsageError here would crash the xdist worker: the fixtures error
                 return
             raise pytest.UsageError(NO_ENGINE + f" ({len(engine_tests)} collected test(s) need one)")
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """The engine checks the run selected, after -k, -m and the profile (every xdist worker collects them all):
+        a 16-bit calibration goes only as far as they attend where they are all of bounded length
+        (config/profiles.py: Selection)."""
+        chosen = [(getattr(i, "originalname", i.name), i.callspec.params) for i in session.items
+                  if "kv_engine_name" in getattr(getattr(i, "callspec", None), "params", {})]
+        if chosen:
+            self.session.selection = Selection(frozenset(name for name, _ in chosen), frozenset(
+                params["kv_prompt_name"] for _, params in chosen if "kv_prompt_name" in params))
 
     def _runs(self, item: pytest.Item) -> bool:
         """Whether this run's options meet the item's ``@pytest.mark.kv_only(condition)`` (`ONLY`; none: it runs)."""

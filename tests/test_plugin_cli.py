@@ -319,9 +319,27 @@ def test_a_profile_narrows_the_run_and_names_what_it_left_out(kvtester):
         "prompts left out: all but len1, short7, long48 (batches as they are)",
         "* test(s) deselected; the complete run: --kv-profile=full (the default)"])
     result.stdout.fnmatch_lines(["*kvcompile: peak memory*", "host: * GiB peak RSS in this process*"])
-    result.stdout.fnmatch_lines(["*llama (bfloat16): tie tolerance * at up to 162 positions (as far as the profile's "
+    result.stdout.fnmatch_lines(["*llama (bfloat16): tie tolerance * at up to 162 positions (as far as the run's "
                                  "checks attend: a sequence past that is not judged)*; calibration * s for * positions "
                                  "(measured this run; kept in the store per model, dtype and code version)"])
+
+
+def test_a_run_of_bounded_checks_calibrates_as_far_as_its_selection_attends():
+    """A run narrowed by -k or node ids to checks of bounded length (smoke's) calibrates as far as the prompts it
+    selected attend; one selected check past them (a long generation), or the selection unknown, every length."""
+    from pytest_kvcompile.config.profiles import PROFILES, Selection
+
+    full, prompts, batch = PROFILES["full"], {"len1": 1, "short7": 7, "long48": 48, "long250": 250}, [5, 17]
+    token = Selection(frozenset({"test_token_identity", "test_token_identity_batched"}), frozenset(prompts))
+    assert token.bounded and full.attends(prompts, batch, 32, token) == 250 + 32
+    short = Selection(frozenset({"test_token_identity"}), frozenset({"len1", "short7"}))
+    assert full.attends(prompts, batch, 32, short) == 64 + 32  # the stale-state prompts (up to 64 tokens): the longest
+    assert full.attends(prompts, [5, 90], 32, short) == 90 + 32  # the model's batch, whatever was selected
+    assert full.attends({"len1": 1, "short7": 7, "long48": 48}, batch, 32, short) == 48 + 32
+    longer = Selection(token.checks | {"test_long_generation"}, token.prompts)
+    assert not longer.bounded and full.attends(prompts, batch, 32, longer) is None
+    assert full.attends(prompts, batch, 32) is None and not Selection(frozenset(), frozenset()).bounded
+    assert PROFILES["smoke"].attends(prompts, batch, 32, longer) == 64 + 32  # a profile's own bound stays
 
 
 def test_every_check_a_profile_names_is_a_suite_check():

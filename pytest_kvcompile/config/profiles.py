@@ -13,6 +13,9 @@ left out (a smaller profile is a choice, not a silent pass). The default, ``full
   measures the noise only as far as those checks attend (`attends`): the long calibration prompts (256 and 990
   tokens, a third of a 3B checkpoint's smoke run on a CPU) are left out where they attend no farther; a sequence
   judged past what was calibrated is then a named skip, never judged by a noise measured on shorter ones.
+
+A run narrowed otherwise (``-k token_identity``, ``-m``, node ids) calibrates as far as the checks it selected attend
+where every one of them is a check of bounded length (`BOUNDED`: smoke's), on the prompts it selected (`Selection`).
 """
 
 from __future__ import annotations
@@ -42,14 +45,32 @@ class Profile:
     def runs_prompt(self, prompt: str | None) -> bool:
         return prompt is None or self.prompts is None or prompt in self.prompts
 
-    def attends(self, prompts: dict[str, int], batch: Sequence[int], new_tokens: int) -> int | None:
+    def attends(self, prompts: dict[str, int], batch: Sequence[int], new_tokens: int,
+                selection: Selection | None = None) -> int | None:
         """The most positions this profile's token checks attend (its prompts of the model's `prompts`, name ->
         length, the model's `batch` lengths and the stale-state check's prompts of at most 64 tokens, plus
-        `new_tokens`); None: every length (a profile running the long checks)."""
-        if self.calibrates_all:
+        `new_tokens`), of the run's `selection` alone where it has only checks of bounded length; None: every length
+        (a run of the long checks)."""
+        bounded = selection is not None and selection.bounded
+        if self.calibrates_all and not bounded:
             return None
-        kept = [n for name, n in prompts.items() if self.runs_prompt(name)]
+        kept = [n for name, n in prompts.items() if self.runs_prompt(name)
+                and (not bounded or name in selection.prompts)]
         return max([*kept, *batch, min(64, max(prompts.values(), default=0))]) + new_tokens
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The engine checks a run selected, after -k, -m and the profile: the check functions' names and the prompts of
+    those parametrized by one. `bounded`: every one attends its prompt (or the model's batch, or a stale-state
+    prompt) plus the new tokens alone (`BOUNDED`), so the calibration need not reach the longest lengths."""
+
+    checks: frozenset[str]
+    prompts: frozenset[str]
+
+    @property
+    def bounded(self) -> bool:
+        return bool(self.checks) and self.checks <= BOUNDED
 
 
 PROFILES = {p.name: p for p in (
@@ -65,3 +86,6 @@ PROFILES = {p.name: p for p in (
             prompts=("len1", "short7", "long48"), calibrates_all=False),
 )}
 DEFAULT = "full"
+#: the checks whose sequences are their prompt (or the model's batch, or a stale-state prompt of at most 64 tokens)
+#: plus the new tokens: smoke's
+BOUNDED = frozenset(PROFILES["smoke"].keeps or ())

@@ -241,7 +241,7 @@ class Noise:
     @property
     def _lengths(self) -> str:
         if self.limited:
-            return f" attending up to {self.attended}, as far as the profile's checks attend"
+            return f" attending up to {self.attended}, as far as the run's checks attend"
         return f" attending up to {self.attended}, p99 {self.long_scale:.3g} on the long ones" if self.attended else ""
 
     def covers(self, positions: int) -> bool:

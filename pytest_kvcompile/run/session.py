@@ -26,7 +26,7 @@ from pytest_kvcompile.config.options import (
     check_device,
     worker_device,
 )
-from pytest_kvcompile.config.profiles import PROFILES
+from pytest_kvcompile.config.profiles import PROFILES, Selection
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import (
     ModelNotSupported,
@@ -73,6 +73,8 @@ class Session:
     _rules: dict[str | tuple[str, str], Any] = field(default_factory=dict)  # model, or (model, kv_cache_dtype)
     #: engine NAME -> its oracle as resolved at start-up (oracles/engine.py: Choice); absent: hf
     oracles: dict[str, Any] = field(default_factory=dict)
+    #: the engine checks this process collected for the run (the plugin, after -k and -m; None: not known)
+    selection: Selection | None = None
 
     @property
     def models(self) -> dict[str, ModelEntry]:
@@ -422,7 +424,7 @@ class Session:
         entry = self.models[model]
         return PROFILES[self.settings.profile].attends({p.name: len(p) for p in self.prompts(model)},
                                                        [len(p) for p in batch(entry.vocab_size, entry.window)],
-                                                       self.settings.max_new_tokens)
+                                                       self.settings.max_new_tokens, self.selection)
 
     def engine_named(self, name: str, model: str, why: str) -> EngineUnderTest:
         """An engine the run did not select (a relative latency budget's), resolved now and built for `model`;

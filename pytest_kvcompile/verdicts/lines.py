@@ -38,7 +38,7 @@ def noise_line(row: Row) -> str:
     spread = noise.factor if noise.score_spread is None else noise.score_spread
     attended = f" at up to {noise.attended} positions" if noise.attended else ""
     if noise.limited:
-        attended += " (as far as the profile's checks attend: a sequence past that is not judged)"
+        attended += " (as far as the run's checks attend: a sequence past that is not judged)"
     return (f"{model} ({dtype}): tie tolerance {noise.tolerance:.3g} "
             f"({noise.factor:g} x noise scale {noise.scale:.3g}{attended}, or x "
             f"the noise at the position), near-tie rate of equivalent computations {noise.flip_rate:.1%} (bound "
