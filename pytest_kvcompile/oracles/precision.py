@@ -352,10 +352,14 @@ class LocalNoise:
     def __init__(self, computed: torch.Tensor):
         self.computed = computed  # [K, steps, vocab] along the engine's tokens
 
-    def error(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
+    def errors(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> torch.Tensor:
+        """Each computation's error on t[best] - t[token] at `step`: [K]."""
         row = self.computed[:, step].double()
         truth_row = truth_row.double()
-        return float(((row[:, best] - row[:, token]) - (truth_row[best] - truth_row[token])).abs().max())
+        return ((row[:, best] - row[:, token]) - (truth_row[best] - truth_row[token])).abs()
+
+    def error(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
+        return float(self.errors(step, best, token, truth_row).max())
 
     def allowed(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
         return NOISE_FACTOR * self.error(step, best, token, truth_row)
