@@ -342,6 +342,17 @@ def test_a_run_of_bounded_checks_calibrates_as_far_as_its_selection_attends():
     assert PROFILES["smoke"].attends(prompts, batch, 32, longer) == 64 + 32  # a profile's own bound stays
 
 
+def test_a_run_narrowed_by_k_to_bounded_checks_calibrates_no_farther(kvtester):
+    """The plugin's side of the rule above: -k leaves token identity on two short prompts (no profile), and the
+    bfloat16 calibration stops where their sequences end and says so (a store of its own, as above)."""
+    result = run_suites(kvtester, "--kv-engine=kv_test_engines:Greedy", "--kv-dtype=bfloat16",
+                        f"--kv-record-references={kvtester.path / 'store'}",
+                        "-k", "token_identity and not batched and (len1 or short7)")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*llama (bfloat16): tie tolerance * at up to 162 positions (as far as the run's "
+                                 "checks attend: a sequence past that is not judged)*"])
+
+
 def test_every_check_a_profile_names_is_a_suite_check():
     from pytest_kvcompile.config.profiles import PROFILES
 
