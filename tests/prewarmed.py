@@ -28,7 +28,19 @@ PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "transformers
            "transformers.models.gemma3.modeling_gemma3", "transformers.models.gemma4.modeling_gemma4",
            "transformers.models.gpt2.modeling_gpt2", "xdist.plugin", "pytest_benchmark.plugin",
            # hypothesis's pytest plugin imports hypothesis in every run's terminal summary: 0.9 s of a 2.2 s run here
-           "hypothesis", "hypothesis.internal.observability")
+           "hypothesis", "hypothesis.internal.observability",
+           # the plugin and what a run of the suites imports after it (80 modules, compiled from source in every run
+           # where bytecode is not written: PYTHONDONTWRITEBYTECODE), xdist's remote side, torch.export
+           "pytest_kvcompile.plugin", "pytest_kvcompile.run.session", "pytest_kvcompile.run.fixtures",
+           "pytest_kvcompile.run.harness", "pytest_kvcompile.run.isolation", "pytest_kvcompile.run.fuzz",
+           "pytest_kvcompile.oracles.store", "pytest_kvcompile.oracles.token_match", "pytest_kvcompile.oracles.hf",
+           "pytest_kvcompile.oracles.computations", "pytest_kvcompile.reports", "pytest_kvcompile.reports.html",
+           "pytest_kvcompile.verdicts.results", "pytest_kvcompile.recompiles.recorder",
+           "pytest_kvcompile.memory.measure", "pytest_kvcompile.latency.measure", "execnet", "xdist.looponfail",
+           "torch.export._trace")
+#: Called once in the server after the imports, their results inherited by every run: the distributions behind each
+#: import name (importlib.metadata reads every installed package's RECORD: 0.3 s of each run's first engine build)
+WARM = (("pytest_kvcompile.contract.registry", "_distributions"),)
 IMPORT_TIME = ("TORCH", "PYTORCH", "TRANSFORMERS", "HF_", "OMP_", "MKL_", "KMP_", "CUDA_")
 
 
@@ -151,6 +163,9 @@ def _serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    for module, function in WARM:
+        if module in sys.modules:
+            getattr(sys.modules[module], function)()
     # The preloaded modules' objects into the permanent generation: each run's gc.collect() (pytest's unraisable-
     # exception cleanup collects five times at exit) no longer walks torch's and transformers' millions of objects
     # (0.23 s a collection here, 1.2 s of each run's exit).
