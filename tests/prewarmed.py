@@ -2,10 +2,10 @@
 
 A `python -m pytest` subprocess of the suites spends ~10 s of CPU importing torch, transformers, dynamo and inductor
 before its first check; with ~300 such runs, those imports were most of the tests job. The server here (one per
-xdist worker) imports them once, then forks one child per run: the child is that run's `python -m pytest` (same
-arguments, working directory, environment, sys.path, stdout/stderr files; atexit handlers run), its exit status
-reported back as Popen would (-N for a signal). Forking is safe: the server runs no torch op, so no OpenMP pool or
-other thread exists when it forks. A run whose environment differs in what those imports read at import time
+xdist worker) imports them and the plugin once, then forks one child per run: the child is that run's
+`python -m pytest` (same arguments, working directory, environment, sys.path, stdout/stderr files; atexit handlers
+run), its exit status reported back as Popen would (-N for a signal). Forking is safe: the server runs no torch op,
+so no OpenMP pool or other thread exists when it forks. A run whose environment differs in what those imports read at import time
 (TORCH*, PYTORCH*, TRANSFORMERS*, HF_*, OMP_*, MKL_*) gets a real subprocess instead, and so does every run when the
 server cannot start. Tests of what the plugin imports at startup keep `runpytest_subprocess`.
 """
@@ -38,9 +38,6 @@ PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "transformers
            "pytest_kvcompile.verdicts.results", "pytest_kvcompile.recompiles.recorder",
            "pytest_kvcompile.memory.measure", "pytest_kvcompile.latency.measure", "execnet", "xdist.looponfail",
            "torch.export._trace")
-#: Called once in the server after the imports, their results inherited by every run: the distributions behind each
-#: import name (importlib.metadata reads every installed package's RECORD: 0.3 s of each run's first engine build)
-WARM = (("pytest_kvcompile.contract.registry", "_distributions"),)
 IMPORT_TIME = ("TORCH", "PYTORCH", "TRANSFORMERS", "HF_", "OMP_", "MKL_", "KMP_", "CUDA_")
 
 
@@ -163,9 +160,11 @@ def _serve() -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    for module, function in WARM:
-        if module in sys.modules:
-            getattr(sys.modules[module], function)()
+    # the distributions behind each import name, cached once for every run (importlib.metadata reads every installed
+    # package's RECORD: 0.3 s of each run's first engine build)
+    from pytest_kvcompile.contract import registry
+
+    registry._distributions()
     # The preloaded modules' objects into the permanent generation: each run's gc.collect() (pytest's unraisable-
     # exception cleanup collects five times at exit) no longer walks torch's and transformers' millions of objects
     # (0.23 s a collection here, 1.2 s of each run's exit).
