@@ -1,13 +1,13 @@
 """Pytester runs forked from a process that has already imported torch and transformers (`run_pytest`).
 
 A `python -m pytest` subprocess of the suites spends ~10 s of CPU importing torch, transformers, dynamo and inductor
-before its first check; with ~300 such runs, those imports were most of the tests job. The server here (one per
-xdist worker) imports them and the plugin once, then forks one child per run: the child is that run's
-`python -m pytest` (same arguments, working directory, environment, sys.path, stdout/stderr files; atexit handlers
-run), its exit status reported back as Popen would (-N for a signal). Forking is safe: the server runs no torch op,
-so no OpenMP pool or other thread exists when it forks. A run whose environment differs in what those imports read at import time
-(TORCH*, PYTORCH*, TRANSFORMERS*, HF_*, OMP_*, MKL_*) gets a real subprocess instead, and so does every run when the
-server cannot start. Tests of what the plugin imports at startup keep `runpytest_subprocess`.
+before its first check; with ~300 such runs, those imports were most of the tests job. The server here (one per xdist
+worker) imports them and the plugin once, then forks one child per run: the child is that run's `python -m pytest` (same
+arguments, working directory, environment, sys.path, stdout/stderr files; atexit handlers run), its exit status reported
+back as Popen would (-N for a signal). Forking is safe: the server runs no torch op, so no OpenMP pool or other thread
+exists when it forks. A run whose environment differs in what those imports read at import time (TORCH*, PYTORCH*,
+TRANSFORMERS*, HF_*, OMP_*, MKL_*) gets a real subprocess instead, and so does every run when the server cannot start.
+Tests of what the plugin imports at startup keep `runpytest_subprocess`.
 """
 
 from __future__ import annotations
