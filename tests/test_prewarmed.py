@@ -49,3 +49,29 @@ def test_an_import_time_variable_gets_a_real_subprocess(kvtester, monkeypatch, c
     result = run_pytest(pytester, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert "not forked from the prewarmed server (TORCH_KV_PREWARMED differ" in capsys.readouterr().out
+
+
+ZYGOTE = """
+import os, signal, time
+from pytest_kvcompile.run import isolation
+
+def test_engine_processes_are_forked_from_the_zygote(tmp_path):
+    proc, log = isolation._spawn()
+    assert type(proc).__name__ == "Forked" and proc.poll() is None
+    assert os.getpgid(proc.pid) == proc.pid != os.getpid()  # a session of its own, not this run's child
+    assert os.readlink(f"/proc/{proc.pid}/cwd") == os.getcwd()
+    proc.stdin.close()  # EOF: isolation's loop returns, the process exits 0
+    assert proc.wait(timeout=30) == 0
+    killed, _ = isolation._spawn()
+    os.killpg(killed.pid, signal.SIGKILL)
+    assert killed.wait(timeout=30) == -signal.SIGKILL
+"""
+
+
+def test_isolated_engines_of_a_forked_run_are_forked_too(kvtester):
+    """Pipes, session, working directory and exit status as `python -m ...run.isolation` has them (the isolation tests,
+    tests/test_isolation.py and tests/test_crash_safety.py, judge what runs in them: crashes, hangs, compiles, memory)."""
+    pytester = kvtester
+    pytester.makepyfile(test_z=ZYGOTE)
+    result = run_pytest(pytester, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

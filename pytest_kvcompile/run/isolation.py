@@ -271,6 +271,7 @@ def _threads() -> int | None:
 
 
 _SPARE: list[tuple[subprocess.Popen, Any]] = []  # at most one child started ahead, importing torch while unused
+_TAKEN: list[int] = [0]  # children handed to engines in this process
 
 
 def _spawn() -> tuple[subprocess.Popen, Any]:
@@ -283,8 +284,9 @@ def _spawn() -> tuple[subprocess.Popen, Any]:
 
 def _take_process() -> tuple[subprocess.Popen, Any]:
     """A child for the next engine: the spare started at the previous build (its imports done while the run went on),
-    else a new one; then the next spare starts. A process start costs ~3 s of imports (torch, transformers): with a
-    spare, only the first isolated engine of a run waits for it."""
+    else a new one; then, from a run's second isolated engine on, the next spare starts. A process start costs ~3 s
+    of imports (torch, transformers): with a spare, only the first two isolated engines of a run wait for it, and a
+    run that builds one (a single engine x model, no fresh engine) starts no process it never uses."""
     found = None
     while _SPARE and found is None:
         proc, log = _SPARE.pop()
@@ -293,7 +295,9 @@ def _take_process() -> tuple[subprocess.Popen, Any]:
         else:
             _reap(proc, log.name)
     found = found or _spawn()
-    _SPARE.append(_spawn())
+    _TAKEN[0] += 1
+    if _TAKEN[0] >= 2:
+        _SPARE.append(_spawn())
     return found
 
 
