@@ -69,8 +69,8 @@ def test_engine_processes_are_forked_from_the_zygote(tmp_path):
 
 
 def test_isolated_engines_of_a_forked_run_are_forked_too(kvtester):
-    """Pipes, session, working directory and exit status as `python -m ...run.isolation` has them (the isolation tests,
-    tests/test_isolation.py and tests/test_crash_safety.py, judge what runs in them: crashes, hangs, compiles, memory)."""
+    """Pipes, session, working directory and exit status as `python -m ...run.isolation` has them (what runs in them:
+    tests/test_isolation.py and tests/test_crash_safety.py, crashes, hangs, compiles, memory)."""
     pytester = kvtester
     pytester.makepyfile(test_z=ZYGOTE)
     result = run_pytest(pytester, "-p", "no:cacheprovider")
