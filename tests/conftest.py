@@ -68,28 +68,6 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
-def pytest_collection_modifyitems(items):
-    """Under xdist, the slowest tests of the last fresh-clone CI run (`.ci/timings`' `slowest` lines) first, longest
-    first: xdist hands tests out in collection order, so a long test collected late leaves the other core idle at the
-    end (longest-processing-time-first scheduling). Every worker reads the same file: their collections stay equal.
-    Serial runs keep the files' order."""
-    if not os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    seconds = slowest_seconds(TESTS_DIR.parent / ".ci" / "timings")
-    items.sort(key=lambda item: -seconds.get(item.nodeid, 0.0))  # stable: the rest keep their order
-
-
-def slowest_seconds(record: Path) -> dict[str, float]:
-    """Node id -> seconds from a CI timings record's `slowest<TAB>JOB<TAB>SECONDS<TAB>TEST` lines ({} without one)."""
-    seconds: dict[str, float] = {}
-    if record.is_file():
-        for line in record.read_text().splitlines():
-            fields = line.split("\t")
-            if len(fields) == 4 and fields[0] == "slowest":
-                seconds[fields[3]] = max(seconds.get(fields[3], 0.0), float(fields[2]))
-    return seconds
-
-
 @pytest.fixture(scope="session")
 def zoo_cache() -> Path:
     """The zoo checkpoints, the oracle's references and the 16-bit calibrations of every pytester run, kept on disk
