@@ -11,6 +11,7 @@ import types
 import torch
 
 from pytest_kvcompile.recompiles.hooks import mark_unbacked
+from reference_impls.model import State
 
 
 def compile_fresh(fn, backend: str):
@@ -33,10 +34,11 @@ def mark_dynamic(tokens, valid, cache=None):
     mark_unbacked(valid, 1)
     if cache is None:
         mark_unbacked(tokens, 1)  # prefill: any prompt length; decode: one token
-    for k, v in cache or ():
-        for x in (k, v):
+    for entry in cache or ():
+        for x in entry:
             mark_unbacked(x, 0)
-            mark_unbacked(x, 1)
+            if not isinstance(entry, State):  # a recurrent layer's state: the batch varies, its own sizes do not
+                mark_unbacked(x, 1)
 
 
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -66,7 +66,8 @@ class CompiledDynamicCache(Engine):
         batching=True,
         scoring=True,
         kv_cache_bytes=True,
-        kv_layout=KVLayout("dynamic", windowed=False),  # sliding layers keep every key (masked), see the docstring
+        # sliding layers keep every key (masked), see the docstring; a recurrent layer its conv's last K-1 inputs
+        kv_layout=KVLayout("dynamic", windowed=False, conv_window_offset=-1),
         compiled=True,
         description="reference: gpt-fast-style decoders (reference_impls/loader.py's table: Llama to DeepSeek-V3), "
         "dynamic KV cache, torch.compile with unbacked dynamic shapes",
@@ -74,7 +75,7 @@ class CompiledDynamicCache(Engine):
 
     def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor"):
         self.spec = spec
-        self.model = load_model(spec)
+        self.model = load_model(spec, states=True)
         self.compiled_prefill = compile_fresh(prefill, compile_backend)
         self.compiled_decode = compile_fresh(decode, compile_backend)
         self.cache: list[tuple[torch.Tensor, torch.Tensor]] = []  # the last generate's

@@ -11,12 +11,13 @@ import torch
 from torch import nn
 
 from pytest_kvcompile.contract.engine import ModelSpec
+from reference_impls.bamba import Bamba
 from reference_impls.deepseek_v3 import DeepseekV3
 from reference_impls.gemma3 import Gemma3
 from reference_impls.gemma4 import Gemma4
 from reference_impls.gpt2 import GPT2
 from reference_impls.gpt_oss import GptOss
-from reference_impls.model import Llama, UnsupportedModel, rope_tables
+from reference_impls.model import STATE, Llama, UnsupportedModel, rope_tables
 from reference_impls.phi3 import Phi3
 from reference_impls.qwen3 import Qwen3
 
@@ -33,11 +34,13 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "phi3": Phi3,
     "deepseek_v3": DeepseekV3,
     "gpt_oss": GptOss,
+    "bamba": Bamba,  # recurrent layers: engines that keep `model.State`s only (load_model's `states`)
 }
 
 
-def load_model(spec: ModelSpec) -> nn.Module:
-    """The checkpoint's model in spec.dtype on spec.device, weights straight from its safetensors."""
+def load_model(spec: ModelSpec, states: bool = False) -> nn.Module:
+    """The checkpoint's model in spec.dtype on spec.device, weights straight from its safetensors; `states`: the
+    engine keeps recurrent layers' states (`model.State`), else a model with recurrent layers is refused."""
     config = spec.config
     if config.model_type not in ARCHITECTURES:
         raise UnsupportedModel(
@@ -46,6 +49,12 @@ def load_model(spec: ModelSpec) -> nn.Module:
         )
     with torch.device("meta"):
         model = ARCHITECTURES[config.model_type](config)
+    recurrent = [i for i, kind in enumerate(model.layer_types) if kind == STATE]
+    if recurrent and not states:
+        raise UnsupportedModel(
+            f"model '{spec.name}' has recurrent layers ({', '.join(map(str, recurrent))}: a state per sequence, no "
+            "K/V) and this engine keeps keys and values only; ref-compiled-dynamic and ref-chunked-prefill keep states"
+        )
     state = spec.weights(device=str(spec.device))
     if config.tie_word_embeddings:
         state["lm_head.weight"] = state[getattr(model, "tied_embedding", "model.embed_tokens.weight")]

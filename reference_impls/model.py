@@ -11,6 +11,7 @@ what it changes. Parameter names match transformers' *ForCausalLM, so checkpoint
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +38,7 @@ class UnsupportedModel(ModelNotSupported):
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types names
+STATE = "linear_attention"  # a recurrent layer (bamba.py's Mamba2): a state per row, no K/V
 
 
 def layer_types(config) -> list[str]:
@@ -125,13 +127,22 @@ def attention_mask(q_pos, k_pos, k_real, window: int | None = None):
 # --------------------------------------------------------------------------- the KV cache
 
 
+class State(NamedTuple):
+    """A recurrent layer's cache (bamba.py): per row, whatever the length, the conv's last K-1 inputs [b, K-1,
+    channels] in the model's dtype and the recurrent state [b, heads, head_dim, state] in float32."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+
 class KVCache:
     """Where the layer loop keeps keys and values: gpt-fast's `KVCache.update`, one object for every layer.
 
     `update(layer, k, v)` takes a layer's new keys and values [b, t, kv_heads, d] and returns the keys and
     values that layer attends over, [b, n, kv_heads, d]; `attend` is that attention (the layer's own, SDPA with
     the mask, unless the cache needs the weights). `keys_rotated`: the layers hand over keys after RoPE
-    (False: before, and the cache rotates them itself: eviction_engine.py's pos-shift).
+    (False: before, and the cache rotates them itself: eviction_engine.py's pos-shift). A recurrent layer reads its
+    `state` before the new tokens and hands `update_state` the one after them.
     """
 
     keys_rotated = True
@@ -139,6 +150,13 @@ class KVCache:
 
     def update(self, layer: int, k, v):
         raise NotImplementedError
+
+    def state(self, layer: int) -> State | None:
+        """The recurrent layer's `State` before the new tokens; None: nothing yet (the layer starts from zeros)."""
+        raise UnsupportedModel(f"{type(self).__name__} keeps keys and values only, no recurrent state")
+
+    def update_state(self, layer: int, state: State) -> None:
+        raise UnsupportedModel(f"{type(self).__name__} keeps keys and values only, no recurrent state")
 
     def attend(self, layer: int, attn, q, k, v, mask):
         """q [b, t, heads, d], k and v from `update`, mask [b, 1, t, n] -> [b, t, heads, d]."""
@@ -159,6 +177,12 @@ class GrowingCache(KVCache):
             v = torch.cat((self.past[layer][1], v), dim=1)
         self.layers.append((k, v))
         return k, v
+
+    def state(self, layer):
+        return None if self.past is None else self.past[layer]
+
+    def update_state(self, layer, state):
+        self.layers.append(state)
 
 
 @torch.no_grad()
@@ -292,8 +316,11 @@ class Decoder(nn.Module):
         return self.head(x) if every else self.head(x.narrow(1, x.size(1) - 1, 1))[:, 0]
 
     def masks(self, q_pos, k_pos, k_real):
-        """Layer type -> `attention_mask` (the window applies to sliding layers only)."""
-        return {kind: attention_mask(q_pos, k_pos, k_real, self.window if kind == SLIDING else None)
+        """Layer type -> `attention_mask` (the window applies to sliding layers only); a recurrent layer's: which of
+        the t new tokens are real [b, t] (a pad never reaches a state)."""
+        t, n = q_pos.size(1), k_pos.size(1)
+        return {kind: k_real.narrow(1, n - t, t) if kind == STATE else
+                attention_mask(q_pos, k_pos, k_real, self.window if kind == SLIDING else None)
                 for kind in sorted(set(self.layer_types))}
 
     def forward(self, tokens, valid, cache=None, every: bool = False):
@@ -301,18 +328,22 @@ class Decoder(nn.Module):
         cache (`GrowingCache`).
 
         tokens [b, t] are the new tokens; valid [b, n] marks real (non-pad) tokens over all n
-        keys, the cache's n - t plus these t; cache is a list of per-layer (k, v) [b, n - t, kv_heads, d].
+        keys, the cache's n - t plus these t; cache is a list of per-layer (k, v) [b, n - t, kv_heads, d] (a
+        recurrent layer: its `State`).
         """
         b, t = tokens.shape
         n = valid.size(1)
         # Tie the dynamic sizes: one batch, and one cache length shared by every layer's K and V.
-        past = cache[0][0].size(1) if cache else 0
+        kv = [entry for entry in cache or () if not isinstance(entry, State)]
+        past = kv[0][0].size(1) if kv else n - t if cache else 0  # n - t: a model of recurrent layers alone
         torch_check(t >= 1)
         torch_check(valid.size(0) == b)
         torch_check(n == past + t)
-        for x in (x for kv in cache or () for x in kv):
-            torch_check(x.size(0) == b)
-            torch_check(x.size(1) == past)
+        for entry in cache or ():
+            for x in entry:
+                torch_check(x.size(0) == b)
+                if not isinstance(entry, State):
+                    torch_check(x.size(1) == past)
         # Positions count real tokens only: a left-padded prompt sees what it would see alone.
         k_pos = valid.long().cumsum(-1) - 1
         q_pos = k_pos.narrow(1, n - t, t).clamp(min=0)

@@ -39,6 +39,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "hf-prompt-lookup": "pytest_kvcompile.engines.hf:HFPromptLookup",
     "hf-sliding-window-cache": "pytest_kvcompile.engines.hf:HFSlidingWindowCache",
     "ref-compiled-dynamic": "reference_impls.compiled_dynamic:CompiledDynamicCache",
+    "ref-chunked-prefill": "reference_impls.chunked_prefill:ChunkedPrefill",
     "ref-sliding-window": "reference_impls.sliding_window:SlidingWindowCache",
     "ref-static": "reference_impls.static_cache:StaticCache",
     "ref-static-cudagraph": "reference_impls.static_cache:StaticCacheCudaGraph",

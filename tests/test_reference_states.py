@@ -1,0 +1,96 @@
+"""The references on a hybrid model (issue 70): reference_impls/bamba.py's Mamba2 layers keep a `model.State` beside
+the attention layers' K/V, in ref-compiled-dynamic and in ref-chunked-prefill (reference_impls/chunked_prefill.py),
+checked here against transformers' own Bamba in float64; the suites judge both engines on `bamba` (CI's served job,
+under inductor)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+
+from pytest_kvcompile.contract.engine import ModelNotSupported, ModelSpec  # noqa: E402
+from pytest_kvcompile.models import zoo  # noqa: E402
+from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
+from reference_impls.chunked_prefill import ChunkedPrefill  # noqa: E402
+from reference_impls.compile import left_pad  # noqa: E402
+from reference_impls.loader import load_model  # noqa: E402
+from reference_impls.model import State  # noqa: E402
+from reference_impls.paged_prefix import PagedPrefixCache  # noqa: E402
+
+#: float32 against float64: the largest logit error measured on these prompts was 1.0e-4 of the largest logit (7.3e-6
+#: relative); a scan that loses D, the decay or the carried state is off by orders of magnitude
+TOLERANCE = 2e-5
+
+
+@pytest.fixture(scope="module")
+def bamba(tmp_path_factory) -> ModelSpec:
+    path = zoo.checkpoint("bamba", tmp_path_factory.mktemp("zoo"))
+    return ModelSpec("bamba", path, AutoConfig.from_pretrained(path))
+
+
+@pytest.fixture(scope="module")
+def truth(bamba):
+    """Every position's logits [t, vocab] of one prompt, transformers' Bamba in float64 (positions passed)."""
+    model = AutoModelForCausalLM.from_pretrained(bamba.path, dtype=torch.float64).eval()
+
+    @torch.no_grad()
+    def run(ids: list[int]):
+        tokens = torch.tensor([ids])
+        return model(tokens, position_ids=torch.arange(len(ids))[None]).logits[0].float()
+
+    return run
+
+
+def close(got, want):
+    error = (got - want).abs().max().item()
+    assert error <= TOLERANCE * want.abs().max().item(), f"max error {error:.3g} at logit scale {want.abs().max():.3g}"
+
+
+@torch.no_grad()
+def test_the_reference_computes_what_transformers_does_whole_chunked_stepwise_and_padded(bamba, truth):
+    model = load_model(bamba, states=True)
+    ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    want = truth(ids)
+    tokens, valid = torch.tensor([ids]), torch.ones(1, 40, dtype=torch.bool)
+    whole, _ = model(tokens, valid, every=True)
+    close(whole[0], want)
+    _, cache = model(tokens[:, :16], valid[:, :16])  # a chunk boundary inside the conv window, then another
+    assert [type(entry) for entry in cache] == [State, tuple, State, tuple]
+    assert all(entry.conv.shape[1] == 3 and entry.ssm.dtype == torch.float for entry in cache[::2])  # K-1; float32
+    second, cache = model(tokens[:, 16:32], valid[:, :32], cache, every=True)
+    close(second[0], want[16:32])
+    for i in range(32, 40):
+        step, cache = model(tokens[:, i:i + 1], valid[:, :i + 1], cache)
+        close(step[0], want[i])
+    short = ids[5:30]  # left-padded beside the 40-token prompt: a pad reaches neither its keys nor its states
+    padded, valid = left_pad([ids, short], "cpu")
+    both, _ = model(padded, valid)
+    close(both[0], want[-1])
+    close(both[1], truth(short)[-1])
+
+
+def test_chunked_prefill_compiles_twice_then_never(bamba):
+    """The first chunk, then one graph for every later chunk and decode step, whatever the batch and lengths."""
+    with CompileRecorder() as rec:
+        engine = ChunkedPrefill(bamba, compile_backend="aot_eager")
+        engine.generate([[5, 6, 7]], 2)
+        rec.mark_warmup_done()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            for prompts in ([list(range(1, 40)), [5] * 7], [list(range(3, 22))], [[9]] * 3):
+                assert [len(row) for row in engine.generate(prompts, 3)] == [3] * len(prompts)
+    assert [e.frame.split(" ")[0] for e in rec.warmup_events] == ["prefill", "decode"]
+    assert rec.post_warmup_events == [], "\n".join(e.describe() for e in rec.post_warmup_events)
+    # the last call (3 rows, 1 + 3 - 1 positions): 2 Mamba2 layers' states once per row (the conv's K-1 = 3 inputs over
+    # 160 channels, 4 x 32 x 16 float32), 2 attention layers' K and V (2 heads x 16) per position
+    conv, state, kv = 3 * 160 * 4, 4 * 32 * 16 * 4, 2 * 2 * 16 * 4
+    assert engine.kv_cache_bytes() == 3 * 2 * (conv + state) + 3 * 3 * 2 * kv
+
+
+def test_references_keeping_key_values_only_refuse_a_model_with_states(bamba):
+    with pytest.raises(ModelNotSupported, match=r"model 'bamba' has recurrent layers \(0, 2: .*ref-chunked-prefill"):
+        load_model(bamba)
+    with pytest.raises(ModelNotSupported, match="recurrent layers"):
+        PagedPrefixCache(bamba, compile_backend="eager")
