@@ -51,7 +51,7 @@ def test_unknown_engine_is_a_usage_error_listing_engines(kvtester):
         "ERROR: unknown engine 'nope'. Available engines: ctranslate2, executorch, hf-assisted, "
         "hf-continuous-batching, hf-continuous-batching-prefix-cache, hf-dynamic-compile, hf-eager, hf-export, "
         "*kvpress-knorm, *litgpt, *llama-cpp, *llama-cpp-prompt-cache, *mistralrs, *onnxruntime, openvino, "
-        "ref-compiled-dynamic*vllm, vllm-compile, vllm-ngram, vllm-prefix-cache, vllm-server. "
+        "ref-chunked-prefill, ref-compiled-dynamic*vllm, vllm-compile, vllm-ngram, vllm-prefix-cache, vllm-server. "
         "Give a built-in name*"
         "import path 'package.module:attr'*--kv-list-engines*",
     ])
