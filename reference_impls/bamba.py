@@ -27,15 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from reference_impls.model import (
-    ACTIVATIONS,
     FULL,
     MLP,
     STATE,
     Attention,
-    Llama,
+    Decoder,
     RMSNorm,
     State,
     UnsupportedModel,
+    activation,
     rope_tables,
 )
 
@@ -90,9 +90,7 @@ class GatedRMSNorm(nn.Module):
 class Mamba2Mixer(nn.Module):
     def __init__(self, config):
         super().__init__()
-        if config.hidden_act not in ACTIVATIONS:
-            raise UnsupportedModel(f"Mamba2 activation '{config.hidden_act}' is not supported")
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = activation(config.hidden_act, "Mamba2 activation")
         self.heads, self.head_dim = config.mamba_n_heads, config.mamba_d_head
         self.groups, self.state_size = config.mamba_n_groups, config.mamba_d_state
         self.inner = int(config.mamba_expand * config.hidden_size)
@@ -163,18 +161,25 @@ class BambaBackbone(nn.Module):
         self.final_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
 
-class Bamba(Llama):
+class Bamba(Decoder):
     """Parameter names match transformers' BambaForCausalLM."""
 
     def __init__(self, config):
         kinds = list(config.layer_types)
         if set(kinds) - {STATE, FULL}:
             raise UnsupportedModel(f"Bamba with layer types {sorted(set(kinds) - {STATE, FULL})} is not supported")
-        nn.Module.__init__(self)
+        super().__init__()
         self.model = BambaBackbone(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.layer_types, self.window = kinds, None
         self.rope = rope_tables(config)
+
+    @property
+    def layers(self):
+        return self.model.layers
+
+    def embed(self, tokens, pos):
+        return self.model.embed_tokens(tokens)
 
     def head(self, x):
         return self.lm_head(self.model.final_layernorm(x))

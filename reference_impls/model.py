@@ -216,13 +216,18 @@ class RMSNorm(nn.Module):
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}
 
 
+def activation(name: str, what: str = "activation"):
+    """ACTIVATIONS[name], or UnsupportedModel naming `what` and the activations known."""
+    if name not in ACTIVATIONS:
+        raise UnsupportedModel(f"{what} '{name}' is not supported ({', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
 class MLP(nn.Module):
     def __init__(self, config, hidden_act: str | None = None, inner: int | None = None):
         super().__init__()
         hidden_act = hidden_act or getattr(config, "hidden_act", "silu")
-        if hidden_act not in ACTIVATIONS:
-            raise UnsupportedModel(f"activation '{hidden_act}' is not supported ({', '.join(ACTIVATIONS)})")
-        self.act = ACTIVATIONS[hidden_act]
+        self.act = activation(hidden_act)
         bias, inner = getattr(config, "mlp_bias", False), inner or config.intermediate_size
         self.gate_proj = nn.Linear(config.hidden_size, inner, bias=bias)
         self.up_proj = nn.Linear(config.hidden_size, inner, bias=bias)

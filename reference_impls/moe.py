@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_impls.model import ACTIVATIONS, UnsupportedModel
+from reference_impls.model import activation
 
 
 def dense(indices, values, experts: int):
@@ -68,9 +68,8 @@ class Experts(nn.Module):
     def __init__(self, experts: int, hidden: int, inner: int, act: str = "silu", transposed: bool = False,
                  alpha: float = 1.702, limit: float = 7.0):
         super().__init__()
-        if act not in ACTIVATIONS:
-            raise UnsupportedModel(f"expert activation '{act}' is not supported ({', '.join(ACTIVATIONS)})")
-        self.act, self.transposed, self.alpha, self.limit = ACTIVATIONS[act], transposed, alpha, limit
+        self.act = activation(act, "expert activation")
+        self.transposed, self.alpha, self.limit = transposed, alpha, limit
         shapes = ((experts, hidden, 2 * inner), (experts, inner, hidden)) if transposed else (
             (experts, 2 * inner, hidden), (experts, hidden, inner))
         self.gate_up_proj = nn.Parameter(torch.empty(shapes[0]))

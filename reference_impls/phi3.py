@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from reference_impls.model import ACTIVATIONS, Attention, Block, Llama, UnsupportedModel
+from reference_impls.model import Attention, Block, Llama, activation
 
 
 class Phi3Attention(Attention):
@@ -34,9 +34,7 @@ class Phi3Attention(Attention):
 class Phi3MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
-        if config.hidden_act not in ACTIVATIONS:
-            raise UnsupportedModel(f"activation '{config.hidden_act}' is not supported ({', '.join(ACTIVATIONS)})")
-        self.act = ACTIVATIONS[config.hidden_act]
+        self.act = activation(config.hidden_act)
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
