@@ -34,6 +34,7 @@ from reference_impls.model import (
     Decoder,
     RMSNorm,
     State,
+    StateSteps,
     UnsupportedModel,
     activation,
     rope_tables,
@@ -56,22 +57,27 @@ def contract(x, y):
     return (x[..., :, :, None] * y[..., None, :, :]).sum(-2)
 
 
-def ssd(x, dt, A, B, C, D, state):
+def ssd(x, dt, A, B, C, D, state, every: bool = False):
     """Mamba2's scan of x [b, t, h, p] from `state` [b, h, p, n] (float32; None: zeros): outputs [b, t, h, p] and the
-    state after the t tokens, both float32. dt [b, t, h] (after softplus), A and D [h], B and C [b, t, h, n]."""
+    state after the t tokens (`every`: after each, [b, t, h, p, n]), both float32. dt [b, t, h] (after softplus), A
+    and D [h], B and C [b, t, h, n]."""
     x, dt = x.float(), dt.float()
     B, C = B.float().transpose(1, 2), C.float().transpose(1, 2)  # [b, h, t, n]
     a = (dt * A).transpose(1, 2)  # [b, h, t]: log of each step's decay
     decay = torch.exp(segment_sum(a))  # [b, h, t(l), t(s)]: from just after s up to l
     xdt = (x * dt[..., None]).transpose(1, 2)  # [b, h, t, p]
     y = contract(contract(C, B.transpose(-1, -2)) * decay, xdt)
-    last = decay.narrow(2, decay.size(2) - 1, 1).transpose(-1, -2)  # [b, h, s, 1]: from just after s to the end
-    new = contract((xdt * last).transpose(-1, -2), B)  # [b, h, p, n]
+    if every:  # after each l: the sum over s <= l of decay[l, s] xdt[s] B[s], [b, h, l, p, n]
+        new = contract((decay[..., None] * xdt[:, :, None]).transpose(-1, -2), B[:, :, None])
+    else:
+        last = decay.narrow(2, decay.size(2) - 1, 1).transpose(-1, -2)  # [b, h, s, 1]: from just after s to the end
+        new = contract((xdt * last).transpose(-1, -2), B)  # [b, h, p, n]
     if state is not None:
         carried = torch.exp(a.cumsum(-1))  # [b, h, t]: the state's decay up to l
         y = y + contract(C, state.transpose(-1, -2)) * carried[..., None]
-        new = new + state * carried.narrow(2, carried.size(2) - 1, 1)[..., None]
-    return y.transpose(1, 2) + D[:, None] * x, new
+        new = new + (state[:, :, None] * carried[..., None, None] if every else
+                     state * carried.narrow(2, carried.size(2) - 1, 1)[..., None])
+    return y.transpose(1, 2) + D[:, None] * x, new.transpose(1, 2) if every else new
 
 
 class GatedRMSNorm(nn.Module):
@@ -128,9 +134,16 @@ class Mamba2Mixer(nn.Module):
         B, C = (m.view(b, t, self.groups, self.state_size).repeat_interleave(per_head, dim=2) for m in (B, C))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
         state = past.ssm if past is not None else None
+        every = cache.every_state
         y, state = ssd(xs.view(b, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()), B, C,
-                       self.D.float(), state)
-        cache.update_state(layer, State(inputs.narrow(1, t, self.kernel - 1), state))
+                       self.D.float(), state, every)
+        if every:  # after token l the conv holds inputs l+1 .. l+K-1
+            windows = torch.stack([inputs.narrow(1, 1 + j, t) for j in range(self.kernel - 1)], dim=2)
+            cache.update_state(layer, StateSteps(windows, state))
+        else:
+            # a fresh tensor: a view carries the call's length in its strides, which the next graph guards on
+            window = inputs.narrow(1, t, self.kernel - 1).clone(memory_format=torch.contiguous_format)
+            cache.update_state(layer, State(window, state))
         return self.out_proj(self.norm(y.reshape(b, t, self.inner), z).to(x.dtype))
 
 

@@ -18,16 +18,10 @@ import dataclasses
 import torch
 
 from pytest_kvcompile.recompiles.hooks import mark_unbacked
-from reference_impls.compile import left_pad, mark_dynamic
+from reference_impls.compile import fresh, left_pad, mark_dynamic
 from reference_impls.compiled_dynamic import CompiledDynamicCache, DynamicState
 
 CHUNK = 16  # tokens per prefill chunk: the suites' prompts (1 to ~1000 tokens) split unevenly
-
-
-def fresh(x):
-    """A copy of the slice x with a fresh tensor's strides (`contiguous()` keeps a one-row slice's row stride, and the
-    compiled graphs guard on it)."""
-    return torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
 
 
 class ChunkedPrefill(CompiledDynamicCache):

@@ -41,6 +41,12 @@ def mark_dynamic(tokens, valid, cache=None):
                 mark_unbacked(x, 1)
 
 
+def fresh(x):
+    """A copy of the slice x with a fresh tensor's strides (`contiguous()` keeps a one-row slice's row stride, and the
+    compiled graphs guard on it)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format).copy_(x)
+
+
 def left_pad(prompts: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """tokens [b, width] left-padded with 0, and valid [b, width] marking the real tokens."""
     if not all(prompts):

@@ -53,7 +53,8 @@ def load_model(spec: ModelSpec, states: bool = False) -> nn.Module:
     if recurrent and not states:
         raise UnsupportedModel(
             f"model '{spec.name}' has recurrent layers ({', '.join(map(str, recurrent))}: a state per sequence, no "
-            "K/V) and this engine keeps keys and values only; ref-compiled-dynamic and ref-chunked-prefill keep states"
+            "K/V) and this engine keeps keys and values only; ref-compiled-dynamic, ref-chunked-prefill, "
+            "ref-paged-prefix, ref-speculative and ref-speculative-lookup keep states"
         )
     state = spec.weights(device=str(spec.device))
     if config.tie_word_embeddings:

@@ -135,6 +135,19 @@ class State(NamedTuple):
     ssm: torch.Tensor
 
 
+class StateSteps(NamedTuple):
+    """A recurrent layer's `State` after each of a call's t new tokens (`KVCache.every_state`: a speculative verify
+    step, to roll back to any of them): conv [b, t, K-1, channels], ssm [b, t, heads, head_dim, state]."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+
+    def at(self, index: torch.Tensor) -> State:
+        """Each row's `State` after its new token `index` [b] (0-based), freshly allocated."""
+        rows = torch.arange(index.size(0), device=index.device)
+        return State(self.conv[rows, index], self.ssm[rows, index])
+
+
 class KVCache:
     """Where the layer loop keeps keys and values: gpt-fast's `KVCache.update`, one object for every layer.
 
@@ -142,10 +155,11 @@ class KVCache:
     values that layer attends over, [b, n, kv_heads, d]; `attend` is that attention (the layer's own, SDPA with
     the mask, unless the cache needs the weights). `keys_rotated`: the layers hand over keys after RoPE
     (False: before, and the cache rotates them itself: eviction_engine.py's pos-shift). A recurrent layer reads its
-    `state` before the new tokens and hands `update_state` the one after them.
+    `state` before the new tokens and hands `update_state` the one after them (`every_state`: after each of them).
     """
 
     keys_rotated = True
+    every_state = False  # a recurrent layer hands `update_state` its `StateSteps` (after each new token), not a State
     past = None  # `GrowingCache`'s earlier K/V (gpt2.py copies its views of the prefill's K/V into a fresh cache)
 
     def update(self, layer: int, k, v):
@@ -167,8 +181,9 @@ class GrowingCache(KVCache):
     """DynamicCache-like: each layer's keys and values grow by `torch.cat`, so they are always freshly
     allocated and contiguous (no stride guard can flip between prefill and decode outputs)."""
 
-    def __init__(self, past=None):
+    def __init__(self, past=None, every_state: bool = False):
         self.past = past  # per layer (k, v) [b, n - t, kv_heads, d]; None: nothing cached yet
+        self.every_state = every_state
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per layer written, in order: past + new
 
     def update(self, layer, k, v):
@@ -186,13 +201,24 @@ class GrowingCache(KVCache):
 
 
 @torch.no_grad()
-def cache_shapes(model) -> list[tuple[torch.Size, torch.Size]]:
-    """Per layer with a cache of its own, what it caches per position: the (K, V) shapes [kv_heads, d] (a latent
-    layer: [1, kv_lora_rank] and [1, qk_rope_head_dim]), read off one eager step, so every architecture fits."""
+def probe(model) -> list:
+    """What each layer with a cache of its own keeps after one token: (k, v) [1, 1, ...] or a `State` [1, ...], read
+    off one eager step, so every architecture fits."""
     one = torch.zeros(1, 1, dtype=torch.long, device=model.lm_head.weight.device)
-    probe = GrowingCache()
-    model.run(one, one, model.masks(one, one, one == 0), probe)
-    return [(k.shape[2:], v.shape[2:]) for k, v in probe.layers]
+    cache = GrowingCache()
+    model.run(one, one, model.masks(one, one, one == 0), cache)
+    return cache.layers
+
+
+def cache_shapes(model) -> list[tuple[torch.Size, torch.Size]]:
+    """Per layer with K/V of its own, what it caches per position: the (K, V) shapes [kv_heads, d] (a latent layer:
+    [1, kv_lora_rank] and [1, qk_rope_head_dim]); recurrent layers' states are `state_shapes`."""
+    return [(k.shape[2:], v.shape[2:]) for k, v in (e for e in probe(model) if not isinstance(e, State))]
+
+
+def state_shapes(model) -> list[State]:
+    """Per recurrent layer, in layer order, a one-row `State` of zeros: the shapes and dtypes a row's state has."""
+    return [State(*(torch.zeros_like(x) for x in e)) for e in probe(model) if isinstance(e, State)]
 
 
 # --------------------------------------------------------------------------- Llama
@@ -329,8 +355,8 @@ class Decoder(nn.Module):
                 for kind in sorted(set(self.layer_types))}
 
     def forward(self, tokens, valid, cache=None, every: bool = False):
-        """Logits [batch, vocab] for the last position (`every`: [batch, t, vocab], every position), and the grown
-        cache (`GrowingCache`).
+        """Logits [batch, vocab] for the last position (`every`: [batch, t, vocab], every position, and a recurrent
+        layer's state after each: `StateSteps`), and the grown cache (`GrowingCache`).
 
         tokens [b, t] are the new tokens; valid [b, n] marks real (non-pad) tokens over all n
         keys, the cache's n - t plus these t; cache is a list of per-layer (k, v) [b, n - t, kv_heads, d] (a
@@ -352,7 +378,7 @@ class Decoder(nn.Module):
         # Positions count real tokens only: a left-padded prompt sees what it would see alone.
         k_pos = valid.long().cumsum(-1) - 1
         q_pos = k_pos.narrow(1, n - t, t).clamp(min=0)
-        grown = GrowingCache(cache)
+        grown = GrowingCache(cache, every)
         return self.run(tokens, q_pos, self.masks(q_pos, k_pos, valid), grown, every), grown.layers
 
 

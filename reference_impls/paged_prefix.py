@@ -21,6 +21,14 @@ Prefix caching (`BlockManager`):
 - Registered blocks are never written: a call writes only past its cached prefix, into its fresh blocks and its
   copy. What a hit reads is what the registering call wrote.
 
+States (a hybrid model's recurrent layers, bamba.py): a state cannot be sliced to a prefix, so a prefix hit resumes
+from a snapshot (vLLM's and SGLang's mamba prefix caches): each block keeps the states after its last position, taken
+when a sequence computes past it. A hit on such a model ends at its last whole block (no copy-on-write part: there is
+no state to resume from inside a block), the prompt is prefilled block by block from there (each chunk ends on a block
+boundary, where its snapshot is taken), and the decode takes one when a sequence fills a block. A sequence's live
+states are its own (a fresh one's zeros, a hit's a copy of the snapshot), dropped when the call ends: what stays is
+the block pool and one state slot per block (`KVLayout(state_slots=num_blocks)`).
+
 Compiles: one function, `step`, serves the prefill of each prompt (alone: each has its own cached prefix) and the
 batched decode; batch, new tokens and keys are `mark_unbacked` (as in compiled_dynamic.py): one compile. Decode rows
 are left-padded to the longest (pads read slot 0, masked). The bookkeeping (tables, keys, LRU) is Python between
@@ -41,7 +49,7 @@ from pytest_kvcompile.recompiles.hooks import mark_unbacked, torch_check
 from reference_impls.compile import compile_fresh
 from reference_impls.engine import Engine
 from reference_impls.loader import load_model
-from reference_impls.model import KVCache, cache_shapes
+from reference_impls.model import STATE, KVCache, State, cache_shapes, state_shapes
 from reference_impls.static_cache import LayerBuffers
 
 # 2,048 positions: the suites' largest calls (4 prompts of up to 266 positions plus new tokens; a generation up to
@@ -124,11 +132,19 @@ class BlockManager:
 
 class PagedWrites(KVCache):
     """One step over the pool: `update` writes a layer's new keys and values [b, t, kv_heads, d] at slots `write`
-    [b * t] and returns the layer's keys and values at slots `read` [b, n] (every row's keys, left-padded)."""
+    [b * t] and returns the layer's keys and values at slots `read` [b, n] (every row's keys, left-padded); a
+    recurrent layer reads its rows' `states` and leaves the new ones in `new_states`."""
 
-    def __init__(self, pool: nn.ModuleList, write, read):
-        self.pool, self.write, self.read = pool, write, read
+    def __init__(self, pool: nn.ModuleList, write, read, states: dict[int, State]):
+        self.pool, self.write, self.read, self.states = pool, write, read, states
         self.layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # per caching layer (Gemma4's shared layers read)
+        self.new_states: list[State] = []
+
+    def state(self, layer):
+        return self.states[layer]
+
+    def update_state(self, layer, state):
+        self.new_states.append(state)
 
     def update(self, layer, k, v):
         buffers = self.pool[len(self.layers)]
@@ -138,19 +154,38 @@ class PagedWrites(KVCache):
         return self.layers[-1]
 
 
+class StateSlots(nn.Module):
+    """One recurrent layer's state snapshots, one slot per block: conv [blocks, K-1, channels], ssm [blocks, ...]."""
+
+    def __init__(self, row: State, count: int):
+        super().__init__()
+        self.register_buffer("conv", row.conv.new_zeros(count, *row.conv.shape[1:]), persistent=False)
+        self.register_buffer("ssm", row.ssm.new_zeros(count, *row.ssm.shape[1:]), persistent=False)
+
+    def load(self, slot: int) -> State:
+        return State(self.conv[slot:slot + 1].clone(), self.ssm[slot:slot + 1].clone())
+
+    def save(self, slot: int, state: State) -> None:
+        self.conv[slot], self.ssm[slot] = state.conv[0], state.ssm[0]
+
+
 class PagedModel(nn.Module):
     """A model of loader.py over the block pool: one step of any rows (`forward`)."""
 
-    def __init__(self, llm: nn.Module, slots: int):
+    def __init__(self, llm: nn.Module, slots: int, blocks: int):
         super().__init__()
         self.llm = llm
         weight = llm.lm_head.weight
         self.pool = nn.ModuleList(LayerBuffers((slots, *k), weight.dtype, weight.device, (slots, *v))
                                   for k, v in cache_shapes(llm))  # every layer with a cache of its own
+        self.recurrent = [i for i, kind in enumerate(llm.layer_types) if kind == STATE]
+        self.zeros = state_shapes(llm)  # a fresh row's states, per recurrent layer
+        self.snapshots = nn.ModuleList(StateSlots(row, blocks) for row in self.zeros)
 
-    def forward(self, tokens, q_pos, k_pos, valid, write, read):
+    def forward(self, tokens, q_pos, k_pos, valid, write, read, states):
         """Last-position logits [b, vocab] of tokens [b, t] at positions q_pos [b, t], written at slots write [b * t],
-        attending over the keys at slots read [b, n] (positions k_pos, real where valid; the last t are the new)."""
+        attending over the keys at slots read [b, n] (positions k_pos, real where valid; the last t are the new), and
+        each recurrent layer's states after them, from `states` (per recurrent layer, [b, ...])."""
         b, t = tokens.shape
         n = read.size(1)
         torch_check(t >= 1)
@@ -161,21 +196,27 @@ class PagedModel(nn.Module):
         torch_check(k_pos.size(1) == n)
         torch_check(valid.size(1) == n)
         torch_check(write.size(0) == b * t)
+        for state in states:
+            for x in state:
+                torch_check(x.size(0) == b)
         masks = self.llm.masks(q_pos, k_pos, valid)
-        return self.llm.run(tokens, q_pos, masks, PagedWrites(self.pool, write, read))
+        cache = PagedWrites(self.pool, write, read, dict(zip(self.recurrent, states)))
+        return self.llm.run(tokens, q_pos, masks, cache), cache.new_states
 
 
-def step(model, tokens, q_pos, k_pos, valid, write, read):
-    return model(tokens, q_pos, k_pos, valid, write, read)
+def step(model, tokens, q_pos, k_pos, valid, write, read, states):
+    return model(tokens, q_pos, k_pos, valid, write, read, states)
 
 
 @dataclass
 class Sequence:
-    """One prompt of a call: its blocks in position order, the tokens written into them, its prompt's length."""
+    """One prompt of a call: its blocks in position order, the tokens written into them, its prompt's length, and its
+    recurrent layers' states after them (one row each)."""
 
     table: list[int]
     tokens: list[int]
     prompt: int
+    states: list[State] = field(default_factory=list)
 
 
 @dataclass
@@ -192,17 +233,19 @@ class PagedPrefixCache(Engine):
         scoring=True,
         kv_cache_bytes=True,
         compiled=True,
-        kv_layout=KVLayout("static", max_cache_len=NUM_BLOCKS * BLOCK_SIZE, rows=1, windowed=False),
+        kv_layout=KVLayout("static", max_cache_len=NUM_BLOCKS * BLOCK_SIZE, rows=1, windowed=False,
+                           conv_window_offset=-1, state_slots=NUM_BLOCKS),
         prefix_cache=PrefixCache(capacity_tokens=NUM_BLOCKS * BLOCK_SIZE, block_size=BLOCK_SIZE),
         description=f"reference: paged KV cache ({NUM_BLOCKS} blocks of {BLOCK_SIZE}), automatic prefix caching "
-                    "(chained block hashes, full hits recompute the last token, copy-on-write, LRU eviction), "
-                    "torch.compile with unbacked dynamic shapes",
+                    "(chained block hashes, full hits recompute the last token, copy-on-write, LRU eviction; a "
+                    "hybrid model's recurrent states snapshotted per block, a hit resuming from its last whole "
+                    "block), torch.compile with unbacked dynamic shapes",
     )
 
     def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor", block_size: int = BLOCK_SIZE,
                  num_blocks: int = NUM_BLOCKS):
         self.spec, self.block_size = spec, block_size
-        self.model = PagedModel(load_model(spec), num_blocks * block_size)
+        self.model = PagedModel(load_model(spec, states=True), num_blocks * block_size, num_blocks)
         self.blocks = BlockManager(num_blocks, block_size)
         self.compiled_step = compile_fresh(step, compile_backend)
         self.active: list[Sequence] = []  # the sequences of the call under way (released when it ends)
@@ -217,17 +260,33 @@ class PagedPrefixCache(Engine):
     def _admit(self, prompt: list[int]) -> torch.Tensor:
         """Start a sequence for `prompt` over its longest cached prefix (its last token excluded): the logits of its
         last position."""
-        found, partial, shared = self.blocks.match(prompt[:-1])
+        found, partial, shared = self._hit(prompt)
         for block in found:
             self.blocks.take(block)
-        sequence = Sequence(list(found), prompt[:len(found) * self.block_size], len(prompt))
+        sequence = Sequence(list(found), prompt[:len(found) * self.block_size], len(prompt), self._resume(found))
         self.active.append(sequence)
         if partial is not None:
             self._share(sequence, partial, shared)
             sequence.tokens += prompt[len(sequence.tokens):len(sequence.tokens) + shared]
-        logits = self._step([sequence], [prompt[len(sequence.tokens):]])[0]
+        rest = prompt[len(sequence.tokens):]
+        while rest:  # at once; a model with states up to each block's end, where its snapshot is taken
+            cut = self.block_size - len(sequence.tokens) % self.block_size if self.model.recurrent else len(rest)
+            logits = self._step([sequence], [rest[:cut]])[0]
+            rest = rest[cut:]
         self.blocks.register(sequence.table, sequence.tokens)
         return logits
+
+    def _hit(self, prompt: list[int]) -> tuple[list[int], int | None, int]:
+        """What `prompt` resumes from (`BlockManager.match`, its last token excluded); a model with recurrent layers
+        only from the end of its last whole block, where a state snapshot was taken (no partial block)."""
+        found, partial, shared = self.blocks.match(prompt[:-1])
+        return (found, None, 0) if self.model.recurrent else (found, partial, shared)
+
+    def _resume(self, found: list[int]) -> list[State]:
+        """A new sequence's recurrent states: the snapshot at the end of its last cached block, or zeros."""
+        if not found:
+            return [State(*(x.clone() for x in row)) for row in self.model.zeros]
+        return [slots.load(found[-1]) for slots in self.model.snapshots]
 
     def _share(self, sequence: Sequence, block: int, positions: int) -> None:
         """Copy-on-write: `sequence` reuses the first `positions` of a registered block through a copy of them, since
@@ -251,6 +310,7 @@ class PagedPrefixCache(Engine):
             self.blocks.register(sequence.table, sequence.tokens)
             for block in sequence.table:
                 self.blocks.release(block)
+            sequence.states = []  # what stays is the blocks' snapshots
         self.active = []
 
     def _slots(self, sequence: Sequence, length: int) -> torch.Tensor:
@@ -276,8 +336,27 @@ class PagedPrefixCache(Engine):
         for x in inputs:
             for dim in range(x.dim()):
                 mark_unbacked(x, dim)
-        return self.compiled_step(self.model, *inputs)
+        states = [State(*(torch.cat(parts) for parts in zip(*layer)))  # per recurrent layer: every row's
+                  for layer in zip(*(sequence.states for sequence in sequences))]
+        for state in states:
+            for x in state:
+                mark_unbacked(x, 0)
+        logits, states = self.compiled_step(self.model, *inputs, states)
+        self._keep(sequences, states)
+        return logits
+
+    def _keep(self, sequences: list[Sequence], states: list[State]) -> None:
+        """Each row's states after the step; where a row has just filled a block, its snapshot."""
+        for row, sequence in enumerate(sequences):
+            sequence.states = [State(*(x[row:row + 1].clone() for x in state)) for state in states]
+            if states and len(sequence.tokens) % self.block_size == 0:
+                block = sequence.table[len(sequence.tokens) // self.block_size - 1]
+                for slots, state in zip(self.model.snapshots, sequence.states):
+                    slots.save(block, state)
 
     def kv_cache_bytes(self) -> int:
-        """Bytes of the pool: num_blocks x block_size positions x layers with a cache x K and V, whatever is in use."""
-        return sum(x.numel() * x.element_size() for buffers in self.model.pool for x in (buffers.k, buffers.v))
+        """Bytes of the pool (num_blocks x block_size positions x layers with a cache x K and V, whatever is in use)
+        and of the recurrent layers' state slots (one per block)."""
+        buffers = [x for layer in self.model.pool for x in (layer.k, layer.v)]
+        buffers += [x for slots in self.model.snapshots for x in (slots.conv, slots.ssm)]
+        return sum(x.numel() * x.element_size() for x in buffers)

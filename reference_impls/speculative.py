@@ -15,6 +15,12 @@ longest row: on one row, a crop. After a call each row holds its prompt + max_ne
 longest no padding: KVLayout("dynamic"), as compiled_dynamic.py. Rows keeping different lengths in one step stay one
 left-padded batch.
 
+Rollback of a recurrent state (a hybrid model's Mamba2 layers, bamba.py): a state cannot be cropped, so the verify
+step keeps the state after each of its new tokens (`model.StateSteps`) and each row goes on from the one after its
+kept tokens (vLLM's speculative decoding over mamba states keeps the per-token states the same way); the rejected
+drafts never reach it. A draft model on such a model keeps its states after each token it ran in the step (its
+snapshots) and resumes from the one at the shared prefix, or runs the whole context again where it has none.
+
 Drafters (`use_drafter`): a `Drafter` (contract/speculative.py) the caller gives, or a draft model (`DraftModel`: a
 `ModelSpec` the caller gives, or by default the target with its weights perturbed, models/drafts.py: `perturb`).
 ``ref-speculative-lookup`` (`SpeculativePromptLookup`) drafts by prompt lookup instead (`PromptLookup`: the tokens
@@ -43,6 +49,7 @@ from pytest_kvcompile.recompiles.hooks import mark_unbacked
 from reference_impls.compile import compile_fresh, left_pad, mark_dynamic
 from reference_impls.engine import Engine
 from reference_impls.loader import load_model
+from reference_impls.model import State, StateSteps
 
 K = 4  # drafts per step
 DRAFT_NOISE, DRAFT_SEED = 0.03, 42  # the default draft: the target perturbed (hf-assisted's noise: mixed acceptance)
@@ -81,29 +88,38 @@ class DraftModel:
 
     def __init__(self, model: torch.nn.Module, compiled: Compiled):
         self.model, self.compiled = model, compiled
-        self.rows: list[tuple[list[int], list]] = []  # (tokens the cache holds, per-layer (k, v) [1, n, h, d])
+        # per row: (tokens the cache holds, per-layer (k, v) [1, n, h, d] or State, the states after each length run
+        # in its last propose: length -> per recurrent layer)
+        self.rows: list[tuple[list[int], list, dict[int, list[State]]]] = []
+        self.snapshots: dict[int, list[State]] = {}
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
         if k == 0:
             return []
-        held, cache = self._closest(context)
+        held, cache, snapshots = self._closest(context)
         start = min(common(held, context), len(context) - 1)  # run the last token at least: its logits draft
         kept = self._rollback(start, held)
-        cache = [(crop(x, kept), crop(y, kept)) for x, y in cache] if kept else []
+        if any(isinstance(entry, State) for entry in cache) and kept not in snapshots:
+            kept = start = 0  # no state after those positions: run the whole context
+        states = iter(snapshots.get(kept, ()))
+        cache = [next(states) if isinstance(entry, State) else (crop(entry[0], kept), crop(entry[1], kept))
+                 for entry in cache] if kept else []
+        self.snapshots = {}
         token, cache = self._next(list(context[start:]), kept, cache)
         drafts, past = [token], kept + len(context) - start
         while len(drafts) < k:
             token, cache = self._next(drafts[-1:], past, cache)
             drafts.append(token)
             past += 1
-        self.rows = [*self.rows[-(KEPT_ROWS - 1):], ([*context, *drafts[:-1]], cache)]  # the last draft is not run
+        # the last draft is not run
+        self.rows = [*self.rows[-(KEPT_ROWS - 1):], ([*context, *drafts[:-1]], cache, self.snapshots)]
         return drafts
 
-    def _closest(self, context: Sequence[int]) -> tuple[list[int], list]:
+    def _closest(self, context: Sequence[int]) -> tuple[list[int], list, dict[int, list[State]]]:
         """The kept cache sharing the longest prefix with `context` (taken out: it is replaced), or an empty one."""
         best = max(self.rows, key=lambda row: common(row[0], context), default=None)
         if best is None or common(best[0], context) == 0:
-            return [], []
+            return [], [], {}
         self.rows.remove(best)
         return best
 
@@ -117,7 +133,18 @@ class DraftModel:
         tokens = torch.tensor([tokens], device=self.model.lm_head.weight.device)
         valid = torch.ones(1, past + tokens.size(1), dtype=torch.bool, device=tokens.device)
         logits, cache = self.compiled(self.model, tokens, valid, cache)
-        return int(logits.reshape(-1, logits.size(-1))[-1].argmax()), cache
+        return int(logits.reshape(-1, logits.size(-1))[-1].argmax()), self._settle(cache, past, tokens.size(1))
+
+    def _settle(self, cache: list, past: int, t: int) -> list:
+        """Keep the recurrent states after each of the t tokens just run (`snapshots`, by length); the cache goes on
+        from the last."""
+        steps = [entry for entry in cache if isinstance(entry, StateSteps)]
+        for j in range(t if steps else 0):
+            self.snapshots[past + 1 + j] = [s.at(torch.tensor([j], device=s.conv.device)) for s in steps]
+        if not steps and any(isinstance(entry, State) for entry in cache):
+            self.snapshots[past + t] = [entry for entry in cache if isinstance(entry, State)]
+        last = torch.tensor([t - 1], device=self.model.lm_head.weight.device)
+        return [entry.at(last) if isinstance(entry, StateSteps) else entry for entry in cache]
 
 
 class PromptLookup:
@@ -148,16 +175,18 @@ def crop(x: torch.Tensor, positions: int) -> torch.Tensor:
     return x[:, :positions].clone(memory_format=torch.contiguous_format)
 
 
-def compact(valid: torch.Tensor, cache: list) -> tuple[torch.Tensor, list]:
+def compact(valid: torch.Tensor, cache: list, state_at: torch.Tensor) -> tuple[torch.Tensor, list]:
     """Drop the positions `valid` marks False: each row's others gathered to its right end, in order, the cache cut to
-    the longest row (shorter rows left-padded, masked)."""
+    the longest row (shorter rows left-padded, masked); a recurrent layer goes on from each row's state after its
+    step's token `state_at` [b]."""
     length = int(valid.sum(1).max())
     order = torch.sort(valid.int(), dim=1, stable=True).indices[:, valid.size(1) - length:]
 
     def take(x):
         return x.gather(1, order[:, :, None, None].expand(-1, -1, *x.shape[2:]))
 
-    return valid.gather(1, order), [(take(k), take(v)) for k, v in cache]
+    return valid.gather(1, order), [entry.at(state_at) if isinstance(entry, StateSteps) else
+                                    (take(entry[0]), take(entry[1])) for entry in cache]
 
 
 class SpeculativeDecoding(Engine):
@@ -167,27 +196,29 @@ class SpeculativeDecoding(Engine):
         batching=True,
         scoring=True,
         kv_cache_bytes=True,
-        kv_layout=KVLayout("dynamic", windowed=False),  # the target's cache, as compiled_dynamic.py's
+        kv_layout=KVLayout("dynamic", windowed=False, conv_window_offset=-1),  # the target's, as compiled_dynamic's
         compiled=True,
         speculative=Speculative(k=K, drafters=(DRAFTER, DRAFT_MODEL), acceptance=True),
         description=f"reference: speculative decoding, {K} drafts per step (default draft: the target perturbed), "
-                    "verify in one forward, rejected K/V dropped per row, dynamic cache, torch.compile",
+                    "verify in one forward, rejected K/V dropped per row (a recurrent state: the one after the kept "
+                    "tokens), dynamic cache, torch.compile",
     )
     draft_model = DraftModel  # how a draft checkpoint runs
 
     def __init__(self, spec: ModelSpec, *, compile_backend: str = "inductor", k: int = K,
                  draft: Drafter | ModelSpec | None = None):
         self.spec, self.k = spec, k
-        self.model = load_model(spec)
+        self.model = load_model(spec, states=True)
         self.compiled = Compiled(compile_backend)
         self.own = self._drafter(draft) if draft is not None else self.draft_model(
-            perturb(load_model(spec), DRAFT_NOISE, DRAFT_SEED), self.compiled)
+            perturb(load_model(spec, states=True), DRAFT_NOISE, DRAFT_SEED), self.compiled)
         self.drafter = self.own
         self.cache: list = []  # the target's, after the last generate
         self.steps: list[list[tuple[int, int]]] = []  # per row of the last generate: (drafted, accepted) per step
 
     def _drafter(self, draft: Drafter | ModelSpec) -> Drafter:
-        return self.draft_model(load_model(draft), self.compiled) if isinstance(draft, ModelSpec) else draft
+        return self.draft_model(load_model(draft, states=True), self.compiled) if isinstance(draft, ModelSpec) \
+            else draft
 
     def use_drafter(self, drafter: Drafter | ModelSpec | None) -> None:
         """Draft with `drafter` (a Drafter, or a draft checkpoint run as a DraftModel) from now on; None: the own."""
@@ -232,7 +263,13 @@ class SpeculativeDecoding(Engine):
             self.steps[row].append((len(draft), kept))
             accepted.append(kept)
         keep = torch.tensor(self._kept(drafts, accepted), device=new.device)
-        return compact(torch.cat((valid, new & (torch.arange(width, device=new.device) < keep[:, None])), 1), cache)
+        return compact(torch.cat((valid, new & (torch.arange(width, device=new.device) < keep[:, None])), 1), cache,
+                       self._state_at(keep, fed))
+
+    def _state_at(self, keep: torch.Tensor, fed: list[list[int]]) -> torch.Tensor:
+        """The token of this step after which each row's recurrent state goes on: its last kept one (a finished row:
+        any, its state is never read again)."""
+        return (keep - 1).clamp(min=0)
 
     def _accept(self, draft: list[int], choices: list[int]) -> tuple[int, int]:
         """Drafts kept (the longest prefix equal to the target's choice before each: choices[i] follows the row's

@@ -64,8 +64,8 @@ def _hint(footprint, got: int, footprint_of, config) -> str:
                 "pytest_kvcompile.memory.measure.held_bytes, not tensor.nbytes; if the engine really holds "
                 f"{held}, declare {other_offset}")
     written = footprint.width + footprint.new_tokens - 1
-    unbounded = sum((dataclasses.replace(t, positions=written) if t.kind == "sliding" else t).bytes(
-        footprint.rows, footprint.itemsize) for t in footprint.layers)
+    unbounded = sum(footprint.bytes(dataclasses.replace(t, positions=written) if t.kind == "sliding" else t)
+                    for t in footprint.layers)
     if footprint.layout.allocation == "dynamic" and got == unbounded != footprint.total:
         return (f"the count matches sliding layers holding all T={written} positions: the engine keeps keys that "
                 "left the window (masked, never read again); drop them to bound memory by the window")
@@ -107,13 +107,13 @@ def _state_hint(footprint, got: int, footprint_of) -> str | None:
     if not states:
         return None
     layers = ", ".join(str(t.layer) for t in states)
-    if got == footprint.total - sum(t.bytes(footprint.rows, 0) for t in states):
+    if got == footprint.total - sum(footprint.bytes(t, 0) for t in states):
         return (f"the count matches the attention layers alone: the recurrent layers' states (layers {layers}: "
                 f"{states[0].fixed_why} per row) were not counted; count a state layer's conv and recurrent states "
                 "(transformers' LinearAttentionLayer.conv_states and .recurrent_states: "
                 "pytest_kvcompile.memory.measure.cache_tensors does)")
     written = footprint.width + footprint.new_tokens - 1
-    grown = footprint.total + sum(footprint.rows * t.conv_input
+    grown = footprint.total + sum(footprint.state_rows * t.conv_input
                                   * (written - t.cache.state.conv_kernel - footprint.layout.conv_window_offset)
                                   for t in states)
     if got == grown != footprint.total:
@@ -222,7 +222,7 @@ def test_memory_held_matches_reported(kv_engine, kv_prompts, kv_batch, kv_record
     expected = footprint and footprint.total
     reported = _reported(kv_engine) if declared.kv_cache_bytes else None
     layers = [LayerBytes(t.layer, t.kind, t.positions, t.fixed_why or t.why,
-                         t.bytes(footprint.rows, footprint.itemsize)) for t in footprint.layers] if footprint else []
+                         footprint.bytes(t)) for t in footprint.layers] if footprint else []
     kv_record.metric(kv_bytes=KVBytes(expected,
                                       reported if reported is not None else held.state, held.state,
                                       str(declared.kv_layout or ""), layers, _describe(call, kv_engine)))
@@ -262,22 +262,27 @@ def _describe(call, kv_engine) -> str:
 
 def _prefix_bound(kv_engine) -> tuple[int, str]:
     """What a declared PrefixCache may grow by in all: its capacity_bytes, else HELD_FACTOR x the K/V of its
-    capacity_tokens positions (+ HELD_SLACK), and how that was reached."""
+    capacity_tokens positions, and on a model with recurrent layers a state snapshot per block of them (per position
+    without a block size) (+ HELD_SLACK), and how that was reached."""
     declared, spec = kv_engine.ref.declaration.prefix_cache, kv_engine.spec
     if declared.capacity_bytes is not None:
         return declared.capacity_bytes, f"its declared capacity_bytes={declared.capacity_bytes:,}"
     if isinstance(spec.config, OwnConfig):
         pytest.skip(OWN_MODEL.format(spec.name).replace("a declared kv_layout", "declared capacity_tokens") +
                     ": declare PrefixCache(capacity_bytes=...) too")
+    snapshots = -(-declared.capacity_tokens // (declared.block_size or 1))
     try:
-        kv = expected_kv_bytes(KVLayout("dynamic", windowed=False), spec.config, kv_stored(kv_engine) or spec.dtype,
-                               1, declared.capacity_tokens, 1 + 1, spec.dtype).total
+        layout = KVLayout("dynamic", windowed=False, state_slots=snapshots)
+        footprint = expected_kv_bytes(layout, spec.config, kv_stored(kv_engine) or spec.dtype, 1,
+                                      declared.capacity_tokens, 1 + 1, spec.dtype)
     except StateSizesUnknown as exc:
         pytest.skip(f"model '{spec.name}': {exc}: the bound of a declared capacity_tokens is not computed; declare "
                     "PrefixCache(capacity_bytes=...) too")
-    return (int(HELD_FACTOR * kv) + HELD_SLACK,
-            f"{HELD_FACTOR:g} x the K/V of its declared capacity_tokens={declared.capacity_tokens} "
-            f"({format_bytes(kv)}) + {format_bytes(HELD_SLACK)}")
+    states = f" and {snapshots} state snapshots" if any(isinstance(t.cache, StateLayer) for t in footprint.layers) \
+        else ""
+    return (int(HELD_FACTOR * footprint.total) + HELD_SLACK,
+            f"{HELD_FACTOR:g} x the K/V of its declared capacity_tokens={declared.capacity_tokens}{states} "
+            f"({format_bytes(footprint.total)}) + {format_bytes(HELD_SLACK)}")
 
 
 def test_no_memory_growth(kv_engine, kv_prompts, kv_batch, kv_record):

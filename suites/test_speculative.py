@@ -107,7 +107,7 @@ class Calls:
         wrong = []
         for i, (prompt, tokens) in enumerate(zip(prompts, got)):
             where = Where(index=i, lengths=lengths, number=number, calls=calls, before=tuple(self.served[-3:]),
-                          note=what[i], speculation=_rows(steps) if steps and len(prompts) > 1 else ())
+                          note=what[i], speculation=_rows(steps) if steps else ())
             self.check(self.reference(prompt), tokens, prompt, where)
             if steps is None:
                 continue

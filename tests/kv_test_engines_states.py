@@ -2,16 +2,20 @@
 prefill runs in chunks through transformers' cache, and one state bug each from the engines that serve these models.
 Each must fail the suites on the zoo's recurrent models (tests/test_states.py) while the correct one passes.
 
-The bugs live in the state, never in K/V: each twin changes a recurrent layer's `conv_states` or
-`recurrent_states` (transformers' LinearAttentionLayer) and leaves the attention layers as they are.
+The bugs live in the state, never in K/V: most twins change a recurrent layer's `conv_states` or
+`recurrent_states` (transformers' LinearAttentionLayer) and leave the attention layers as they are; the last two
+break the state snapshots of our own references (ref-paged-prefix resuming a prefix hit between snapshots,
+ref-speculative keeping the state its rejected drafts advanced).
 """
 
 import torch
 from transformers import DynamicCache
 
 from kv_test_engines import Greedy
+from kv_test_engines_prefix import PagedEager
 from pytest_kvcompile import Declaration
 from pytest_kvcompile.models.checkpoints import positions, with_cache
+from reference_impls.speculative import SpeculativeDecoding
 
 CHUNK = 16  # prefill chunk: the suites' prompts of 48 cross two boundaries, each inside the conv window of 4
 
@@ -115,8 +119,27 @@ class StateStoredInBfloat16(ChunkedState):
                     state.copy_(state.to(torch.bfloat16))
 
 
+class SnapshotGapNotRecomputed(PagedEager):
+    """Bug (ref-paged-prefix on a hybrid model): a prefix hit takes the K/V of every shared position, the last block's
+    in part through copy-on-write, and the recurrent states from the snapshot at the end of the last whole block,
+    without running the positions in between through them: the state misses the gap (the mamba prefix-cache bugs,
+    vLLM #43559, SGLang PR #16053)."""
+
+    def _hit(self, prompt):
+        return self.blocks.match(prompt[:-1])
+
+
+class StateAdvancedByRejectedDrafts(SpeculativeDecoding):
+    """Bug (ref-speculative on a hybrid model): the rejected drafts' K/V is dropped, but each row's recurrent state
+    goes on from the one after every token the verify step ran, rejected drafts included (vLLM #43559's MTP half)."""
+
+    def _state_at(self, keep, fed):
+        return torch.tensor([max(len(row), 1) - 1 for row in fed], device=keep.device)
+
+
 # The roles of this module's engines (tests/test_tiers.py)
-MUST_FAIL = ("NoPositionIds", "ConvWindowLostAcrossChunks", "StateSlotNotZeroed", "StateStoredInBfloat16")
+MUST_FAIL = ("NoPositionIds", "ConvWindowLostAcrossChunks", "StateSlotNotZeroed", "StateStoredInBfloat16",
+             "SnapshotGapNotRecomputed", "StateAdvancedByRejectedDrafts")
 MUST_PASS = ("ChunkedState",)
 MUST_SKIP: tuple[str, ...] = ()
 HELPERS = ("state_layers",)

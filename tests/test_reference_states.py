@@ -17,8 +17,9 @@ from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.chunked_prefill import ChunkedPrefill  # noqa: E402
 from reference_impls.compile import left_pad  # noqa: E402
 from reference_impls.loader import load_model  # noqa: E402
-from reference_impls.model import State  # noqa: E402
+from reference_impls.model import State, StateSteps  # noqa: E402
 from reference_impls.paged_prefix import PagedPrefixCache  # noqa: E402
+from reference_impls.static_cache import StaticCache  # noqa: E402
 
 #: float32 against float64: the largest logit error measured on these prompts was 1.0e-4 of the largest logit (7.3e-6
 #: relative); a scan that loses D, the decay or the carried state is off by orders of magnitude
@@ -60,8 +61,15 @@ def test_the_reference_computes_what_transformers_does_whole_chunked_stepwise_an
     _, cache = model(tokens[:, :16], valid[:, :16])  # a chunk boundary inside the conv window, then another
     assert [type(entry) for entry in cache] == [State, tuple, State, tuple]
     assert all(entry.conv.shape[1] == 3 and entry.ssm.dtype == torch.float for entry in cache[::2])  # K-1; float32
-    second, cache = model(tokens[:, 16:32], valid[:, :32], cache, every=True)
+    second, steps = model(tokens[:, 16:32], valid[:, :32], cache, every=True)
     close(second[0], want[16:32])
+    # a verify step's states after each of its tokens: the one after token j is the state 17 + j tokens leave
+    assert [type(entry) for entry in steps] == [StateSteps, tuple, StateSteps, tuple]
+    _, upto = model(tokens[:, :21], valid[:, :21])
+    for got, want_state in zip(steps[::2], upto[::2]):
+        for x, y in zip(got.at(torch.tensor([4])), want_state):
+            assert (x - y).abs().max() <= 1e-5 * y.abs().max(), (x - y).abs().max()
+    cache = [entry.at(torch.tensor([15])) if isinstance(entry, StateSteps) else entry for entry in steps]
     for i in range(32, 40):
         step, cache = model(tokens[:, i:i + 1], valid[:, :i + 1], cache)
         close(step[0], want[i])
@@ -89,8 +97,27 @@ def test_chunked_prefill_compiles_twice_then_never(bamba):
     assert engine.kv_cache_bytes() == 3 * 2 * (conv + state) + 3 * 3 * 2 * kv
 
 
+def test_the_paged_prefix_cache_compiles_once_and_holds_a_state_slot_per_block(bamba):
+    """A fresh row's zero states and a hit's snapshot go through the same graph: one compile, then none, over hits
+    between snapshots, full hits and batches; the pool and the state slots are what it holds."""
+    with CompileRecorder() as rec:
+        engine = PagedPrefixCache(bamba, compile_backend="eager", num_blocks=16)
+        engine.generate([[5, 6, 7]], 2)
+        rec.mark_warmup_done()
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            ids = list(range(1, 40))
+            for prompts in ([ids], [ids[:20], ids[:33]], [ids[:17] + [9] * 5], [ids[:32]]):
+                assert [len(row) for row in engine.generate(prompts, 3)] == [3] * len(prompts)
+    assert [e.frame.split(" ")[0] for e in rec.warmup_events] == ["step"]
+    assert rec.post_warmup_events == [], "\n".join(e.describe() for e in rec.post_warmup_events)
+    # 16 blocks of 16 positions: 2 attention layers' K and V (2 heads x 16); 16 state slots for each of the 2 Mamba2
+    # layers (the conv's K-1 = 3 inputs over 160 channels, 4 x 32 x 16 float32)
+    kv, conv, state = 2 * 2 * 16 * 4, 3 * 160 * 4, 4 * 32 * 16 * 4
+    assert engine.kv_cache_bytes() == 16 * 16 * 2 * kv + 16 * 2 * (conv + state)
+
+
 def test_references_keeping_key_values_only_refuse_a_model_with_states(bamba):
     with pytest.raises(ModelNotSupported, match=r"model 'bamba' has recurrent layers \(0, 2: .*ref-chunked-prefill"):
         load_model(bamba)
-    with pytest.raises(ModelNotSupported, match="recurrent layers"):
-        PagedPrefixCache(bamba, compile_backend="eager")
+    with pytest.raises(ModelNotSupported, match="model 'bamba' has state layers"):
+        StaticCache(bamba, compile_backend="eager")

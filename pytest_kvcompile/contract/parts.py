@@ -98,7 +98,8 @@ class KVLayout:
     T, its conv window (conv channels x the conv's kernel K + `conv_window_offset` inputs: transformers keeps K,
     offset 0; vLLM's and SGLang's state caches keep K-1, offset -1) in the model's dtype and its recurrent state in
     `state_dtype` (None: what the model's own reference keeps, float32 for every family read; "bfloat16" or
-    "float16": a state stored lower).
+    "float16": a state stored lower). `state_slots`: the states a recurrent layer allocates whatever the batch (a
+    prefix cache's state snapshots, one per block: vLLM's and SGLang's mamba prefix caches); None: one per row.
     """
 
     allocation: str = "dynamic"
@@ -110,6 +111,7 @@ class KVLayout:
     extra_positions: int = 0
     conv_window_offset: int = 0
     state_dtype: str | None = None
+    state_slots: int | None = None
 
     def __post_init__(self) -> None:
         usage = ('KVLayout("dynamic"), KVLayout("static", max_cache_len=N) or KVLayout("budget", budget=N), '
@@ -117,7 +119,7 @@ class KVLayout:
                  "(rows allocated whatever the batch)")
         if self.allocation not in ALLOCATIONS:
             raise ValueError(f"KVLayout allocation {self.allocation!r} is unknown; write {usage}")
-        for name, needed in (("max_cache_len", "static"), ("budget", "budget"), ("rows", None)):
+        for name, needed in (("max_cache_len", "static"), ("budget", "budget"), ("rows", None), ("state_slots", None)):
             value = getattr(self, name)
             if needed and (self.allocation == needed) != (value is not None):
                 raise ValueError(f"{self}: {name} is required for allocation {needed!r} and only there; write "
@@ -138,7 +140,7 @@ class KVLayout:
                              f"{self.state_dtype!r}")
 
     def __str__(self) -> str:
-        params = [f"{n}={getattr(self, n)}" for n in ("max_cache_len", "budget", "rows")
+        params = [f"{n}={getattr(self, n)}" for n in ("max_cache_len", "budget", "rows", "state_slots")
                   if getattr(self, n) is not None]
         params += [f"window_offset={self.window_offset}"] if self.window_offset else []
         params += ["windowed=False"] if not self.windowed else []
@@ -173,7 +175,8 @@ class PrefixCache:
     - `block_size`: positions per block where the cache shares whole blocks (vLLM: 16); the suite's prompt lengths
       then land on k*B-1, k*B and k*B+1. None (a radix tree, a prompt cache): the suite sweeps 1, 16, 32 and 64.
     - `capacity_bytes`: the bytes it may grow by at most (whatever tensors it keeps: K/V, logits, indexes); None: the
-      K/V of `capacity_tokens` positions of the model in its dtype, times the memory checks' HELD_FACTOR.
+      K/V of `capacity_tokens` positions of the model in its dtype (on a model with recurrent layers, and a state
+      snapshot per block of them), times the memory checks' HELD_FACTOR.
     """
 
     capacity_tokens: int

@@ -169,8 +169,9 @@ class LayerTerm:
     def kind(self) -> str:  # "full", "sliding", "latent", "shared", "state", "state+kv", "none"
         return self.cache.kind
 
-    def bytes(self, rows: int, itemsize: int) -> int:
-        return rows * (self.positions * self.cache.values * itemsize + self.fixed)
+    def bytes(self, rows: int, itemsize: int, state_rows: int | None = None) -> int:
+        """Bytes over `rows` rows of K/V and `state_rows` states (None: `rows`: one per row)."""
+        return rows * self.positions * self.cache.values * itemsize + (state_rows or rows) * self.fixed
 
 
 @dataclass(frozen=True)
@@ -185,8 +186,17 @@ class Footprint:
     layers: tuple[LayerTerm, ...]
 
     @property
+    def state_rows(self) -> int:
+        """The states a recurrent layer holds: `KVLayout.state_slots`, else one per row."""
+        return self.layout.state_slots or self.rows
+
+    def bytes(self, term: LayerTerm, itemsize: int | None = None) -> int:
+        """`term`'s bytes over this footprint's rows and states (`itemsize` None: the footprint's)."""
+        return term.bytes(self.rows, self.itemsize if itemsize is None else itemsize, self.state_rows)
+
+    @property
     def total(self) -> int:
-        return sum(t.bytes(self.rows, self.itemsize) for t in self.layers)
+        return sum(self.bytes(t) for t in self.layers)
 
     def explain(self) -> str:
         """The formula with its terms, one line per layer."""
@@ -197,13 +207,18 @@ class Footprint:
             if t.fixed:
                 kv = (f"{t.positions} [{t.why}] x {t.cache.kv.shape} x {self.itemsize} + "
                       if isinstance(t.cache, StateLayer) and t.cache.kv else "")
-                lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x ({kv}{t.fixed_why}) = "
-                             f"{t.bytes(self.rows, self.itemsize)} (per row whatever the length)")
+                if self.state_rows == self.rows:
+                    lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x ({kv}{t.fixed_why}) = "
+                                 f"{self.bytes(t)} (per row whatever the length)")
+                else:
+                    kv = f"{self.rows} x {kv.removesuffix(' + ')} + " if kv else ""
+                    lines.append(f"  layer {t.layer} ({t.kind}): {kv}{self.state_rows} state slots x ({t.fixed_why}) "
+                                 f"= {self.bytes(t)} (whatever the batch and length)")
             elif not t.cache.values:
                 lines.append(f"  layer {t.layer} ({t.kind}): {t.cache.shape}")
             else:
                 lines.append(f"  layer {t.layer} ({t.kind}): {self.rows} x {t.positions} [{t.why}] x {t.cache.shape} "
-                             f"x {self.itemsize} = {t.bytes(self.rows, self.itemsize)}")
+                             f"x {self.itemsize} = {self.bytes(t)}")
         lines.append(f"  total: {self.total}")
         return "\n".join(lines)
 

@@ -180,10 +180,17 @@ def _state_hint(failure: Failure) -> str:
     """For a model with recurrent layers: their state, and what to check of it ("" without)."""
     if not failure.states:
         return ""
+    where, first = failure.where, ""
+    if where.speculation:
+        first = ("left where the row's kept tokens end after each verify step (the rejected drafts must not advance "
+                 "it: keep the state after each drafted token, or recompute), ")
+    elif where.before or (where.number or 0) > 1:
+        first = ("resumed on a prefix hit only from a snapshot taken at the hit point (else from the last snapshot "
+                 "before it, running the tokens between through the state), ")
     return (f"; model '{failure.model}' has recurrent layers ({failure.states}), whose state is carried, never cropped "
-            "or sliced: check that it is carried across prefill chunks (the conv window's last inputs too), zeroed "
-            "for each new request, kept in float32 as the truth keeps it, and that every forward gets its positions "
-            "(position_ids)")
+            f"or sliced: check that it is {first}carried across prefill chunks (the conv window's last inputs too), "
+            "zeroed for each new request, kept in float32 as the truth keeps it, and that every forward gets its "
+            "positions (position_ids)")
 
 
 def _verify_step(steps: tuple[tuple[int, int], ...], generated: int, token: int) -> int | None:
