@@ -39,22 +39,7 @@ from reference_impls.model import (
     activation,
     rope_tables,
 )
-
-
-def segment_sum(a):
-    """[..., t] -> [..., t, t]: out[i, j] = a[j+1] + ... + a[i] for j <= i, -inf above the diagonal (summed with
-    cumsum over masked copies, not as a difference of cumsums: stable where the sums are long)."""
-    t = a.size(-1)
-    i = torch.arange(t, device=a.device)
-    below, on_or_below = i[:, None] > i[None, :], i[:, None] >= i[None, :]
-    sums = a[..., None, :].expand(*a.shape[:-1], t, t).transpose(-1, -2).masked_fill(~below, 0).cumsum(-2)
-    return sums.masked_fill(~on_or_below, float("-inf"))
-
-
-def contract(x, y):
-    """x [..., l, k] @ y [..., k, r] as a product summed over k: inductor fuses it into one reduction, where its bmm
-    lowering guards on whether an unbacked size is 1 (`is_preferred_layout_as_bmm_input`) and fails."""
-    return (x[..., :, :, None] * y[..., None, :, :]).sum(-2)
+from reference_impls.recurrent import causal_conv, contract, segment_sum
 
 
 def ssd(x, dt, A, B, C, D, state, every: bool = False):
@@ -119,31 +104,16 @@ class Mamba2Mixer(nn.Module):
         keep = real[..., None].to(x.dtype)
         z, xbc, dt = self.in_proj(x * keep).split([self.inner, self.conv_dim, self.heads], dim=-1)
         past = cache.state(layer)
-        # a first call pads instead of starting from zeros (inductor's constant folding cannot size a zeros tensor of
-        # an unbacked batch: "Could not guard on data-dependent expression Eq(2048*u0, 0)")
-        xbc = xbc * keep
-        inputs = torch.cat((past.conv, xbc), dim=1) if past is not None else F.pad(xbc, (0, 0, self.kernel - 1, 0))
-        # the depthwise conv as K shifted products (inductor lowers conv1d with a static length only)
-        weight = self.conv1d.weight[:, 0]  # [channels, K]
-        conv = sum(inputs.narrow(1, k, t) * weight[:, k] for k in range(self.kernel))
-        if self.conv1d.bias is not None:
-            conv = conv + self.conv1d.bias
+        every = cache.every_state
+        conv, window = causal_conv(xbc * keep, past.conv if past is not None else None, self.conv1d, every)
         xbc = self.act(conv) * keep
         xs, B, C = xbc.split([self.inner, self.groups * self.state_size, self.groups * self.state_size], dim=-1)
         per_head = self.heads // self.groups
         B, C = (m.view(b, t, self.groups, self.state_size).repeat_interleave(per_head, dim=2) for m in (B, C))
         dt = F.softplus(dt.float() + self.dt_bias.float()).clamp(*self.dt_limit)
-        state = past.ssm if past is not None else None
-        every = cache.every_state
         y, state = ssd(xs.view(b, t, self.heads, self.head_dim), dt, -torch.exp(self.A_log.float()), B, C,
-                       self.D.float(), state, every)
-        if every:  # after token l the conv holds inputs l+1 .. l+K-1
-            windows = torch.stack([inputs.narrow(1, 1 + j, t) for j in range(self.kernel - 1)], dim=2)
-            cache.update_state(layer, StateSteps(windows, state))
-        else:
-            # a fresh tensor: a view carries the call's length in its strides, which the next graph guards on
-            window = inputs.narrow(1, t, self.kernel - 1).clone(memory_format=torch.contiguous_format)
-            cache.update_state(layer, State(window, state))
+                       self.D.float(), past.ssm if past is not None else None, every)
+        cache.update_state(layer, StateSteps(window, state) if every else State(window, state))
         return self.out_proj(self.norm(y.reshape(b, t, self.inner), z).to(x.dtype))
 
 

@@ -6,7 +6,7 @@ steps (its new-token count unbacked like the rest), over the K/V and recurrent s
 chunk boundary falls inside a hybrid model's conv window (its last K-1 inputs cross into the next chunk) and a
 state is carried from chunk to chunk, as an engine serving long prompts must; on a model without recurrent layers it
 is chunked prefill over a growing K/V cache. Left padding: a padded row's first chunks may be pads alone, which
-reach neither its keys (masked) nor its states (bamba.py: a pad adds nothing to a state).
+reach neither its keys (masked) nor its states (bamba.py, qwen3_next.py: a pad adds nothing to a state).
 
 Two compiles, as compiled_dynamic.py: `prefill` (the first chunk) and `decode` (every later chunk and every step).
 """
@@ -30,7 +30,8 @@ class ChunkedPrefill(CompiledDynamicCache):
     kv_declaration = dataclasses.replace(
         CompiledDynamicCache.kv_declaration,
         description=f"reference: compiled dynamic cache with chunked prefill ({CHUNK} tokens a chunk, the later chunks "
-        "through the decode graph), recurrent states (Mamba2 hybrids) carried across chunks beside the K/V",
+        "through the decode graph), recurrent states (Mamba2 and Gated DeltaNet hybrids) carried across chunks beside "
+        "the K/V",
     )
 
     def __init__(self, spec, *, compile_backend: str = "inductor", chunk: int = CHUNK):

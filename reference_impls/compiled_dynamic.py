@@ -1,10 +1,10 @@
 """Reference engine: a gpt-fast-style decoder over a growing KV cache, under torch.compile.
 
 Models: reference_impls/loader.py's table (Llama, Mistral, Gemma3 text, Gemma4 text with KV sharing, GPT-2, Qwen3,
-Phi-3, the MoE and latent-attention models, and Bamba, whose Mamba2 layers keep a `model.State` beside the K/V), plain
-PyTorch loaded straight from the checkpoint's safetensors, so every shape is ours. Sliding-window
-layers keep every key here and mask by position (the zoo rule: a query at position q sees key k iff
-q - W < k <= q); `reference_impls/sliding_window.py` is the engine whose sliding layers hold only the window.
+Phi-3, the MoE and latent-attention models, and Bamba and Qwen3-Next, whose Mamba2 and Gated DeltaNet layers keep a
+`model.State` beside the K/V), plain PyTorch loaded straight from the checkpoint's safetensors, so every shape is ours.
+Sliding-window layers keep every key here and mask by position (the zoo rule: a query at position q sees key k iff q - W
+< k <= q); `reference_impls/sliding_window.py` is the engine whose sliding layers hold only the window.
 
 Two functions are compiled, once each: `prefill` (batch and prompt length dynamic) and `decode`
 (batch and cache length dynamic, one new token per row). The cache is `model.GrowingCache`

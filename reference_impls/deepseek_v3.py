@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_impls.model import MLP, Block, Llama, RMSNorm, apply_rope, sdpa
+from reference_impls.model import MLP, Block, Llama, RMSNorm, apply_rope, matmul
 from reference_impls.moe import Experts, grouped_sigmoid
 
 
@@ -90,10 +90,15 @@ class LatentAttention(nn.Module):
         """q parts [b, t, heads, .], the cache's latent [b, n, 1, latent] and rope key [b, n, 1, rope], mask
         [b, 1, t, n] -> [b, t, heads, v]: the absorbed attention (module docstring)."""
         w_uk, w_uv = self.absorbed()
-        q = torch.cat((q_nope.transpose(1, 2) @ w_uk, q_rope.transpose(1, 2)), dim=-1)  # [b, heads, t, latent + rope]
+        # [b, heads, t, latent + rope]
+        q = torch.cat((matmul(q_nope.transpose(1, 2), w_uk), q_rope.transpose(1, 2)), dim=-1)
         keys = torch.cat((latent, k_rope), dim=-1).transpose(1, 2)  # [b, 1, n, latent + rope]: one for every head
-        out = sdpa(q, keys, latent.transpose(1, 2), mask, self.scale, enable_gqa=True)  # [b, heads, t, latent]
-        return (out @ w_uv.transpose(-1, -2)).transpose(1, 2)
+        # attention written out (eager's: scores in the model's dtype, softmax in float32): inductor decomposes SDPA
+        # over one key head shared by every head into a bmm, which it cannot lower at unbacked sizes (model.matmul)
+        scores = (matmul(q, keys.transpose(-1, -2)) * self.scale).masked_fill(~mask, float("-inf"))
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = matmul(probs, latent.transpose(1, 2))  # [b, heads, t, latent]
+        return matmul(out, w_uv.transpose(-1, -2)).transpose(1, 2)
 
     def forward(self, x, rope, mask, cache, layer: int):
         b, t, _ = x.shape

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from reference_impls.model import Attention, Block, Llama, RMSNorm
+from reference_impls.model import Attention, Block, Llama, RMSNorm, matmul
 from reference_impls.moe import Experts, top_k_softmax
 
 
@@ -47,8 +47,8 @@ class SinkAttention(Attention):
         """q [b, heads, t, d], k and v [b, kv_heads, n, d], mask [b, 1, t, n]: attention with the sink column."""
         groups = q.size(1) // k.size(1)
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        scores = (q @ k.transpose(-1, -2) * self.head_dim ** -0.5).masked_fill(~mask, float("-inf"))
-        return sink_softmax(scores, self.sinks).to(v.dtype) @ v
+        scores = (matmul(q, k.transpose(-1, -2)) * self.head_dim ** -0.5).masked_fill(~mask, float("-inf"))
+        return matmul(sink_softmax(scores, self.sinks).to(v.dtype), v)
 
 
 class Router(nn.Module):

@@ -20,6 +20,7 @@ from reference_impls.gpt_oss import GptOss
 from reference_impls.model import STATE, Llama, UnsupportedModel, rope_tables
 from reference_impls.phi3 import Phi3
 from reference_impls.qwen3 import Qwen3
+from reference_impls.qwen3_next import Qwen3Next
 
 #: config.model_type -> model class.
 ARCHITECTURES: dict[str, type[nn.Module]] = {
@@ -34,6 +35,7 @@ ARCHITECTURES: dict[str, type[nn.Module]] = {
     "phi3": Phi3,
     "deepseek_v3": DeepseekV3,
     "gpt_oss": GptOss,
+    "qwen3_next": Qwen3Next,
     "bamba": Bamba,  # recurrent layers: engines that keep `model.State`s only (load_model's `states`)
 }
 

@@ -33,12 +33,26 @@ def sdpa(q, k, v, mask, scale: float | None, enable_gqa: bool = False):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa)
 
 
+@torch.library.custom_op("reference_impls::matmul", mutates_args=())
+def matmul(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x [..., m, k] @ y [..., k, n], y's leading dims broadcast to x's, as an opaque op: inductor lowers a batched
+    matmul to a bmm whose lowering guards on whether a size the compiled engines leave unbacked is 1
+    (`is_preferred_layout_as_bmm_input`: "Could not guard on data-dependent expression Eq(u1, 1)"); here eager's
+    kernel runs, in eager's rounding."""
+    return torch.matmul(x, y).contiguous()
+
+
+@matmul.register_fake
+def _(x, y):
+    return x.new_empty((*x.shape[:-1], y.shape[-1]))
+
+
 class UnsupportedModel(ModelNotSupported):
     """The checkpoint's architecture or options are outside what the reference models implement."""
 
 
 SLIDING, FULL = "sliding_attention", "full_attention"  # transformers' layer_types names
-STATE = "linear_attention"  # a recurrent layer (bamba.py's Mamba2): a state per row, no K/V
+STATE = "linear_attention"  # a recurrent layer (bamba.py's Mamba2, qwen3_next.py's Gated DeltaNet): a state per row
 
 
 def layer_types(config) -> list[str]:
@@ -128,8 +142,8 @@ def attention_mask(q_pos, k_pos, k_real, window: int | None = None):
 
 
 class State(NamedTuple):
-    """A recurrent layer's cache (bamba.py): per row, whatever the length, the conv's last K-1 inputs [b, K-1,
-    channels] in the model's dtype and the recurrent state [b, heads, head_dim, state] in float32."""
+    """A recurrent layer's cache (bamba.py, qwen3_next.py): per row, whatever the length, the conv's last K-1 inputs
+    [b, K-1, channels] in the model's dtype and the recurrent state [b, heads, ...] in float32."""
 
     conv: torch.Tensor
     ssm: torch.Tensor

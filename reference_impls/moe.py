@@ -92,16 +92,22 @@ class Experts(nn.Module):
         state[prefix + "down_proj"] = torch.stack(rows["down"])
 
     def forward(self, x, weights):
-        """x [tokens, hidden], weights [tokens, experts] (`dense`) -> [tokens, hidden]."""
-        if self.transposed:
-            gate_up = torch.einsum("nh,ehi->nei", x, self.gate_up_proj) + self.gate_up_proj_bias
-            gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
-            inner = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            out = torch.einsum("nei,eih->neh", inner, self.down_proj) + self.down_proj_bias
-        else:
-            gate, up = torch.einsum("nh,eih->nei", x, self.gate_up_proj).chunk(2, dim=-1)
-            out = torch.einsum("nei,ehi->neh", self.act(gate) * up, self.down_proj)
-        return (out * weights.to(out.dtype)[..., None]).sum(dim=1)
+        """x [tokens, hidden], weights [tokens, experts] (`dense`) -> [tokens, hidden]: each expert as its own
+        matmuls (an einsum over the experts lowers to a bmm, whose inductor lowering guards on whether a compiled
+        engine's unbacked token count is 1 and fails)."""
+        weights = weights.to(x.dtype)
+        out = None
+        for e in range(self.experts):
+            if self.transposed:
+                gate_up = x @ self.gate_up_proj[e] + self.gate_up_proj_bias[e]
+                gate, up = gate_up[..., ::2].clamp(max=self.limit), gate_up[..., 1::2].clamp(-self.limit, self.limit)
+                y = ((up + 1) * (gate * torch.sigmoid(gate * self.alpha))) @ self.down_proj[e] + self.down_proj_bias[e]
+            else:
+                gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+                y = F.linear(self.act(gate) * up, self.down_proj[e])
+            y = y * weights[:, e, None]
+            out = y if out is None else out + y
+        return out
 
 
 __all__ = ["Experts", "dense", "grouped_sigmoid", "softmax_top_k", "top_k_softmax"]

@@ -21,13 +21,13 @@ Prefix caching (`BlockManager`):
 - Registered blocks are never written: a call writes only past its cached prefix, into its fresh blocks and its
   copy. What a hit reads is what the registering call wrote.
 
-States (a hybrid model's recurrent layers, bamba.py): a state cannot be sliced to a prefix, so a prefix hit resumes
-from a snapshot (vLLM's and SGLang's mamba prefix caches): each block keeps the states after its last position, taken
-when a sequence computes past it. A hit on such a model ends at its last whole block (no copy-on-write part: there is
-no state to resume from inside a block), the prompt is prefilled block by block from there (each chunk ends on a block
-boundary, where its snapshot is taken), and the decode takes one when a sequence fills a block. A sequence's live
-states are its own (a fresh one's zeros, a hit's a copy of the snapshot), dropped when the call ends: what stays is
-the block pool and one state slot per block (`KVLayout(state_slots=num_blocks)`).
+States (a hybrid model's recurrent layers, bamba.py and qwen3_next.py): a state cannot be sliced to a prefix, so a
+prefix hit resumes from a snapshot (vLLM's and SGLang's mamba prefix caches): each block keeps the states after its last
+position, taken when a sequence computes past it. A hit on such a model ends at its last whole block (no copy-on-write
+part: there is no state to resume from inside a block), the prompt is prefilled block by block from there (each chunk
+ends on a block boundary, where its snapshot is taken), and the decode takes one when a sequence fills a block. A
+sequence's live states are its own (a fresh one's zeros, a hit's a copy of the snapshot), dropped when the call ends:
+what stays is the block pool and one state slot per block (`KVLayout(state_slots=num_blocks)`).
 
 Compiles: one function, `step`, serves the prefill of each prompt (alone: each has its own cached prefix) and the
 batched decode; batch, new tokens and keys are `mark_unbacked` (as in compiled_dynamic.py): one compile. Decode rows

@@ -15,9 +15,9 @@ longest row: on one row, a crop. After a call each row holds its prompt + max_ne
 longest no padding: KVLayout("dynamic"), as compiled_dynamic.py. Rows keeping different lengths in one step stay one
 left-padded batch.
 
-Rollback of a recurrent state (a hybrid model's Mamba2 layers, bamba.py): a state cannot be cropped, so the verify
-step keeps the state after each of its new tokens (`model.StateSteps`) and each row goes on from the one after its
-kept tokens (vLLM's speculative decoding over mamba states keeps the per-token states the same way); the rejected
+Rollback of a recurrent state (a hybrid model's Mamba2 or Gated DeltaNet layers): a state cannot be cropped, so the
+verify step keeps the state after each of its new tokens (`model.StateSteps`) and each row goes on from the one after
+its kept tokens (vLLM's speculative decoding over mamba states keeps the per-token states the same way); the rejected
 drafts never reach it. A draft model on such a model keeps its states after each token it ran in the step (its
 snapshots) and resumes from the one at the shared prefix, or runs the whole context again where it has none.
 

@@ -1,7 +1,8 @@
-"""The references on a hybrid model (issue 70): reference_impls/bamba.py's Mamba2 layers keep a `model.State` beside
-the attention layers' K/V, in ref-compiled-dynamic and in ref-chunked-prefill (reference_impls/chunked_prefill.py),
-checked here against transformers' own Bamba in float64; the suites judge both engines on `bamba` (CI's served job,
-under inductor)."""
+"""The references on the hybrid models (issue 70): reference_impls/bamba.py's Mamba2 layers and qwen3_next.py's Gated
+DeltaNet layers keep a `model.State` beside the attention layers' K/V, in ref-compiled-dynamic, ref-chunked-prefill
+(reference_impls/chunked_prefill.py), ref-paged-prefix (snapshots per block) and ref-speculative (a state after
+each verified token), checked here against transformers' own models in float64; the suites judge the engines on
+`bamba` and `qwen3-next` (CI's served job, under inductor)."""
 
 import os
 
@@ -17,25 +18,37 @@ from pytest_kvcompile.recompiles.recorder import CompileRecorder  # noqa: E402
 from reference_impls.chunked_prefill import ChunkedPrefill  # noqa: E402
 from reference_impls.compile import left_pad  # noqa: E402
 from reference_impls.loader import load_model  # noqa: E402
-from reference_impls.model import State, StateSteps  # noqa: E402
+from reference_impls.model import STATE, State, StateSteps  # noqa: E402
 from reference_impls.paged_prefix import PagedPrefixCache  # noqa: E402
+from reference_impls.qwen3_next import gated_delta  # noqa: E402
 from reference_impls.static_cache import StaticCache  # noqa: E402
 
 #: float32 against float64: the largest logit error measured on these prompts was 1.0e-4 of the largest logit (7.3e-6
-#: relative); a scan that loses D, the decay or the carried state is off by orders of magnitude
+#: relative on bamba, 7.6e-6 on qwen3-next); a scan that loses D, the decay, beta or the carried state is off by
+#: orders of magnitude
 TOLERANCE = 2e-5
+
+
+def spec(name: str, tmp_path_factory) -> ModelSpec:
+    path = zoo.checkpoint(name, tmp_path_factory.mktemp("zoo"))
+    return ModelSpec(name, path, AutoConfig.from_pretrained(path))
 
 
 @pytest.fixture(scope="module")
 def bamba(tmp_path_factory) -> ModelSpec:
-    path = zoo.checkpoint("bamba", tmp_path_factory.mktemp("zoo"))
-    return ModelSpec("bamba", path, AutoConfig.from_pretrained(path))
+    return spec("bamba", tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
-def truth(bamba):
-    """Every position's logits [t, vocab] of one prompt, transformers' Bamba in float64 (positions passed)."""
-    model = AutoModelForCausalLM.from_pretrained(bamba.path, dtype=torch.float64).eval()
+@pytest.fixture(scope="module", params=["bamba", "qwen3-next"])
+def hybrid(request, tmp_path_factory) -> ModelSpec:
+    return spec(request.param, tmp_path_factory)
+
+
+def truth(hybrid: ModelSpec):
+    """Every position's logits [t, vocab] of one prompt, transformers' model in float64 (positions passed; experts
+    one by one: the grouped kernel refuses float64)."""
+    model = AutoModelForCausalLM.from_pretrained(hybrid.path, dtype=torch.float64,
+                                                 experts_implementation="eager").eval()
 
     @torch.no_grad()
     def run(ids: list[int]):
@@ -51,24 +64,27 @@ def close(got, want):
 
 
 @torch.no_grad()
-def test_the_reference_computes_what_transformers_does_whole_chunked_stepwise_and_padded(bamba, truth):
-    model = load_model(bamba, states=True)
+def test_the_reference_computes_what_transformers_does_whole_chunked_stepwise_and_padded(hybrid):
+    model, run = load_model(hybrid, states=True), truth(hybrid)
+    recurrent = [kind == STATE for kind in model.layer_types]
     ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(0)).tolist()
-    want = truth(ids)
+    want = run(ids)
     tokens, valid = torch.tensor([ids]), torch.ones(1, 40, dtype=torch.bool)
     whole, _ = model(tokens, valid, every=True)
     close(whole[0], want)
     _, cache = model(tokens[:, :16], valid[:, :16])  # a chunk boundary inside the conv window, then another
-    assert [type(entry) for entry in cache] == [State, tuple, State, tuple]
-    assert all(entry.conv.shape[1] == 3 and entry.ssm.dtype == torch.float for entry in cache[::2])  # K-1; float32
+    assert [isinstance(entry, State) for entry in cache] == recurrent
+    states = [entry for entry in cache if isinstance(entry, State)]
+    assert all(entry.conv.shape[1] == 3 and entry.ssm.dtype == torch.float for entry in states)  # K-1; float32
     second, steps = model(tokens[:, 16:32], valid[:, :32], cache, every=True)
     close(second[0], want[16:32])
     # a verify step's states after each of its tokens: the one after token j is the state 17 + j tokens leave
-    assert [type(entry) for entry in steps] == [StateSteps, tuple, StateSteps, tuple]
+    assert [isinstance(entry, StateSteps) for entry in steps] == recurrent
     _, upto = model(tokens[:, :21], valid[:, :21])
-    for got, want_state in zip(steps[::2], upto[::2]):
-        for x, y in zip(got.at(torch.tensor([4])), want_state):
-            assert (x - y).abs().max() <= 1e-5 * y.abs().max(), (x - y).abs().max()
+    for got, want_state in zip(steps, upto):
+        if isinstance(got, StateSteps):
+            for x, y in zip(got.at(torch.tensor([4])), want_state):
+                assert (x - y).abs().max() <= 1e-5 * y.abs().max(), (x - y).abs().max()
     cache = [entry.at(torch.tensor([15])) if isinstance(entry, StateSteps) else entry for entry in steps]
     for i in range(32, 40):
         step, cache = model(tokens[:, i:i + 1], valid[:, :i + 1], cache)
@@ -77,7 +93,42 @@ def test_the_reference_computes_what_transformers_does_whole_chunked_stepwise_an
     padded, valid = left_pad([ids, short], "cpu")
     both, _ = model(padded, valid)
     close(both[0], want[-1])
-    close(both[1], truth(short)[-1])
+    close(both[1], run(short)[-1])
+
+
+@torch.no_grad()
+def test_the_unrolled_delta_rule_is_the_token_by_token_recurrence():
+    """`gated_delta` over t tokens at once against the rule applied token by token (float64), from zeros and from a
+    state, its state after every token too; one term dropped (the decay, beta, the delta's read of the state) is
+    far off."""
+    gen = torch.Generator().manual_seed(0)
+    b, t, h, d = 2, 24, 3, 8
+    q, k = (torch.nn.functional.normalize(torch.randn(b, t, h, d, generator=gen, dtype=torch.float64), dim=-1)
+            for _ in range(2))
+    v = torch.randn(b, t, h, d, generator=gen, dtype=torch.float64)
+    g, beta = -torch.rand(b, t, h, generator=gen, dtype=torch.float64), torch.rand(b, t, h, generator=gen,
+                                                                                  dtype=torch.float64)
+    start = torch.randn(b, h, d, d, generator=gen, dtype=torch.float64)
+
+    def recurrence(state, g=g, beta=beta, read=1.0):
+        outs, after = [], []
+        for i in range(t):
+            state = state * g[:, i].exp()[..., None, None]
+            u = (v[:, i] - read * (state * k[:, i, ..., None]).sum(-2)) * beta[:, i, :, None]
+            state = state + k[:, i, ..., None] * u[..., None, :]
+            outs.append((state * q[:, i, ..., None]).sum(-2))
+            after.append(state)
+        return torch.stack(outs, 1), torch.stack(after, 1)
+
+    for state in (None, start):
+        want, every = recurrence(torch.zeros_like(start) if state is None else state)
+        out, last = gated_delta(q, k, v, g, beta, None if state is None else state.float())
+        _, steps = gated_delta(q, k, v, g, beta, None if state is None else state.float(), every=True)
+        assert (out - want).abs().max() < 1e-5 and (last - every[:, -1]).abs().max() < 1e-5
+        assert (steps - every).abs().max() < 1e-5
+    for wrong in (recurrence(start, g=torch.zeros_like(g))[0], recurrence(start, beta=torch.ones_like(beta))[0],
+                  recurrence(start, read=0.0)[0]):
+        assert (gated_delta(q, k, v, g, beta, start.float())[0] - wrong).abs().max() > 1e-2
 
 
 def test_chunked_prefill_compiles_twice_then_never(bamba):
