@@ -227,3 +227,10 @@ class Qwen3Next(Llama):
                                    "supported")
         super().__init__(config)
         self.layer_types, self.window = kinds, None
+        self._register_load_state_dict_pre_hook(self._drop_mtp)
+
+    @staticmethod
+    def _drop_mtp(state, prefix, *_):
+        """Hub checkpoints also hold the multi-token-prediction head (`mtp.*`), which transformers ignores too."""
+        for name in [name for name in state if name.startswith(prefix + "mtp.")]:
+            del state[name]
