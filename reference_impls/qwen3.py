@@ -53,13 +53,18 @@ class SparseMoe(nn.Module):
         return self.experts(flat, self.gate(flat)).view_as(x)
 
 
+def sparse(config, layer: int) -> bool:
+    """Is layer `layer`'s MLP routed experts (Qwen3-MoE's rule, Qwen3-Next's too): the config has experts, the layer
+    is not in `mlp_only_layers` and (layer + 1) is a multiple of `decoder_sparse_step`."""
+    return bool(getattr(config, "num_experts", 0)) and layer not in (getattr(config, "mlp_only_layers", None) or []) \
+        and (layer + 1) % getattr(config, "decoder_sparse_step", 1) == 0
+
+
 class Qwen3Block(Block):
     attention = Qwen3Attention
 
     def feed_forward(self, config, layer: int) -> nn.Module:
-        sparse = getattr(config, "num_experts", 0) and layer not in (getattr(config, "mlp_only_layers", None) or []) \
-            and (layer + 1) % getattr(config, "decoder_sparse_step", 1) == 0
-        return SparseMoe(config) if sparse else MLP(config)
+        return SparseMoe(config) if sparse(config, layer) else MLP(config)
 
 
 class Qwen3(Llama):

@@ -40,8 +40,7 @@ from reference_impls.model import (
     activation,
     apply_rope,
 )
-from reference_impls.moe import Experts
-from reference_impls.qwen3 import Router
+from reference_impls.qwen3 import SparseMoe, sparse
 from reference_impls.recurrent import causal_conv, contract, segment_sum, unit_lower_solve
 
 
@@ -175,22 +174,18 @@ class Qwen3NextAttention(Attention):
         return self.o_proj(y * torch.sigmoid(gate))
 
 
-class SparseMoe(nn.Module):
-    """`mlp`: the routed experts plus the shared expert times sigmoid(`shared_expert_gate`)."""
+class SharedExpertMoe(SparseMoe):
+    """`mlp`: Qwen3-MoE's routed experts plus the shared expert times sigmoid(`shared_expert_gate`)."""
 
     def __init__(self, config):
-        super().__init__()
-        self.gate = Router(config)
-        self.experts = Experts(config.num_experts, config.hidden_size, config.moe_intermediate_size,
-                               config.hidden_act)
+        super().__init__(config)
         self.shared_expert = MLP(config, inner=config.shared_expert_intermediate_size)
         self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def forward(self, x):
         flat = x.reshape(-1, x.size(-1))
-        routed = self.experts(flat, self.gate(flat))
         shared = torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-        return (routed + shared).view_as(x)
+        return super().forward(x) + shared.view_as(x)
 
 
 class Qwen3NextBlock(nn.Module):
@@ -203,9 +198,7 @@ class Qwen3NextBlock(nn.Module):
         else:
             self.self_attn = Qwen3NextAttention(config)
         self.post_attention_layernorm = Gemma3RMSNorm(config.hidden_size, config.rms_norm_eps)
-        sparse = getattr(config, "num_experts", 0) and layer not in (config.mlp_only_layers or []) \
-            and (layer + 1) % config.decoder_sparse_step == 0
-        self.mlp = SparseMoe(config) if sparse else MLP(config)
+        self.mlp = SharedExpertMoe(config) if sparse(config, layer) else MLP(config)
 
     def forward(self, x, rope, mask, cache, layer: int):
         h = self.input_layernorm(x)
