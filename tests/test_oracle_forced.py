@@ -55,3 +55,37 @@ def test_a_run_finding_its_judgments_in_the_store_loads_no_oracle_model(zoo_cach
     rows = stored.reference(prompt, 8).given(tokens, 1e-3)
     assert tuple(rows.argmax(-1).tolist()) == tokens and stored._checked  # judged and self-checked...
     assert "model" not in vars(later) and "model" not in vars(stored._independent[0])  # ...from the store alone
+
+
+def test_a_calibration_another_process_is_computing_is_waited_for_not_computed_twice(zoo_cache, tmp_path):
+    """Two xdist workers (or two runs) on one store needing the same 16-bit calibration: the second waits for the
+    first's claim (store.DiskMemo.claimed, a lock file beside the entry) and loads its result. Two oracles in two
+    threads here: each claim is its own open file, so they exclude each other as two processes' would."""
+    import threading
+
+    path = zoo.checkpoint("llama", zoo_cache)
+    spec = ModelSpec("llama", path, AutoConfig.from_pretrained(path))
+    first, second = (StoredOracle(HFEagerOracle(spec), Strategy(), spec, 1e-3, tmp_path) for _ in range(2))
+    key, computed, started, release = ("noise", "test"), [], threading.Event(), threading.Event()
+
+    def slow():
+        started.set()
+        release.wait(10)
+        computed.append("first")
+        return {"scale": 1.0}
+
+    thread = threading.Thread(target=lambda: first._cached(key, slow, claim=True))
+    thread.start()
+    assert started.wait(10)
+    answers = []
+    waiter = threading.Thread(target=lambda: answers.append(
+        second._cached(key, lambda: computed.append("second") or {"scale": 2.0}, claim=True)))
+    waiter.start()
+    waiter.join(0.5)
+    assert waiter.is_alive() and not answers  # waiting on the first's claim, not computing
+    release.set()
+    thread.join(10)
+    waiter.join(10)
+    assert computed == ["first"] and answers == [{"scale": 1.0}]
+    # an unclaimed key (a reference: cheap, computed where it is missing) does not wait
+    assert second._cached(("other",), lambda: 3) == 3

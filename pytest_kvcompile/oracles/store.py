@@ -5,7 +5,9 @@ Disk cache: every greedy reference and teacher-forced run is stored under ``<cac
 oracle's fingerprint (oracle class and its source code, the hash of the code under models/ and oracles/, strategy,
 checkpoint contents, device, dtype, torch and transformers versions) and the call's tokens, so workers (``-n``) and
 later runs reuse them: an edit to any file there computes them anew. Files are written to a temporary name and
-renamed (race-safe under xdist).
+renamed (race-safe under xdist). A calibration (16-bit noise, a stored-lower KV's noise, routers, eviction scores) is
+claimed while computed (`DiskMemo.claimed`): a second process needing it waits and loads it rather than measuring it
+again beside the first on the same cores.
 
 Judging along the engine's tokens (issue 54): an exact transformers oracle teacher-forces in one forward
 (``one_forward``), so `reference` gives a `LazyReference`: the verdict reads the oracle's logits along the engine's own
@@ -30,6 +32,7 @@ docs/gpu-results.md), while a cache bug moves logits by whole units.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -37,12 +40,18 @@ import inspect
 import os
 import sys
 import tempfile
+import time
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no advisory locks; concurrent processes may compute a calibration twice)
+    fcntl = None
 
 from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import COULD_NOT_RUN, OracleUnavailable, OracleUnreliable, UsageError
@@ -62,6 +71,8 @@ from pytest_kvcompile.verdicts.rows import OracleFacts
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
 #: bfloat16 from data: the bfloat16 oracle's own tokens trailed its float64 path by up to 0.766 (H100,
 #: docs/gpu-results.md).
+#: how long a process waits for another computing the same calibration (`DiskMemo.claimed`) before computing it too
+CLAIM_WAIT_S = 900.0
 ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 1.0}
 
 
@@ -137,6 +148,36 @@ class DiskMemo:
         except (OSError, RuntimeError, EOFError, ValueError):
             return None
 
+    @contextlib.contextmanager
+    def claimed(self, key: tuple) -> Iterator[None]:
+        """Held while this process computes `key`: another process (an xdist worker, a run beside this one) computing
+        the same key waits here and then loads the result, instead of computing it twice (a 16-bit calibration: 15-40 s
+        on 2 cores). An advisory lock on a file beside the entry, released when the holder ends or dies; waiting stops
+        after `CLAIM_WAIT_S` (the key is then computed here too, as without a lock), and where no lock can be taken
+        (no fcntl, a read-only store) nothing waits."""
+        if self.root is None or fcntl is None:
+            yield
+            return
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self._path(key).with_suffix(".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            yield
+            return
+        try:
+            deadline = time.monotonic() + CLAIM_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        break
+                    time.sleep(0.2)
+            yield
+        finally:
+            os.close(fd)  # (closing releases the lock)
+
     def save(self, key: tuple, value: Any) -> None:
         if self.root is None:
             return
@@ -185,7 +226,8 @@ class StoredOracle:
             return
         self.oracle.guided_by(spec, self.strategy)  # its 16-bit oracle also measures the noise (built on a miss only)
         found = self._cached(("score_noise", _PRECISION, dtype_name(spec.dtype)),
-                             lambda: calibrate_scores(spec, self.strategy, self.oracle, self.oracle.guide()).to_dict())
+                             lambda: calibrate_scores(spec, self.strategy, self.oracle, self.oracle.guide()).to_dict(),
+                             claim=True)
         self.score_noise = ScoreNoise.from_dict(found)
         self.oracle.eviction_tie_tolerance = self.score_noise.tolerance
 
@@ -208,13 +250,19 @@ class StoredOracle:
             raise AttributeError(name)
         return getattr(self.oracle, name)
 
-    def _cached(self, key: tuple, compute) -> Any:
+    def _cached(self, key: tuple, compute, claim: bool = False) -> Any:
+        """`compute()` under `key`, memoized in memory and on disk; `claim`: a calibration, computed by one process at a
+        time (`DiskMemo.claimed`: the others wait and load it). Calibrations do not claim each other's keys in a
+        cycle (a KV calibration reads references, never another calibration), so claims cannot deadlock."""
         if key not in self._memo:
             found = self._disk.load(key)
             if found is None:
-                found = self._ran(key[0], compute)
-                self._disk.save(key, found)
-                self._measured.add(key)
+                with self._disk.claimed(key) if claim else contextlib.nullcontext():
+                    found = self._disk.load(key) if claim else None
+                    if found is None:
+                        found = self._ran(key[0], compute)
+                        self._disk.save(key, found)
+                        self._measured.add(key)
             self._memo[key] = found
         return self._memo[key]
 
@@ -309,7 +357,8 @@ class StoredOracle:
             return routing.calibrate(spec.name, dtype_name(spec.dtype), self.oracle.model, self.computations.base,
                                      sequences, spec.device, precision.NOISE_FACTOR, precision.QUANTILE).to_dict()
 
-        return routing.RouterNoise.from_dict(self._cached(("router_noise", _ROUTING, _PRECISION), compute))
+        return routing.RouterNoise.from_dict(self._cached(("router_noise", _ROUTING, _PRECISION), compute,
+                                                               claim=True))
 
     def routes(self, prompt: Sequence[int], tokens: Sequence[int], step: int) -> list[tuple[routing.Decision, Any]]:
         """The truth at `step` along prompt + `tokens` with one near-tied routing decision taken the other way
@@ -356,13 +405,13 @@ class StoredOracle:
         key, or the whole calibration where the store holds it and not the limited one (a nightly run's recording
         serves a smoke run): whichever the store holds first stays the one used, so verdicts do not change with it."""
         if limited is None:
-            return self._cached(key, compute)
+            return self._cached(key, compute, claim=True)
         own = (*key, "up to", limited)
         if own not in self._memo and self._disk.load(own) is None:
             whole = self._memo.get(key) or self._disk.load(key)
             if whole is not None:
                 self._memo[own] = whole
-        return self._cached(own, compute)
+        return self._cached(own, compute, claim=True)
 
     @property
     def _memoized(self) -> Any:
