@@ -71,9 +71,9 @@ from pytest_kvcompile.verdicts.rows import OracleFacts
 #: How far behind the independent path's best the oracle's own token may be, per dtype (module docstring).
 #: bfloat16 from data: the bfloat16 oracle's own tokens trailed its float64 path by up to 0.766 (H100,
 #: docs/gpu-results.md).
+ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 1.0}
 #: how long a process waits for another computing the same calibration (`DiskMemo.claimed`) before computing it too
 CLAIM_WAIT_S = 900.0
-ORACLE_CHECK_TOLERANCE = {"float32": 1e-3, "float64": 1e-6, "float16": 0.25, "bfloat16": 1.0}
 
 
 _PRECISION = hashlib.sha256((inspect.getsource(precision) + inspect.getsource(equivalent)).encode()).hexdigest()[
@@ -151,7 +151,7 @@ class DiskMemo:
     @contextlib.contextmanager
     def claimed(self, key: tuple) -> Iterator[None]:
         """Held while this process computes `key`: another process (an xdist worker, a run beside this one) computing
-        the same key waits here and then loads the result, instead of computing it twice (a 16-bit calibration: 15-40 s
+        the same key waits here and then loads the result, instead of computing it twice (a 16-bit calibration: 15-140 s
         on 2 cores). An advisory lock on a file beside the entry, released when the holder ends or dies; waiting stops
         after `CLAIM_WAIT_S` (the key is then computed here too, as without a lock), and where no lock can be taken
         (no fcntl, a read-only store) nothing waits."""
