@@ -2,6 +2,8 @@
 same function as its greedy loop's steps: on every zoo layout the rows agree to rounding, and a run's store hands out
 references that decode the greedy loop only where something reads it (oracles/store.py)."""
 
+import threading
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -61,8 +63,6 @@ def test_a_calibration_another_process_is_computing_is_waited_for_not_computed_t
     """Two xdist workers (or two runs) on one store needing the same 16-bit calibration: the second waits for the
     first's claim (store.DiskMemo.claimed, a lock file beside the entry) and loads its result. Two oracles in two
     threads here: each claim is its own open file, so they exclude each other as two processes' would."""
-    import threading
-
     path = zoo.checkpoint("llama", zoo_cache)
     spec = ModelSpec("llama", path, AutoConfig.from_pretrained(path))
     first, second = (StoredOracle(HFEagerOracle(spec), Strategy(), spec, 1e-3, tmp_path) for _ in range(2))
