@@ -1,6 +1,7 @@
 """The equivalent 16-bit computations the noise is measured over (oracles/precision.py's module docstring, "The
 noise"): transformers in the run's dtype with its cache, without one, in a left-padded batch, with the prompt prefilled
-in chunks (`Computations`); and a KV cache stored lower (`KVComputation`, `kv_round`)."""
+in chunks, and on a model with latent attention that attention absorbed, with its cache (`Computations`,
+oracles/absorbed.py); and a KV cache stored lower (`KVComputation`, `kv_round`)."""
 
 from __future__ import annotations
 
@@ -20,20 +21,23 @@ from pytest_kvcompile.recompiles.hooks import attention_kernel
 CHUNK = 5  # prefill chunk of the chunked computation
 COMPANION = 7  # tokens the left-padded computation's companion sequence is longer by
 COMPUTATIONS = ("eager, cache", "sdpa, no cache", "sdpa, left-padded batch", "eager, chunked prefill")
+ABSORBED = "absorbed latent attention, cache"  # a fifth on models with latent layers (oracles/absorbed.py)
 KV_GROUP = 32  # values per quantization group along head_dim in the integer KV simulation (llama.cpp's q8_0 block)
 
 
 class Computations:
     """The equivalent 16-bit computations (`COMPUTATIONS`) of `spec` (its own dtype and device). A model transformers
     gives no SDPA path (GPT-OSS: its sinks) computes the no-cache and padded ones with its eager kernel: other
-    roundings still (other shapes, other reductions), one attention family (`family_spread`)."""
+    roundings still (other shapes, other reductions), one attention family (`family_spread`). A model with latent
+    attention (MLA) adds `ABSORBED`: decoded through its cache as serving engines decode it (oracles/absorbed.py)."""
 
     def __init__(self, spec: ModelSpec):
         self.spec = spec
 
     @property
     def names(self) -> tuple[str, ...]:
-        return COMPUTATIONS if self.sdpa is not self.eager else tuple(n.replace("sdpa", "eager") for n in COMPUTATIONS)
+        names = COMPUTATIONS if self.sdpa is not self.eager else tuple(n.replace("sdpa", "eager") for n in COMPUTATIONS)
+        return names + ((ABSORBED,) if self.absorbed is not None else ())
 
     @functools.cached_property
     def base(self) -> Any:
@@ -69,6 +73,13 @@ class Computations:
         return _Switched(self.base, kernel, home)
 
     @functools.cached_property
+    def absorbed(self) -> Any:
+        """The base model with its latent attention absorbed (oracles/absorbed.py), None where it has none."""
+        from pytest_kvcompile.oracles.absorbed import absorbed
+
+        return absorbed(self.base)
+
+    @functools.cached_property
     def routed(self) -> bool:
         """Whether the model routes tokens to experts (oracles/routing.py): its computations can be `pinned`."""
         return bool(routing.blocks(self.base))
@@ -80,13 +91,15 @@ class Computations:
         the float64 truth does (routing.Pinned), so the rows differ from the truth's by rounding alone."""
         prompt, tokens = [int(t) for t in prompt], [int(t) for t in tokens]
         if not tokens:
-            return torch.empty(len(COMPUTATIONS), 0, self.spec.vocab_size, dtype=torch.float64)
+            return torch.empty(len(self.names), 0, self.spec.vocab_size, dtype=torch.float64)
         with contextlib.ExitStack() as stack:
             if pinned and self.routed:
                 chosen = routing.truth_routing(Widened(self.base), prompt + tokens[:-1], self.spec.device)
                 stack.enter_context(routing.Pinned(self.base, chosen))
             rows = [self._cached(self.eager, [prompt], tokens), self._whole(self.sdpa, prompt, tokens),
                     self._padded(self.sdpa, prompt, tokens), self._cached(self.eager, _chunks(prompt), tokens)]
+            if self.absorbed is not None:
+                rows.append(self._cached(self.absorbed, [prompt], tokens))
         return torch.stack([r.double().cpu() for r in rows])
 
     def _ids(self, ids) -> torch.Tensor:

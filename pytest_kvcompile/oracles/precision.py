@@ -259,11 +259,11 @@ class Noise:
         oracle = self.per_computation.get(COMPUTATIONS[0], {})
         routed = "; the scale with every token routed as the truth routes (routing near ties: alternatives)" \
             if self.routed else ""
+        counted = len(self.per_computation) or len(COMPUTATIONS)
         return (f"{self.dtype} noise of '{self.model}': scale {self.scale:.3g} (p99 of the error on top-{TOP} logit "
-                f"differences of {len(COMPUTATIONS)} equivalent computations vs float64 over {self.positions} "
-                f"positions{self._lengths}; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = "
-                f"{NOISE_FACTOR:g} x scale (or x the noise at the position), flip rate {self.flip_rate:.1%}"
-                f"{routed}; "
+                f"differences of {counted} equivalent computations vs float64 over {self.positions} positions"
+                f"{self._lengths}; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = {NOISE_FACTOR:g} x "
+                f"scale (or x the noise at the position), flip rate {self.flip_rate:.1%}{routed}; "
                 f"transformers' own {self.dtype} path flips vs the truth at {int(oracle.get('flips', 0))}/"
                 f"{self.positions} positions (verdicts use the truth)")
 

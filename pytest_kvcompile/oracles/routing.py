@@ -18,11 +18,14 @@ within it is near-tied.
 
 **The alternatives.** Where an engine's token is not a near tie of the truth by the logit rule, the verdict asks for
 the truth's alternatives (`alternatives`: the truth over the engine's own prefix with ONE near-tied decision taken the
-other way, at most MAX_ALTERNATIVES: the judged position's own decisions, then the others nearest first): if the
-engine's token is a near tie of one of them (the same rule, its local term measured against the truth's own row), the
-divergence is a near tie too, and the message names the swap (layer, position, experts). Routing bugs change many
-decisions by far more than the tolerance (bias ignored, renormalisation missing, a shared expert dropped) and stay
-failures; the tests' twins show both sides.
+other way, at most MAX_ALTERNATIVES: the judged position's own decisions, then the others nearest first; then CHAINS:
+one of those swaps and a decision at the judged position that is near-tied in the swapped forward, at most
+MAX_CHAINS. A group taken the other way puts other experts in the running, and a near tie among them is a second
+coin flip a correct engine may lose too: seen under inductor on deepseek-v3 in bfloat16, margins 0.037 then 0.008
+within a tolerance of 0.044): if the engine's token is a near tie of one of them (the same rule, its local term
+measured against the truth's own row), the divergence is a near tie too, and the message names the swaps (layer,
+position, experts). Routing bugs change many decisions by far more than the tolerance (bias ignored, renormalisation
+missing, a shared expert dropped) and stay failures; the tests' twins show both sides.
 
 **The 16-bit scale.** A correct 16-bit computation that routes one token the other way is off by whole logits from
 then on: left in the noise, those swaps made the tie tolerance of a mixture-of-experts model 10x a dense one's (6-12
@@ -44,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from pytest_kvcompile.models.checkpoints import cache_keyword
 
 MAX_ALTERNATIVES = 32  # near-tied decisions one divergence's alternatives take (the nearest first)
+MAX_CHAINS = 8  # two-decision alternatives beside them (`alternatives`): the second near-tied once the first is taken
 CALIBRATION_PROMPTS = 16  # calibration prompts (precision.CALIBRATION's first block) the router noise is measured on
 
 
@@ -73,6 +77,25 @@ class Decision:
 
 
 @dataclasses.dataclass(frozen=True)
+class Route:
+    """The truth's routing with near-tied decisions taken the other way: one, or a chain of two whose second is
+    near-tied only once the first is taken (`alternatives`)."""
+
+    swaps: tuple[Decision, ...]
+
+    def describe(self) -> str:
+        first, *then = self.swaps
+        return first.describe() + "".join(f", then {d.describe()} once that is taken" for d in then)
+
+    def to_list(self) -> list[dict[str, Any]]:
+        return [dataclasses.asdict(d) for d in self.swaps]
+
+    @classmethod
+    def from_list(cls, data: Sequence[dict[str, Any]]) -> Route:
+        return cls(tuple(Decision(**d) for d in data))
+
+
+@dataclasses.dataclass(frozen=True)
 class RouterNoise:
     """The measured noise of a model's routers in one 16-bit dtype (module docstring)."""
 
@@ -80,8 +103,8 @@ class RouterNoise:
     dtype: str
     scale: float  # QUANTILE of the margin errors
     max_error: float
-    decisions: int  # decisions measured (rounding alone: `_margin_errors`)
-    flips: int  # decisions the 16-bit computation took the other way
+    decisions: int  # margins measured, every computation's (rounding alone: `_margin_errors`)
+    flips: int  # decisions the noisiest 16-bit computation took the other way
     factor: float
 
     @property
@@ -96,9 +119,9 @@ class RouterNoise:
         return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
 
     def describe(self) -> str:
-        return (f"{self.dtype} router noise of '{self.model}': p99 error {self.scale:.3g} on the margins of "
-                f"{self.decisions} routing decisions (max {self.max_error:.3g}), tolerance {self.tolerance:.3g}; the "
-                f"{self.dtype} computation routed {self.flips} of them the other way")
+        return (f"{self.dtype} router noise of '{self.model}': p99 error {self.scale:.3g} on {self.decisions} "
+                f"routing-decision margins (max {self.max_error:.3g}), tolerance {self.tolerance:.3g}; the noisiest "
+                f"{self.dtype} computation routed {self.flips} decisions the other way")
 
 
 def blocks(model: Any) -> dict[int, str]:
@@ -114,11 +137,12 @@ def blocks(model: Any) -> dict[int, str]:
 
 class Routes(TorchFunctionMode):
     """While active over a forward of `model`: records every top-k of its blocks (`calls`: (block, call, scores,
-    indices)), and takes `swap` (a `Decision`) the other way."""
+    indices)), and takes `swap` (a `Decision`, or a `Route`'s several) the other way."""
 
-    def __init__(self, model: Any, swap: Decision | None = None):
+    def __init__(self, model: Any, swap: Decision | Route | None = None):
         super().__init__()
-        self.swap, self.calls = swap, []
+        self.swaps = swap.swaps if isinstance(swap, Route) else () if swap is None else (swap,)
+        self.calls = []
         self._names = blocks(model)
         root = getattr(model, "model", model) if not isinstance(model, torch.nn.Module) else model
         self._modules = [m for m in root.modules() if id(m) in self._names]
@@ -153,15 +177,16 @@ class Routes(TorchFunctionMode):
         counter[0] += 1
         scores = args[0]
         values, indices = out
-        swap = self.swap
-        if swap is not None and swap.block == block and swap.call == call:
+        swaps = [swap for swap in self.swaps if swap.block == block and swap.call == call]
+        if swaps:
             indices = indices.clone()
             flat = indices.view(-1, indices.size(-1))
-            slot = (flat[swap.row] == swap.kept).nonzero()
-            if len(slot):
-                flat[swap.row, int(slot[0, 0])] = swap.dropped
-                values = scores.reshape(-1, scores.size(-1)).gather(-1, flat).view_as(values)
-                out = torch.return_types.topk((values, indices))
+            for swap in swaps:
+                slot = (flat[swap.row] == swap.kept).nonzero()
+                if len(slot):
+                    flat[swap.row, int(slot[0, 0])] = swap.dropped
+            values = scores.reshape(-1, scores.size(-1)).gather(-1, flat).view_as(values)
+            out = torch.return_types.topk((values, indices))
         self.calls.append((block, call, scores.detach().reshape(-1, scores.size(-1)).double(),
                            out[1].detach().reshape(-1, out[1].size(-1))))
         return out
@@ -239,7 +264,8 @@ def decisions(calls: Sequence[tuple[str, int, torch.Tensor, torch.Tensor]]) -> l
     return found
 
 
-def _forward(model: Any, ids: Sequence[int], device: Any, swap: Decision | None = None) -> tuple[torch.Tensor, list]:
+def _forward(model: Any, ids: Sequence[int], device: Any,
+             swap: Decision | Route | None = None) -> tuple[torch.Tensor, list]:
     """`model` over one sequence without a cache: the last row's logits (float32, CPU) and its top-k calls."""
     with torch.inference_mode(), Routes(model, swap) as routes:
         logits = model(input_ids=torch.tensor([list(ids)], device=device), use_cache=False).logits[0, -1]
@@ -270,32 +296,46 @@ def _margin_errors(truth: list, computed: list) -> tuple[torch.Tensor, int]:
     return (torch.cat(errors) if errors else torch.zeros(0, dtype=torch.float64)), flips
 
 
-def calibrate(name: str, dtype: str, truth: Any, computed: Any, sequences: Sequence[Sequence[int]], device: Any,
-              factor: float, quantile: float) -> RouterNoise:
-    """The router noise of `computed` (the model in the run's dtype) against `truth` (module docstring) over
-    `sequences` (prompt + the truth's tokens)."""
-    errors, flips = [], 0
+def calibrate(name: str, dtype: str, truth: Any, computed: Sequence[Any], sequences: Sequence[Sequence[int]],
+              device: Any, factor: float, quantile: float) -> RouterNoise:
+    """The router noise of `computed` (the model in the run's dtype, each way it is computed: transformers' default
+    attention, and where the model has latent attention that attention absorbed, oracles/absorbed.py) against `truth`
+    (module docstring) over `sequences` (prompt + the truth's tokens): every computation's errors together, the flips
+    of the one that routed most decisions the other way."""
+    errors, flipped = [], [0] * len(computed)
     for ids in sequences:
         _, t = _forward(truth, ids, device)
-        _, c = _forward(computed, ids, device)
-        error, flipped = _margin_errors(t, c)
-        errors.append(error)
-        flips += flipped
+        for i, model in enumerate(computed):
+            error, flips = _margin_errors(t, _forward(model, ids, device)[1])
+            errors.append(error)
+            flipped[i] += flips
+    flips = max(flipped, default=0)
     error = torch.cat(errors)
     if not len(error):
         return RouterNoise(name, dtype, 0.0, 0.0, 0, 0, factor)
     return RouterNoise(name, dtype, float(error.quantile(quantile)), float(error.max()), len(error), flips, factor)
 
 
-def alternatives(truth: Any, ids: Sequence[int], device: Any, tolerance: float) -> list[tuple[Decision, torch.Tensor]]:
-    """The truth's logits at the last position of `ids` with one near-tied decision (margin <= `tolerance`) taken the
-    other way, each beside its decision: up to MAX_ALTERNATIVES, the last position's decisions first (they route the
-    very token whose logits are judged), then the earlier ones nearest first."""
+def alternatives(truth: Any, ids: Sequence[int], device: Any, tolerance: float) -> list[tuple[Route, torch.Tensor]]:
+    """The truth's logits at the last position of `ids` with near-tied decisions (margin <= `tolerance`) taken the
+    other way, each beside its `Route`: one decision, up to MAX_ALTERNATIVES, the last position's first (they route the
+    very token whose logits are judged), then the earlier ones nearest first; then up to MAX_CHAINS chains, in that
+    order: one of those and a decision at the last position after it (a later top-k of the forward) that is near-tied
+    in its swapped forward (nearest first)."""
+    last = len(ids) - 1
     _, calls = _forward(truth, ids, device)
-    near = sorted((d for d in decisions(calls) if d.margin <= tolerance),
-                  key=lambda d: (d.row != len(ids) - 1, d.margin))
-    return [(d, _forward(truth, ids, device, d)[0]) for d in near[:MAX_ALTERNATIVES]]
+    order = {(block, call): i for i, (block, call, _, _) in enumerate(calls)}  # the forward's top-k calls in turn
+    near = sorted((d for d in decisions(calls) if d.margin <= tolerance), key=lambda d: (d.row != last, d.margin))
+    found, chains = [], []
+    for first in near[:MAX_ALTERNATIVES]:
+        route = Route((first,))
+        row, swapped = _forward(truth, ids, device, route)
+        found.append((route, row))
+        chains += [Route((first, then)) for then in sorted(decisions(swapped), key=lambda d: d.margin)
+                   if then.row == last and 0 <= then.margin <= tolerance
+                   and order[then.block, then.call] > order[first.block, first.call]]
+    return found + [(route, _forward(truth, ids, device, route)[0]) for route in chains[:MAX_CHAINS]]
 
 
-__all__ = ["Decision", "Pinned", "RouterNoise", "Routes", "alternatives", "blocks", "calibrate", "decisions",
+__all__ = ["Decision", "Pinned", "Route", "RouterNoise", "Routes", "alternatives", "blocks", "calibrate", "decisions",
            "truth_routing"]

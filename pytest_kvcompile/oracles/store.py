@@ -346,33 +346,34 @@ class StoredOracle:
         return self.computations is not None and bool(routing.blocks(self.oracle.model))
 
     def router_noise(self) -> routing.RouterNoise:
-        """The routers' measured 16-bit noise (routing.calibrate: the truth against the model in the run's dtype on
-        the first calibration prompts, along the truth's tokens), memoized."""
+        """The routers' measured 16-bit noise (routing.calibrate: the truth against the model in the run's dtype, its
+        latent attention also absorbed, on the first calibration prompts, along the truth's tokens), memoized."""
         spec = self.computations.spec
         _, steps, _ = precision.CALIBRATION
 
         def compute() -> dict[str, Any]:
             prompts = precision.calibration_prompts(spec.vocab_size, 1)[:routing.CALIBRATION_PROMPTS]
             sequences = [p + list(self.cached_reference(p, steps).tokens[:-1]) for p in prompts]
-            return routing.calibrate(spec.name, dtype_name(spec.dtype), self.oracle.model, self.computations.base,
-                                     sequences, spec.device, precision.NOISE_FACTOR, precision.QUANTILE).to_dict()
+            computed = [c for c in (self.computations.base, self.computations.absorbed) if c is not None]
+            return routing.calibrate(spec.name, dtype_name(spec.dtype), self.oracle.model, computed, sequences,
+                                     spec.device, precision.NOISE_FACTOR, precision.QUANTILE).to_dict()
 
         return routing.RouterNoise.from_dict(self._cached(("router_noise", _ROUTING, _PRECISION), compute,
                                                                claim=True))
 
-    def routes(self, prompt: Sequence[int], tokens: Sequence[int], step: int) -> list[tuple[routing.Decision, Any]]:
-        """The truth at `step` along prompt + `tokens` with one near-tied routing decision taken the other way
+    def routes(self, prompt: Sequence[int], tokens: Sequence[int], step: int) -> list[tuple[routing.Route, Any]]:
+        """The truth at `step` along prompt + `tokens` with near-tied routing decisions taken the other way
         (routing.alternatives, within `router_noise`'s tolerance), memoized."""
         prompt, before = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens[:step])
         tolerance = self.router_noise().tolerance
 
         def compute() -> dict[str, Any]:
             found = routing.alternatives(self.oracle.model, prompt + before, self.spec.device, tolerance)
-            return {"decisions": [dataclasses.asdict(d) for d, _ in found],
+            return {"routes": [route.to_list() for route, _ in found],
                     "rows": torch.stack([row for _, row in found]) if found else torch.empty(0)}
 
         found = self._cached(("routes", _ROUTING, prompt, before, tolerance), compute)
-        return [(routing.Decision(**d), row) for d, row in zip(found["decisions"], found["rows"], strict=True)]
+        return [(routing.Route.from_list(r), row) for r, row in zip(found["routes"], found["rows"], strict=True)]
 
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)

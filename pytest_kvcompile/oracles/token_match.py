@@ -166,17 +166,17 @@ def allowed_gap(reference: Reference, got: Sequence[int], step: int, best: int, 
 
 
 def routed(reference: Reference, got: Sequence[int], step: int, token: int, tie_tolerance: float) -> str | None:
-    """The near-tied routing decision (oracles/routing.py) whose other side makes `token` a near tie at `step` of
-    `got` (by the same rule: the tolerance or the local noise, on the alternative's own row), described; None: no
-    routing alternative (a dense model, a float32 run) or none explains it."""
+    """The near-tied routing decisions (oracles/routing.py: one, or a chain of two) whose other side makes `token` a
+    near tie at `step` of `got` (by the same rule: the tolerance or the local noise, on the alternative's own row),
+    described; None: no routing alternative (a dense model, a float32 run) or none explains it."""
     routes = getattr(reference, "routes", None)
     if routes is None:
         return None
-    for decision, row in routes(got, step):
+    for route, row in routes(got, step):
         best = int(row.argmax())
         gap = float(row[best] - row[token])
         if best == token or gap <= allowed_gap(reference, got, step, best, token, gap, tie_tolerance):
-            return decision.describe()
+            return route.describe()
     return None
 
 
@@ -344,8 +344,10 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
     routes = getattr(ref, "routes", None)
     if routes is not None:  # a 16-bit mixture-of-experts run: the truth's routing alternatives were asked too
         tried = routes(got, bad.step)
-        lines.append(f"  nor is {bad.got} the truth's token with one near-tied routing decision taken the other way "
-                     f"({len(tried)} tried, within the measured router tolerance: oracles/routing.py)" if tried else
+        chains = sum(len(route.swaps) > 1 for route, _ in tried)
+        lines.append(f"  nor is {bad.got} the truth's token with one near-tied routing decision taken the other way, "
+                     f"or two in a chain ({len(tried) - chains} + {chains} tried, within the measured router "
+                     "tolerance: oracles/routing.py)" if tried else
                      "  no routing decision along these tokens is near-tied (oracles/routing.py): the experts chosen "
                      "are the truth's")
     lines += [f"  earlier near tie at step {t.step}: {t.expected} vs {t.got}, gap {t.gap:.3g}{_via(t)}"
@@ -376,7 +378,7 @@ def _against_float64(ref: Reference, got: Sequence[int], bad: Divergence, tol: f
 
 
 def _via(divergence: Divergence) -> str:
-    return f", the truth's own token with one near-tied routing decision taken the other way ({divergence.via})" \
+    return f", the truth's own token with near-tied routing taken the other way ({divergence.via})" \
         if divergence.via else ""
 
 

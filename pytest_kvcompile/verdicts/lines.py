@@ -69,9 +69,9 @@ def router_noise_line(row: Row) -> str:
     """A row's measured routing near-tie rule (oracles/routing.py: RouterNoise)."""
     model, dtype, noise = row.model, row.dtype, row.router_noise or RouterNoise()
     return (f"{model} ({dtype}) routers: routing near-tie tolerance {noise.tolerance:.3g} ({noise.factor:g} x p99 "
-            f"{noise.scale:.3g} of a {dtype} computation's error on the router-score margins of {noise.decisions} "
-            f"decisions vs float64; it routed {noise.flips} the other way): a token explained by one such decision "
-            "taken the other way is a near tie")
+            f"{noise.scale:.3g} of the {dtype} computations' errors on {noise.decisions} router-score margins vs "
+            f"float64; the noisiest routed {noise.flips} the other way): a token explained by one such "
+            "decision taken the other way, or by a chain of two at its position, is a near tie")
 
 
 def first_lines(text: str, n: int = 4, width: int = 300) -> str:
