@@ -14,16 +14,25 @@ from pytest_kvcompile.recompiles.hooks import mark_unbacked
 from reference_impls.model import State
 
 
-def compile_fresh(fn, backend: str):
+def compile_fresh(fn, backend: str, *, writes_buffers: bool = False):
     """torch.compile a private copy of `fn`.
 
     Dynamo keeps compiled code (and its recompile limit) per code object. A fresh code object
     per engine gives each engine its own cache: exactly its own compiles, never a
     "recompile" because another engine served a different model, dtype or backend first.
+
+    `writes_buffers`: `fn` writes a cache preallocated outside it in place (the static and paged engines). Inductor
+    then runs without reusing its intermediate buffers: with reuse (torch 2.13, CPU) the static engine's prefill
+    graph on deepseek-v3 left its first latent layer's cache slots holding another intermediate's values while the
+    prefill's own logits were right, so every decode step went wrong (docs/findings.md, 2026-12-07).
     """
     code = fn.__code__.replace()  # an equal but distinct code object
     fn = types.FunctionType(code, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    options = {"triton.cudagraphs": False} if backend == "inductor" else None  # shapes change every step
+    options = None
+    if backend == "inductor":
+        options = {"triton.cudagraphs": False}  # shapes change every step
+        if writes_buffers:
+            options["allow_buffer_reuse"] = False
     return torch.compile(fn, backend=backend, fullgraph=True, options=options)
 
 

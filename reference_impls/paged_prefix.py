@@ -247,7 +247,7 @@ class PagedPrefixCache(Engine):
         self.spec, self.block_size = spec, block_size
         self.model = PagedModel(load_model(spec, states=True), num_blocks * block_size, num_blocks)
         self.blocks = BlockManager(num_blocks, block_size)
-        self.compiled_step = compile_fresh(step, compile_backend)
+        self.compiled_step = compile_fresh(step, compile_backend, writes_buffers=True)
         self.active: list[Sequence] = []  # the sequences of the call under way (released when it ends)
 
     def _prefill(self, prompts: list[list[int]]) -> tuple[torch.Tensor, PagedState]:

@@ -151,8 +151,8 @@ class StaticCache:
             raise UnsupportedModel(f"{name} runs the RoPE decoders of reference_impls (Llama and its kin); model "
                                    f"'{spec.name}' is '{spec.config.model_type}'")
         self.model = self.model_class(model, max_batch_size, max_cache_len)
-        self.compiled_prefill = compile_fresh(prefill, compile_backend)
-        self.compiled_decode = compile_fresh(decode, compile_backend)
+        self.compiled_prefill = compile_fresh(prefill, compile_backend, writes_buffers=True)
+        self.compiled_decode = compile_fresh(decode, compile_backend, writes_buffers=True)
 
     def _prefill(self, prompts: list[list[int]], steps: int):
         """Reset and run up to max_batch_size prompts: (last logits [max_batch_size, vocab], first decode slot)."""
