@@ -22,8 +22,8 @@ def _spec(name, root, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_latent_attention_absorbed_is_transformers_function_with_its_own_rounding(tmp_path, dtype):
-    computed = Computations(_spec("deepseek-v3", tmp_path, dtype))
+def test_latent_attention_absorbed_is_transformers_function_with_its_own_rounding(zoo_cache, dtype):
+    computed = Computations(_spec("deepseek-v3", zoo_cache / "zoo", dtype))
     assert computed.names == (*COMPUTATIONS, ABSORBED)
     home = attention_kernel(computed.base)
     rows = computed.along(PROMPT, TOKENS)  # [5, steps, vocab]: eager with its cache first, absorbed last
@@ -40,7 +40,7 @@ def test_latent_attention_absorbed_is_transformers_function_with_its_own_roundin
     assert all("expand_kv" not in vars(m) for m in latent_modules(computed.base))
 
 
-def test_a_model_without_latent_layers_has_no_absorbed_computation(tmp_path):
-    computed = Computations(_spec("llama", tmp_path, torch.bfloat16))
+def test_a_model_without_latent_layers_has_no_absorbed_computation(zoo_cache):
+    computed = Computations(_spec("llama", zoo_cache / "zoo", torch.bfloat16))
     assert computed.names == COMPUTATIONS and absorbed(computed.base) is None
     assert computed.along(PROMPT, TOKENS).shape == (len(COMPUTATIONS), len(TOKENS), computed.spec.vocab_size)

@@ -53,7 +53,7 @@ class Divergence:
     near_tie: bool
     allowed: float = 0.0  # the largest gap that was a near tie here (the tolerance, or the 16-bit local noise rule)
     engine_gap: float | None = None  # |log p(got) - log p(expected)| in the engine's own top-k (inf: one is missing)
-    via: str | None = None  # the near-tied routing decision taken the other way that explains it (`routed`)
+    via: str | None = None  # the near-tied routing decisions (one, or a chain of two) that explain it (`routed`)
 
 
 @dataclass

@@ -139,7 +139,7 @@ class Recorder:
             self.metric(sequences={sequence: [verified, len(verdict.near_ties)]})
         for tie in verdict.near_ties:
             line = f"{at}: near tie at step {tie.step}, {tie.expected} vs {tie.got}, gap {tie.gap:.3g}" + (
-                f", the truth routed the other way: {tie.via}" if getattr(tie, "via", None) else "")
+                f", the truth routed the other way: {tie.via}" if tie.via else "")
             self(NEAR_TIES, line, near_ties=[line])
         evictions = {} if evicted is None else {"evictions": evicted, "evicting": 1}
         self.metric(tokens=Tokens(near_tie=1) if verdict.near_ties else Tokens(identical=1), verified_tokens=verified,
