@@ -196,7 +196,8 @@ class _OneFlip(Greedy):
         super().__init__(spec)
         self.truth = HFEagerOracle(precision.high_precision(spec))
         self.computations = precision.Computations(spec)
-        self.tolerance = precision.calibrate(spec, self.truth, self.computations).tolerance
+        noise = precision.calibrate(spec, self.truth, self.computations)
+        self.tolerance, self.reach = noise.tolerance, noise.reach
 
     def generate(self, prompts, max_new_tokens):
         return [self._one(list(p), max_new_tokens) for p in prompts]
@@ -206,7 +207,7 @@ class _OneFlip(Greedy):
 
         tokens = list(self.truth.reference(prompt, steps).tokens)
         rows = self.truth.teacher_forced(prompt, tokens)
-        local = LocalNoise(self.computations.along(prompt, tokens))
+        local = LocalNoise(self.computations.along(prompt, tokens), self.reach)
         lo, hi = self.WINDOW
         for step in range(steps):
             row, best = rows[step].double(), int(rows[step].argmax())

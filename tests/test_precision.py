@@ -145,6 +145,29 @@ def test_local_noise_is_the_error_on_the_judged_difference():
     assert local.allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.75)
 
 
+def test_the_position_term_is_the_measured_reach_times_the_computations_spread_there():
+    """Issue 71: where the network amplifies rounding, the rule also allows reach x spread (the computations' largest
+    RMS error over the truth's top differences at that position), reach measured in calibration: one computation's
+    error on one difference over another attention family's spread at the same position (floored at the median
+    position's); without a reach (a KV cache stored lower: one computation) the one-difference term alone."""
+    truth = torch.tensor([3.0, 2.0, 1.0, 0.0], dtype=torch.float64)
+    # one computation: errors 0.3 on t0 - t1, 0.4 on t0 - t2, 0 on t0 - t3: spread sqrt((0.09 + 0.16 + 0) / 3)
+    computed = torch.tensor([[[3.0, 2.3, 1.4, 0.0]]])
+    spread = ((0.09 + 0.16) / 3) ** 0.5
+    assert precision.LocalNoise(computed, 5.0).spread(0, truth) == pytest.approx(spread)
+    assert precision.LocalNoise(computed, 5.0).allowed(0, 0, 1, truth) == pytest.approx(5.0 * spread)
+    assert precision.LocalNoise(computed).allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.3)
+    assert precision.LocalNoise(computed, 0.5).allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.3)
+    # reach: [computations, positions, TOP]; eager (0) at position 1 is 2.0 off on one difference where sdpa's spread
+    # is 0.5 (and 0.1 at position 0: below the median position's spread, so floored there)
+    pairs = torch.tensor([[[0, 0.1, 0.1], [0, 2.0, 0.1]], [[0, 0.1, 0.1], [0, 0.5, 0.5]]], dtype=torch.float64)
+    names = ("eager, cache", "sdpa, no cache")
+    assert precision.reach(pairs, names) == pytest.approx(2.0 / 0.5)
+    assert precision.reach(pairs[:1], ("eager, KV stored as int8",)) == 0.0  # one computation: no term
+    # one family alone: each against the others of it
+    assert precision.reach(pairs, ("eager, cache", "eager, chunked prefill")) == pytest.approx(4.0)
+
+
 # --- correct engines pass in both dtypes (one run per dtype, every engine judged in it) ---------------------------
 # (a plain KV cache in 16-bit: hf-eager and ref-compiled-dynamic on every zoo model, the CI's bfloat16 job; these three
 # reach the same tokens by other computations: no cache, prefill in chunks, left-padded batches)
@@ -248,8 +271,8 @@ def test_a_flip_just_inside_the_rule_passes_and_just_outside_fails(kvtester, dty
                                  "model 'llama'*",
                                  "*the oracle prefers * by a logit gap of * > *, so this is a real mismatch*",
                                  "*against float64 here: the engine's error on the logit difference * - * is at least "
-                                 "*x the largest of the * equivalent computations' errors on it (* to *); this rule "
-                                 "allows *x, torch's own accuracy check * 3x eager's RMSE to float64"])
+                                 "*x the largest of the * equivalent computations' errors on it (* to *)*; this rule "
+                                 "allows *x the largest, torch's own accuracy check * 3x eager's RMSE to float64"])
 
 
 # --- the eviction near-tie rule: measured per policy, its twins just inside and outside -----------------------------

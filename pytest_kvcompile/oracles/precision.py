@@ -29,8 +29,15 @@ teacher-forced on the engine's own tokens), it is a near tie iff ``g <= NOISE_FA
 local = the largest error the same computations make on t[b] - t[e] at this very position, along the engine's own
 tokens (`LocalNoise`): positions where the network amplifies rounding are noisy for every computation, and the
 local term covers them without widening the rule elsewhere. NOISE_FACTOR covers computations the four do not
-(fused kernels, other reduction orders); its twin in tests/ fails just outside it. A sequence may hold as many near
-ties as a correct engine flipping at the flip rate's upper bound shows with probability >= `FALSE_ALARM`
+(fused kernels, other reduction orders); its twin in tests/ fails just outside it. Or, where larger, g <= reach x
+spread: spread = the largest of the computations' RMS errors over the truth's top-TOP differences at this position
+(how much the network amplifies rounding here, read from many directions rather than one), reach = how far one
+computation's error on one difference was seen to reach beyond another attention family's spread at the same
+position (`reach`, measured in the calibration). The one-difference term alone compares the engine's error, selected
+large by the very divergence being judged, with a few unselected and correlated samples (the eager computations round
+alike): a correct kernel rounding elsewhere (inductor's fused bfloat16 chains, issue 71) lands 2.5x past it at
+amplified positions while being closer to float64 than eager on average (docs/precision.md). A sequence may hold as
+many near ties as a correct engine flipping at the flip rate's upper bound shows with probability >= `FALSE_ALARM`
 (binomial); so may a whole run, over all its distinct verified positions (verdicts/run_rules.py: `RunRate`), and the
 run's score() rows beyond the median error, against the beyond rate. `positions_needed`: how many
 positions give those run rules the power (`POWER`) to fail an engine `POWER_MULTIPLE` x as noisy; the suites' check
@@ -182,6 +189,9 @@ class Noise:
     routed: bool = False
     seconds: float = 0.0  # the calibration's own wall time where it was measured (truth references it computed too)
     cached: bool = False  # read from the store (the cache dir, or recorded references) instead of measured
+    #: the largest ratio of one computation's error on one top-TOP difference to another attention family's spread
+    #: (RMS over the differences) at the same position (`reach`): the rule's position term (`LocalNoise.allowed`)
+    reach: float = 0.0
 
     @property
     def tolerance(self) -> float:
@@ -260,10 +270,11 @@ class Noise:
         routed = "; the scale with every token routed as the truth routes (routing near ties: alternatives)" \
             if self.routed else ""
         counted = len(self.per_computation) or len(COMPUTATIONS)
+        reach = f", or {self.reach:.3g} x its spread there" if self.reach else ""
         return (f"{self.dtype} noise of '{self.model}': scale {self.scale:.3g} (p99 of the error on top-{TOP} logit "
                 f"differences of {counted} equivalent computations vs float64 over {self.positions} positions"
                 f"{self._lengths}; max {self.max_error:.3g}), tie tolerance {self.tolerance:.3g} = {NOISE_FACTOR:g} x "
-                f"scale (or x the noise at the position), flip rate {self.flip_rate:.1%}{routed}; "
+                f"scale (or x the noise at the position{reach}), flip rate {self.flip_rate:.1%}{routed}; "
                 f"transformers' own {self.dtype} path flips vs the truth at {int(oracle.get('flips', 0))}/"
                 f"{self.positions} positions (verdicts use the truth)")
 
@@ -278,11 +289,13 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
     lengths, steps, _ = CALIBRATION
     computations = computations or Computations(spec)
     names = computations.names
-    top_errors, logit_rows, flips = [], [], torch.zeros(len(names), dtype=torch.long)
+    top_errors, pair_errors, logit_rows = [], [], []
+    flips = torch.zeros(len(names), dtype=torch.long)
     # a mixture-of-experts model: the scale from its computations routed as the truth routes (rounding alone; a
     # near-tied routing decision taken the other way is routing.alternatives' to follow), the rates as they route
     routed = bool(getattr(computations, "routed", False))
     rounding: list[torch.Tensor] = []
+    rounding_pairs: list[torch.Tensor] = []  # [K, steps, TOP] routed as the truth routes: `reach` from rounding alone
     prompts = calibration_prompts(spec.vocab_size, MAX_BLOCKS)
     longer = long_prompts(spec.vocab_size, max_positions(spec.config), needed)
 
@@ -292,10 +305,13 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
         t = ref.logits.double()
         computed = computations.along(prompt, ref.tokens)  # [K, steps, vocab]
         best, others = t.argmax(-1), t.topk(TOP, dim=-1).indices
-        top_errors.append(difference_errors(t, computed, best, others).amax(-1))  # [K, steps]
+        pairs = difference_errors(t, computed, best, others)  # [K, steps, TOP]
+        pair_errors.append(pairs)
+        top_errors.append(pairs.amax(-1))  # [K, steps]
         if routed:
-            rounding.append(difference_errors(t, computations.along(prompt, ref.tokens, pinned=True), best,
-                                              others).amax(-1))
+            pinned = difference_errors(t, computations.along(prompt, ref.tokens, pinned=True), best, others)
+            rounding_pairs.append(pinned)
+            rounding.append(pinned.amax(-1))
         logit_rows.append((computed - t).abs().amax(-1))  # [K, steps]
         flips += (computed.argmax(-1) != best).sum(-1)
 
@@ -318,7 +334,32 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
                  getattr(computations, "kv_dtype", None), int(beyond.max()), family_spread(logits, names),
                  max(len(p) for p in prompts[:i + 1] + longer) + steps,
                  float(tail.flatten().quantile(QUANTILE)) if longer else 0.0, limited_to(spec, needed) is not None,
-                 routed, round(time.perf_counter() - started, 2))
+                 routed, round(time.perf_counter() - started, 2),
+                 reach=reach(torch.cat(rounding_pairs if routed else pair_errors, dim=1), names))
+
+
+def spreads(pairs: torch.Tensor) -> torch.Tensor:
+    """RMS over the top-TOP differences (the best's own, always 0, left out) of errors [..., TOP]: [...]."""
+    return pairs[..., 1:].pow(2).mean(-1).sqrt()
+
+
+def reach(pairs: torch.Tensor, names: Sequence[str]) -> float:
+    """How far one correct computation's error on one difference reaches beyond another's spread at the same
+    position (`pairs`: [computations, positions, TOP] errors): the largest of each computation's pair errors over the
+    largest spread (`spreads`) of the computations of the other attention families there (of the others, one family
+    alone: GPT-OSS's eager), floored at the median position's spread (a position where every computation is a few
+    ulps off is no amplification to scale by). One computation alone (a KV cache stored lower): 0, no such term."""
+    if pairs.size(0) < 2 or not pairs.numel():
+        return 0.0
+    families = [name.split(",")[0] for name in names]
+    spread = spreads(pairs)  # [K, positions]
+    floor = spread.amax(0).median().clamp(min=1e-12)
+    worst = 0.0
+    for k, family in enumerate(families):
+        others = [j for j, f in enumerate(families) if f != family] or [j for j in range(len(families)) if j != k]
+        scale = torch.maximum(spread[others].amax(0), floor)  # [positions]
+        worst = max(worst, float((pairs[k] / scale[:, None]).max()))
+    return worst
 
 
 def family_spread(logits: torch.Tensor, names: Sequence[str]) -> float:
@@ -346,11 +387,13 @@ def logit_errors(truth: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 
 
 class LocalNoise:
-    """The rule's local term along an engine's tokens: `allowed(step, best, token, truth_row)` =
-    NOISE_FACTOR x the largest error of the computations on t[best] - t[token] at that step."""
+    """The rule's local terms along an engine's tokens: `allowed(step, best, token, truth_row)` = NOISE_FACTOR x the
+    largest error of the computations on t[best] - t[token] at that step, or `reach` (Noise.reach; 0: none) x their
+    `spread` there, whichever is larger."""
 
-    def __init__(self, computed: torch.Tensor):
+    def __init__(self, computed: torch.Tensor, reach: float = 0.0):
         self.computed = computed  # [K, steps, vocab] along the engine's tokens
+        self.reach = reach
 
     def errors(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> torch.Tensor:
         """Each computation's error on t[best] - t[token] at `step`: [K]."""
@@ -361,8 +404,16 @@ class LocalNoise:
     def error(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
         return float(self.errors(step, best, token, truth_row).max())
 
+    def spread(self, step: int, truth_row: torch.Tensor) -> float:
+        """The largest of the computations' RMS errors over the truth row's top-TOP differences at `step`."""
+        truth_row = truth_row.double()
+        best, others = truth_row.argmax()[None], truth_row.topk(min(TOP, truth_row.numel())).indices[None]
+        pairs = difference_errors(truth_row[None], self.computed[:, step:step + 1].double(), best, others)
+        return float(spreads(pairs).max())
+
     def allowed(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:
-        return NOISE_FACTOR * self.error(step, best, token, truth_row)
+        pair = NOISE_FACTOR * self.error(step, best, token, truth_row)
+        return max(pair, self.reach * self.spread(step, truth_row)) if self.reach else pair
 
     def score_allowed(self, step: int, truth_row: torch.Tensor, excluded: Sequence[int] = (),
                       spread: float = NOISE_FACTOR) -> float:

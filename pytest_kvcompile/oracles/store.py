@@ -211,6 +211,7 @@ class StoredOracle:
         self._check = check
         # 16-bit (oracles/precision.py): the equivalent computations in the run's dtype, for the noise along tokens
         self.computations = computations
+        self.reach = 0.0  # the measured noise's position term (precision.LocalNoise), once `noise` has been read
         self._independent: tuple[Any, str] | None = None
         self.check_absent: str | None = None  # why no independent path exists for this oracle (reported)
         self._checked: set[tuple] = set()
@@ -386,7 +387,7 @@ class StoredOracle:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
         rows = self._cached(("computations", _PRECISION, prompt, tokens),
                             lambda: self.computations.along(prompt, tokens).float())
-        return precision.LocalNoise(rows)
+        return precision.LocalNoise(rows, self.reach)
 
     def noise(self, needed: int | None = None) -> precision.Noise:
         """This model's measured 16-bit noise (precision.calibrate over this oracle, the truth), memoized; `needed`:
@@ -394,7 +395,9 @@ class StoredOracle:
         spec, computations = self.computations.spec, self.computations
         found = self._calibration(("noise", _PRECISION), precision.limited_to(spec, needed),
                                   lambda: precision.calibrate(spec, self._memoized, computations, needed).to_dict())
-        return self._noise(found)
+        noise = self._noise(found)
+        self.reach = noise.reach  # the local rule's position term from here on (`local_noise`)
+        return noise
 
     def _noise(self, found: dict[str, Any]) -> precision.Noise:
         """A stored calibration as Noise, `cached` where this store did not measure it."""

@@ -366,15 +366,20 @@ def _against_float64(ref: Reference, got: Sequence[int], bad: Divergence, tol: f
     rounding" from "far beyond it"."""
     if ref.noise is None or not math.isfinite(bad.gap) or bad.gap <= 0:
         return []
-    errors = ref.noise(got).errors(bad.step, bad.expected, bad.got, ref.given(got, tol)[bad.step])
+    local, row = ref.noise(got), ref.given(got, tol)[bad.step]
+    errors = local.errors(bad.step, bad.expected, bad.got, row)
     worst, least = float(errors.max()), float(errors.min())
     if not worst > 0:
         return []
+    spread = local.spread(bad.step, row)
+    reach = (f"; their spread here (the largest RMS error over the truth's top differences) is {spread:.3g}: the "
+             f"engine's error is at least {bad.gap / spread:.3g}x it, where one computation's error on one difference "
+             f"reached {local.reach:.3g}x another attention family's in calibration") if local.reach and spread else ""
     return [f"  against float64 here: the engine's error on the logit difference {bad.expected} - {bad.got} is at "
             f"least {bad.gap:.4g} (it ranked {bad.got} first), {bad.gap / worst:.3g}x the largest of the {len(errors)} "
-            f"equivalent computations' errors on it ({least:.3g} to {worst:.3g}); this rule allows "
-            f"{bad.allowed / worst:.3g}x, torch's own accuracy check (torch._dynamo.utils.same with fp64_ref) a 16-bit "
-            "result 3x eager's RMSE to float64"]
+            f"equivalent computations' errors on it ({least:.3g} to {worst:.3g}){reach}; this rule allows "
+            f"{bad.allowed / worst:.3g}x the largest, torch's own accuracy check (torch._dynamo.utils.same with "
+            "fp64_ref) a 16-bit result 3x eager's RMSE to float64"]
 
 
 def _via(divergence: Divergence) -> str:

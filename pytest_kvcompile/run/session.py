@@ -372,6 +372,8 @@ class Session:
                     digests=self._digests)
                 if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
                     stored.measure_score_noise(spec)
+                if computations is not None and model in self._rules:
+                    self._share_reach(model)
         if isinstance(self._oracles[key], OracleUnavailable):
             raise OracleUnavailable(self._oracles[key].msg)
         return self._oracles[key]
@@ -416,7 +418,16 @@ class Session:
                     raise NotApplicable(truth)
                 noise = truth.noise(self._attends(model))
             self._rules[model] = precision.Rules.of(settings, noise)
+            self._share_reach(model)
         return self._rules[model]
+
+    def _share_reach(self, model: str) -> None:
+        """Every oracle store of `model` judging by the 16-bit rule reads the measured noise's position term
+        (precision.Noise.reach) for its local noise, whichever strategy's store measured it."""
+        noise = self._rules[model].noise
+        for (_, name), stored in self._oracles.items():
+            if name == model and isinstance(stored, StoredOracle) and noise is not None:
+                stored.reach = noise.reach
 
     def _attends(self, model: str) -> int | None:
         """The most positions the run's token checks attend on `model` where its --kv-profile bounds them (None: every

@@ -37,11 +37,12 @@ def noise_line(row: Row) -> str:
     oracle = next(iter(noise.per_computation.values()), {})
     spread = noise.factor if noise.score_spread is None else noise.score_spread
     attended = f" at up to {noise.attended} positions" if noise.attended else ""
+    reach = f", or {noise.reach:.3g} x its spread there" if noise.reach else ""
     if noise.limited:
         attended += " (as far as the run's checks attend: a sequence past that is not judged)"
     return (f"{model} ({dtype}): tie tolerance {noise.tolerance:.3g} "
             f"({noise.factor:g} x noise scale {noise.scale:.3g}{attended}, or x "
-            f"the noise at the position), near-tie rate of equivalent computations {noise.flip_rate:.1%} (bound "
+            f"the noise at the position{reach}), near-tie rate of equivalent computations {noise.flip_rate:.1%} (bound "
             f"{noise.flip_rate_bound:.1%}), score() tolerance {noise.score_tolerance:.3g} (or "
             f"{spread:.3g} x the computations' error at the position); judged against float64 "
             f"on the {dtype} weights: transformers' own {dtype} path flips at {oracle.get('flips', 0)}/"

@@ -327,8 +327,7 @@ class Round(Record):
 
 @dataclass
 class MeasuredNoise(Record):
-    """A row's measured 16-bit noise (oracles/precision.py: Noise.to_dict()): of the model in the run's dtype, or of
-    an engine's KV cache stored lower (`kv_dtype`), and the verdict numbers it gives."""
+    """A row's measured 16-bit noise (oracles/precision.py: Noise.to_dict()), of the model or of a lower KV cache."""
 
     model: str = rule(None, "", types=TEXT)
     dtype: str = rule(None, "", types=TEXT)
@@ -358,6 +357,7 @@ class MeasuredNoise(Record):
     routed: bool = rule(None, False, types=(bool,))  # the scale from computations routed as the truth routes (MoE)
     seconds: float = rule(None, 0.0, types=NUMBER)  # the calibration's own wall time where it was measured
     cached: bool = rule(None, False, types=(bool,))  # read from the store (cache dir or recorded references)
+    reach: float = rule(None, 0.0, types=NUMBER)  # the rule's position term (Noise.reach; 0: a file from before it)
 
 
 @dataclass
