@@ -158,14 +158,16 @@ def test_the_position_term_is_the_measured_reach_times_the_computations_spread_t
     assert precision.LocalNoise(computed, 5.0).allowed(0, 0, 1, truth) == pytest.approx(5.0 * spread)
     assert precision.LocalNoise(computed).allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.3)
     assert precision.LocalNoise(computed, 0.5).allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.3)
-    # reach: [computations, positions, TOP]; eager (0) at position 1 is 2.0 off on one difference where sdpa's spread
-    # is 0.5 (and 0.1 at position 0: below the median position's spread, so floored there)
-    pairs = torch.tensor([[[0, 0.1, 0.1], [0, 2.0, 0.1]], [[0, 0.1, 0.1], [0, 0.5, 0.5]]], dtype=torch.float64)
-    names = ("eager, cache", "sdpa, no cache")
-    assert precision.reach(pairs, names) == pytest.approx(2.0 / 0.5)
+    # reach: [computations, positions, TOP]. Position 1 is amplified: eager with its cache (0) is 2.0 off on one
+    # difference where chunked eager's spread (1) is 1.0 and sdpa's (2) 0.5; at position 2 eager is 0.1 off where
+    # sdpa's spread is 0.01, below the median position's largest spread (0.1): floored there, no amplification
+    pairs = torch.tensor([[[0, 0.1, 0.1], [0, 2.0, 0.1], [0, 0.1, 0.1]],
+                          [[0, 0.1, 0.1], [0, 1.0, 1.0], [0, 0.1, 0.1]],
+                          [[0, 0.1, 0.1], [0, 0.5, 0.5], [0, 0.01, 0.01]]], dtype=torch.float64)
+    names = ("eager, cache", "eager, chunked prefill", "sdpa, no cache")
+    assert precision.reach(pairs, names) == pytest.approx(2.0 / 0.5)  # against the other family, not its own
+    assert precision.reach(pairs[[0, 1]], names[:2]) == pytest.approx(2.0 / 1.0)  # one family: the others of it
     assert precision.reach(pairs[:1], ("eager, KV stored as int8",)) == 0.0  # one computation: no term
-    # one family alone: each against the others of it
-    assert precision.reach(pairs, ("eager, cache", "eager, chunked prefill")) == pytest.approx(4.0)
 
 
 # --- correct engines pass in both dtypes (one run per dtype, every engine judged in it) ---------------------------
@@ -271,7 +273,9 @@ def test_a_flip_just_inside_the_rule_passes_and_just_outside_fails(kvtester, dty
                                  "model 'llama'*",
                                  "*the oracle prefers * by a logit gap of * > *, so this is a real mismatch*",
                                  "*against float64 here: the engine's error on the logit difference * - * is at least "
-                                 "*x the largest of the * equivalent computations' errors on it (* to *)*; this rule "
+                                 "*x the largest of the * equivalent computations' errors on it (* to *); their spread "
+                                 "here * is *: the engine's error is at least *x it, where one computation's error on "
+                                 "one difference reached *x another attention family's in calibration; this rule "
                                  "allows *x the largest, torch's own accuracy check * 3x eager's RMSE to float64"])
 
 

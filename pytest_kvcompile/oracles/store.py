@@ -199,7 +199,8 @@ class StoredOracle:
     prompt's reference checked once against the independent path (module docstring)."""
 
     def __init__(self, oracle: Any, strategy: Strategy, spec: ModelSpec, tie_tolerance: float,
-                 cache_root: Path | None, check: bool = True, computations: Any = None, digests: Path | None = None):
+                 cache_root: Path | None, check: bool = True, computations: Any = None, digests: Path | None = None,
+                 reach: Callable[[], float] | None = None):
         self.oracle, self.strategy, self.spec, self.tie_tolerance = oracle, strategy, spec, tie_tolerance
         self.source = oracle.source
         # `digests`: where checkpoints' file digests are memoized (default: beside the store), kept out of a recorded
@@ -211,7 +212,8 @@ class StoredOracle:
         self._check = check
         # 16-bit (oracles/precision.py): the equivalent computations in the run's dtype, for the noise along tokens
         self.computations = computations
-        self.reach = 0.0  # the measured noise's position term (precision.LocalNoise), once `noise` has been read
+        # the model's measured noise's position term (precision.Noise.reach) for the local noise; none: 0, no such term
+        self._reach = reach or (lambda: 0.0)
         self._independent: tuple[Any, str] | None = None
         self.check_absent: str | None = None  # why no independent path exists for this oracle (reported)
         self._checked: set[tuple] = set()
@@ -387,7 +389,7 @@ class StoredOracle:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
         rows = self._cached(("computations", _PRECISION, prompt, tokens),
                             lambda: self.computations.along(prompt, tokens).float())
-        return precision.LocalNoise(rows, self.reach)
+        return precision.LocalNoise(rows, self._reach())
 
     def noise(self, needed: int | None = None) -> precision.Noise:
         """This model's measured 16-bit noise (precision.calibrate over this oracle, the truth), memoized; `needed`:
@@ -395,9 +397,7 @@ class StoredOracle:
         spec, computations = self.computations.spec, self.computations
         found = self._calibration(("noise", _PRECISION), precision.limited_to(spec, needed),
                                   lambda: precision.calibrate(spec, self._memoized, computations, needed).to_dict())
-        noise = self._noise(found)
-        self.reach = noise.reach  # the local rule's position term from here on (`local_noise`)
-        return noise
+        return self._noise(found)
 
     def _noise(self, found: dict[str, Any]) -> precision.Noise:
         """A stored calibration as Noise, `cached` where this store did not measure it."""

@@ -369,11 +369,9 @@ class Session:
                     raw, strategy, judged, self.settings.tie_tolerance or 0.0, self._store_root(model),
                     # a 16-bit run's eviction truth is float64 already: its float64 replay would be itself
                     check=self.settings.oracle_check and (exact or not reduced), computations=computations,
-                    digests=self._digests)
+                    digests=self._digests, reach=lambda: self._reach(model))
                 if reduced and hasattr(raw, "eviction_tie_tolerance"):  # the engine's evictions are 16-bit choices
                     stored.measure_score_noise(spec)
-                if computations is not None and model in self._rules:
-                    self._share_reach(model)
         if isinstance(self._oracles[key], OracleUnavailable):
             raise OracleUnavailable(self._oracles[key].msg)
         return self._oracles[key]
@@ -418,16 +416,13 @@ class Session:
                     raise NotApplicable(truth)
                 noise = truth.noise(self._attends(model))
             self._rules[model] = precision.Rules.of(settings, noise)
-            self._share_reach(model)
         return self._rules[model]
 
-    def _share_reach(self, model: str) -> None:
-        """Every oracle store of `model` judging by the 16-bit rule reads the measured noise's position term
-        (precision.Noise.reach) for its local noise, whichever strategy's store measured it."""
-        noise = self._rules[model].noise
-        for (_, name), stored in self._oracles.items():
-            if name == model and isinstance(stored, StoredOracle) and noise is not None:
-                stored.reach = noise.reach
+    def _reach(self, model: str) -> float:
+        """The position term of `model`'s measured 16-bit noise (precision.Noise.reach), for every oracle store of it
+        whichever strategy's store measured it; 0 before its rules exist (no such term)."""
+        rules = self._rules.get(model)
+        return rules.noise.reach if rules is not None and rules.noise is not None else 0.0
 
     def _attends(self, model: str) -> int | None:
         """The most positions the run's token checks attend on `model` where its --kv-profile bounds them (None: every
