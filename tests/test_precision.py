@@ -158,6 +158,13 @@ def test_the_position_term_is_the_measured_reach_times_the_computations_spread_t
     assert precision.LocalNoise(computed, 5.0).allowed(0, 0, 1, truth) == pytest.approx(5.0 * spread)
     assert precision.LocalNoise(computed).allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.3)
     assert precision.LocalNoise(computed, 0.5).allowed(0, 0, 1, truth) == pytest.approx(precision.NOISE_FACTOR * 0.3)
+    # a mixture-of-experts model: the spread from the computations routed as the truth routes (as reach was measured),
+    # not from one that routed a near tie the other way (here 4.0 off on t0 - t2): read only when the term is asked
+    rerouted, asked = torch.tensor([[[3.0, 2.3, 5.4, 0.0]]]), []
+    pinned = precision.LocalNoise(rerouted, 5.0, rounding=lambda: asked.append(1) or computed)
+    assert pinned.error(0, 0, 1, truth) == pytest.approx(0.3) and not asked
+    assert pinned.spread(0, truth) == pytest.approx(spread) and asked
+    assert precision.LocalNoise(rerouted, 5.0).spread(0, truth) > 2.0
     # reach: [computations, positions, TOP]. Position 1 is amplified: eager with its cache (0) is 2.0 off on one
     # difference where chunked eager's spread (1) is 1.0 and sdpa's (2) 0.5; at position 2 eager is 0.1 off where
     # sdpa's spread is 0.01, below the median position's largest spread (0.1): floored there, no amplification

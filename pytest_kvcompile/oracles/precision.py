@@ -64,7 +64,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -389,11 +389,15 @@ def logit_errors(truth: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
 class LocalNoise:
     """The rule's local terms along an engine's tokens: `allowed(step, best, token, truth_row)` = NOISE_FACTOR x the
     largest error of the computations on t[best] - t[token] at that step, or `reach` (Noise.reach; 0: none) x their
-    `spread` there, whichever is larger."""
+    `spread` there, whichever is larger. `rounding` (a mixture-of-experts model): the same computations routed as the
+    truth routes (Computations.along pinned), read lazily: the spread comes from them, as `reach` was measured, so a
+    computation routing a near tie the other way (routing.alternatives' to follow) does not widen it."""
 
-    def __init__(self, computed: torch.Tensor, reach: float = 0.0):
+    def __init__(self, computed: torch.Tensor, reach: float = 0.0,
+                 rounding: Callable[[], torch.Tensor] | None = None):
         self.computed = computed  # [K, steps, vocab] along the engine's tokens
         self.reach = reach
+        self._rounding = rounding
 
     def errors(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> torch.Tensor:
         """Each computation's error on t[best] - t[token] at `step`: [K]."""
@@ -408,7 +412,8 @@ class LocalNoise:
         """The largest of the computations' RMS errors over the truth row's top-TOP differences at `step`."""
         truth_row = truth_row.double()
         best, others = truth_row.argmax()[None], truth_row.topk(min(TOP, truth_row.numel())).indices[None]
-        pairs = difference_errors(truth_row[None], self.computed[:, step:step + 1].double(), best, others)
+        computed = self._rounding() if self._rounding is not None else self.computed
+        pairs = difference_errors(truth_row[None], computed[:, step:step + 1].double(), best, others)
         return float(spreads(pairs).max())
 
     def allowed(self, step: int, best: int, token: int, truth_row: torch.Tensor) -> float:

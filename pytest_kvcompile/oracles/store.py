@@ -389,7 +389,10 @@ class StoredOracle:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
         rows = self._cached(("computations", _PRECISION, prompt, tokens),
                             lambda: self.computations.along(prompt, tokens).float())
-        return precision.LocalNoise(rows, self._reach())
+        rounding = (lambda: self._cached(("computations pinned", _PRECISION, _ROUTING, prompt, tokens),
+                                         lambda: self.computations.along(prompt, tokens, pinned=True).float())) \
+            if getattr(self.computations, "routed", False) else None
+        return precision.LocalNoise(rows, self._reach(), rounding)
 
     def noise(self, needed: int | None = None) -> precision.Noise:
         """This model's measured 16-bit noise (precision.calibrate over this oracle, the truth), memoized; `needed`:
