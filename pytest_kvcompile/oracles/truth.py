@@ -74,7 +74,8 @@ def _shared(spec: ModelSpec, dtype: torch.dtype, kwargs: dict[str, Any]) -> Any:
 
 class Widened:
     """`model`, its weights in a lower dtype, evaluated in float64 one module at a time: while a module's forward
-    runs, float64 copies of its own parameters and floating-point buffers stand in for them (the stored tensors are
+    runs, float64 copies of its own parameters and floating-point buffers, and of its leaf children's (a forward may
+    read a child's weight without calling the child), stand in for them (the stored tensors are
     left untouched: nothing is reallocated). Exact (every bfloat16, float16 and float32 value is a float64 value), so
     the model computes what its float64 copy computes,
     while the whole model is never held in float64: at most the modules being run (a layer, the embedding, the output
@@ -123,7 +124,17 @@ class Widened:
         big = [m for m in self.model.modules() if type(m) in (torch.nn.Linear, torch.nn.Embedding)
                and m.weight.numel() > WIDE_AT_ONCE]  # the vocabulary's: in slices (`_sliced`)
         depth: dict[int, int] = {}
-        saved: dict[int, list[tuple[str, torch.Tensor]]] = {}
+        saved: dict[int, list[tuple[torch.nn.Module, str, torch.Tensor]]] = {}
+
+        def own(module: torch.nn.Module) -> bool:
+            return not any(module is b for b in big) and (any(True for _ in module.parameters(recurse=False)) or any(
+                True for _ in module.buffers(recurse=False)))
+
+        # a module's own tensors, and its leaf children's: a forward may read a child's weight without calling it
+        # (transformers' Mamba2 and Gated DeltaNet mixers hand `self.conv1d.weight` to a conv function, which then
+        # casts its input to that weight's dtype: the truth's conv ran in 16-bit before)
+        widened = {id(m): [m] + [c for c in m.children() if not any(True for _ in c.children()) and own(c)]
+                   for m in self.model.modules()}
 
         def widen(module: torch.nn.Module, *_: Any) -> None:
             key = id(module)
@@ -132,28 +143,25 @@ class Widened:
                 return
             saved[key] = []
             with torch.no_grad():  # the stored tensors stay as they are: a float64 copy stands in for each meanwhile
-                for name, param in module.named_parameters(recurse=False):
-                    if param.is_floating_point() and param.dtype != torch.float64:
-                        saved[key].append((name, param))
-                        setattr(module, name, torch.nn.Parameter(param.detach().double(), requires_grad=False))
-                for name, buffer in module.named_buffers(recurse=False):
-                    if buffer.is_floating_point() and buffer.dtype != torch.float64:
-                        saved[key].append((name, buffer))
-                        setattr(module, name, buffer.double())  # a registered buffer's name: replaced as a buffer
+                for owner in widened[key]:
+                    for name, param in owner.named_parameters(recurse=False):
+                        if param.is_floating_point() and param.dtype != torch.float64:
+                            saved[key].append((owner, name, param))
+                            setattr(owner, name, torch.nn.Parameter(param.detach().double(), requires_grad=False))
+                    for name, buffer in owner.named_buffers(recurse=False):
+                        if buffer.is_floating_point() and buffer.dtype != torch.float64:
+                            saved[key].append((owner, name, buffer))
+                            setattr(owner, name, buffer.double())  # a registered buffer's name: replaced as a buffer
 
         def narrow(module: torch.nn.Module, *_: Any) -> None:
             key = id(module)
             depth[key] -= 1
             if depth[key]:
                 return
-            for name, tensor in saved.pop(key):
-                setattr(module, name, tensor)
+            for owner, name, tensor in reversed(saved.pop(key)):
+                setattr(owner, name, tensor)
 
-        def own(module: torch.nn.Module) -> bool:
-            return any(True for _ in module.parameters(recurse=False)) or any(
-                True for _ in module.buffers(recurse=False))
-
-        owners = [m for m in self.model.modules() if own(m) and not any(m is b for b in big)]
+        owners = [m for m in self.model.modules() if len(widened[id(m)]) > 1 or own(m)]
         handles = [h for m in owners for h in (m.register_forward_pre_hook(widen),
                                                m.register_forward_hook(narrow, always_call=True))]
         for module in big:
