@@ -499,7 +499,6 @@ def test_the_widened_vocabulary_is_projected_in_slices(zoo_cache, name, monkeypa
     spec = ModelSpec(name, path, AutoConfig.from_pretrained(path), dtype=torch.bfloat16)
     wide = precision.high_precision(spec)
     copy, widened = precision.load_lm(wide), precision.load_lm(wide, widened=True)
-    per_expert(copy)  # a float64 copy of a mixture-of-experts model runs its experts one by one, as the truth does
     monkeypatch.setattr(truth_module, "WIDE_AT_ONCE", 1000)  # the zoo's 256 x 64 matrices in slices of 15 rows
     seen, real = [], truth_module._sliced
     monkeypatch.setattr(truth_module, "_sliced",
