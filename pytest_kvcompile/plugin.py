@@ -220,8 +220,8 @@ class Run:
         if condition == "fuzz":
             return self.settings.fuzz is not None
         if condition == "measured_rates":
-            return self.settings.dtype in MEASURED_DTYPES or bool(getattr(self.declaration(item), "kv_cache_dtype",
-                                                                          None))
+            declaration = self.declaration(item)
+            return self.settings.dtype in MEASURED_DTYPES or bool(declaration and declaration.lowered())
         raise pytest.UsageError(f"{item.nodeid}: @pytest.mark.kv_only({condition!r}): the condition is one of "
                                 f"{', '.join(map(repr, ONLY))}")
 

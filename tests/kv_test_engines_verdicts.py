@@ -480,6 +480,41 @@ class KVFloat8E5M2DeclaredE4M3(KVFloat8):
     fmt = torch.float8_e5m2
 
 
+class MatmulInt8(Greedy):
+    """Correct under its declaration: every linear layer's input quantised to int8 in symmetric blocks of 32 with a
+    float32 scale (a kernel rounding differently from the suite's simulation, whose scale is a half: llama.cpp's
+    q8_0), declared matmul_inputs='int8'."""
+
+    kv_declaration = Declaration(batching=True, matmul_inputs="int8",
+                                 description="test engine: matmul inputs int8 (blocks of 32), declared")
+    levels = 127
+
+    def __init__(self, spec):
+        super().__init__(spec)
+        for module in self.model.modules():
+            if isinstance(module, torch.nn.Linear):
+                module.register_forward_pre_hook(lambda _, args: (self._round(args[0]), *args[1:]))
+
+    def _round(self, x):
+        blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+        scale = blocks.abs().amax(-1, keepdim=True).clamp(min=1e-12) / self.levels
+        return ((blocks / scale).round() * scale).reshape(x.shape).to(x.dtype)
+
+
+class MatmulInt8Undeclared(MatmulInt8):
+    """Twin: the same int8 matmul inputs, undeclared: held to the model's own dtype."""
+
+    kv_declaration = Declaration(batching=True, description="test engine: matmul inputs int8, undeclared")
+
+
+class MatmulInt4DeclaredInt8(MatmulInt8):
+    """Bug twin: quantises matmul inputs to int4 while declaring int8: held to int8's measured noise, it must fail."""
+
+    kv_declaration = Declaration(batching=True, matmul_inputs="int8",
+                                 description="test engine: matmul inputs int4, declares int8")
+    levels = 7
+
+
 # The roles of this module's engines (tests/test_tiers.py: each one is run by a test of the fast tier, and
 # counted): must fail the check it carries a bug for, must pass, must be a named skip; helpers are no engine.
 MUST_FAIL = ("FlipThenGarbage", "FlipsAtEveryCloseCall", "ScoreOffByOne", "ScoreLogSoftmax", "CompiledUndeclared",
@@ -487,7 +522,8 @@ MUST_FAIL = ("FlipThenGarbage", "FlipsAtEveryCloseCall", "ScoreOffByOne", "Score
     "NeverEvicts", "ContinuesPositions", "PadPositions", "PreallocatesSixteenX", "MemoByPrompt", "UnknownStrategy",
     "StaleWithoutOracle", "SkipsEverything", "LeaksAfterBatchOfThree", "MasksAnIdUndeclared", "DeclaresAnIdItEmits",
     "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong", "KVInt8Undeclared", "KVInt4DeclaredInt8", "KVInt2",
-    "KVFloat8E5M2DeclaredE4M3")
-MUST_PASS = ("Recompute", "TinyNoise", "WithoutOracle", "MasksAnId", "RefusesLongPrompts", "KVInt8", "KVFloat8")
+    "KVFloat8E5M2DeclaredE4M3", "MatmulInt8Undeclared", "MatmulInt4DeclaredInt8")
+MUST_PASS = ("Recompute", "TinyNoise", "WithoutOracle", "MasksAnId", "RefusesLongPrompts", "KVInt8", "KVFloat8",
+             "MatmulInt8")
 MUST_SKIP: tuple[str, ...] = ()
 HELPERS: tuple[str, ...] = ()

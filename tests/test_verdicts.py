@@ -376,9 +376,26 @@ def test_a_kv_cache_stored_lower_is_held_to_its_measured_noise_and_no_more(kvtes
     for good, bad, kv in pairs:
         assert not tests[good].get("failed") and tests[good].get("passed"), tests
         both.stdout.fnmatch_lines([f"*llama ({dtype}) with K and V stored as {kv} (Declaration.kv_cache_dtype): tie "
-                                   "tolerance *, near-tie rate *, score() tolerance *: what storing the cache that way "
-                                   "does*"])
+                                   "tolerance *, near-tie rate *, score() tolerance *: what computing that way does*"])
         assert tests[bad].get("failed", 0) >= 2, tests
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.full)])
+def test_matmul_inputs_quantised_as_declared_are_held_to_their_measured_noise_and_no_more(kvtester, dtype):
+    """Inputs of every matmul in int8 blocks of 32 (llama.cpp's q8_0 dot products; the engine's scale a float, the
+    simulation's a half: another rounding of the format) pass declared; int4 declaring int8 fails; undeclared they
+    fail in float32 (in bfloat16 int8 blocks round about as finely as bfloat16 itself, within the model's own noise;
+    bfloat16: the full tier, for time)."""
+    engines, report = ("MatmulInt8", "MatmulInt8Undeclared", "MatmulInt4DeclaredInt8"), kvtester.path / "r.json"
+    result = run_suites(kvtester, *(E + e for e in engines), f"--kv-dtype={dtype}", "-k",
+                        "token_identity or batch_consistency", f"--kv-report-json={report}")
+    tests = {row["engine"].split(":")[1]: row["tests"] for row in json.loads(report.read_text())["rows"]}
+    good, undeclared, coarser = (tests[e] for e in engines)
+    assert good.get("passed") and not good.get("failed"), tests
+    assert coarser.get("failed", 0) >= 2 and (undeclared.get("failed", 0) >= 2) == (dtype == "float32"), tests
+    result.stdout.fnmatch_lines([f"*llama ({dtype}) with matmul inputs as int8 (Declaration.matmul_inputs): tie "
+                                 "tolerance *: what computing that way does*"])
+    result.stdout.fnmatch_lines(["*MatmulInt4DeclaredInt8' diverges from the oracle on model 'llama'*"])
 
 
 def test_the_same_int8_cache_undeclared_fails_in_float32(kvtester):
@@ -393,6 +410,7 @@ def test_a_kv_format_that_flips_most_choices_skips_the_token_checks_by_name_and_
     result.assert_outcomes(skipped=4)
     assert result.ret == pytest.ExitCode.TESTS_FAILED  # declaring int2 is no way out of every token check
     result.stdout.fnmatch_lines(["*4 token check(s) ran but no token was verified*"])
-    result.stdout.fnmatch_lines(["*stores K and V as int2 (Declaration.kv_cache_dtype): on model 'llama' that alone "
+    result.stdout.fnmatch_lines(["*computes with K and V stored as int2 (Declaration.kv_cache_dtype): on model 'llama' "
+                                 "that alone "
                                  "changes the model's greedy choice at *% of positions (bound *%), so no token check "
                                  "can tell a bug from it*"])

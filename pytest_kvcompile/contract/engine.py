@@ -26,6 +26,7 @@ from pytest_kvcompile.contract.parts import (  # noqa: F401 (re-exported: the co
     TOKEN_ROLES,
     Bounds,
     KVLayout,
+    Lowered,
     PrefixCache,
     never_emitted,
     renamed_keywords,
@@ -100,6 +101,9 @@ EXACT = Strategy()
 
 #: Declaration.kv_cache_dtype: float8 as vLLM's and SGLang's fp8 caches store it (e4m3, e5m2; scale 1 or finer)
 KV_CACHE_DTYPES = ("float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "int4", "int2")
+#: Declaration.matmul_inputs: what a runtime quantises a matmul's activations to before multiplying by quantised
+#: weights (llama.cpp's q8_0/q8_1 dot products: int8 per block of 32 along the reduced dimension, scale in float16)
+MATMUL_INPUTS = ("int8",)
 
 
 #: Declaration's groups, in the order its docstring and the reference page (docs.py) show them: (title, lead); each
@@ -178,6 +182,13 @@ class Declaration:
         'storing K and V in it, measured on the model (oracles/precision.py: `KVComputation`, memoized by '
         'oracles/store.py: `kv_noise`); a format leaving no token judgeable is a named skip that still fails the '
         "engine as vacuous; None: the model's dtype. Formerly ``kv_dtype``, the name of the run's model dtype."))
+    matmul_inputs: str | None = declared(COMPUTES, None, help=(
+        'the format its matmuls quantise their inputs (the activations) to, where it does (``"int8"``: symmetric '
+        "blocks of 32 along the reduced dimension, each block's scale in float16, as llama.cpp's dot products with "
+        "q4/q8 weights quantise to q8_0/q8_1): the token checks then allow the noise of computing that way, measured "
+        "on the model with the KV cache as `kv_cache_dtype` says (oracles/computations.py: `KVComputation`); None: "
+        "inputs in the model's dtype. Quantised weights are not declared: the checkpoint is the weights (a GGUF "
+        "dequantised is what the truth runs)."))
     never_emits: tuple[int | str, ...] = declared(COMPUTES, (), help=(
         "ids the runtime can never return (it masks them: CTranslate2's ``min_length``, a runtime that stops at "
         'EOS), as ints or roles ``"eos"``, ``"bos"``, ``"pad"`` (the model config\'s ids), at most 8 entries. The '
@@ -218,6 +229,12 @@ class Declaration:
         if problem:
             raise ValueError(problem)
         object.__setattr__(self, "known_findings", coerce_findings(self.known_findings))
+
+    def lowered(self) -> Lowered | None:
+        """What it declares it computes below the run's dtype (`Lowered`), or None."""
+        if self.kv_cache_dtype is None and self.matmul_inputs is None:
+            return None
+        return Lowered(self.kv_cache_dtype, self.matmul_inputs)
 
     def capabilities(self) -> tuple[str, ...]:
         """The capabilities it declares, as ``--kv-list-engines`` shows them (`compiled` apart)."""
@@ -315,6 +332,9 @@ def _declaration_problem(decl: Declaration) -> str:
     if decl.kv_cache_dtype is not None and decl.kv_cache_dtype not in KV_CACHE_DTYPES:
         return (f"kv_cache_dtype={decl.kv_cache_dtype!r}: one of {', '.join(KV_CACHE_DTYPES)}, or None (the model's "
                 "dtype); the model's dtype itself is dtypes=")
+    if decl.matmul_inputs is not None and decl.matmul_inputs not in MATMUL_INPUTS:
+        return (f"matmul_inputs={decl.matmul_inputs!r}: one of {', '.join(MATMUL_INPUTS)}, or None (matmul inputs "
+                "in the model's dtype)")
     requires = decl.requires
     if not isinstance(requires, tuple) or not all(
             isinstance(pair, tuple) and len(pair) == 2 and all(isinstance(x, str) and x for x in pair)

@@ -1,7 +1,8 @@
 """The equivalent 16-bit computations the noise is measured over (oracles/precision.py's module docstring, "The
 noise"): transformers in the run's dtype with its cache, without one, in a left-padded batch, with the prompt prefilled
 in chunks, and on a model with latent attention that attention absorbed, with its cache (`Computations`,
-oracles/absorbed.py); and a KV cache stored lower (`KVComputation`, `kv_round`)."""
+oracles/absorbed.py); and an engine computing lower as it declares: a KV cache stored lower, matmul inputs quantised
+(`KVComputation`, `kv_round`, `matmul_round`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pytest_kvcompile.contract.engine import ModelSpec
+from pytest_kvcompile.contract.engine import Lowered, ModelSpec
 from pytest_kvcompile.models.checkpoints import keep_last, max_positions, positions, with_cache
 from pytest_kvcompile.oracles import routing
 from pytest_kvcompile.oracles.truth import Widened, load_lm
@@ -176,22 +177,41 @@ def kv_round(x: torch.Tensor, kv_dtype: str) -> torch.Tensor:
     return ((groups / scale).round().clamp(-levels, levels) * scale).reshape(x.shape).to(x.dtype)
 
 
-class KVComputation:
-    """The one computation of a KV cache storing `kv_dtype`: transformers eager in spec.dtype, every K and V rounded
-    (`kv_round`) as it enters the cache; `along` as `Computations.along`, [1, steps, vocab]."""
+def matmul_round(x: torch.Tensor, inputs: str) -> torch.Tensor:
+    """`x` as a matmul quantising its inputs to `inputs` (Declaration.matmul_inputs) multiplies it, back in x.dtype:
+    int8 in symmetric blocks of KV_GROUP along the last (reduced) dimension, q = round(x / d) with d = absmax / 127,
+    then q times d rounded to float16 (ggml's quantize_row_q8_0 and q8_1, which store d as a half)."""
+    if inputs != "int8":
+        raise ValueError(f"matmul inputs {inputs!r}: only 'int8' is simulated")
+    size = x.shape[-1]
+    group = next(g for g in range(min(KV_GROUP, size), 0, -1) if size % g == 0)
+    blocks = x.float().reshape(*x.shape[:-1], size // group, group)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / scale.clamp(min=torch.finfo(torch.float32).tiny), 0).round()
+    return (q * scale.half().float()).reshape(x.shape).to(x.dtype)
 
-    def __init__(self, spec: ModelSpec, kv_dtype: str):
+
+class KVComputation:
+    """The one computation of an engine computing lower as it declares (`Lowered`: Declaration.kv_cache_dtype,
+    matmul_inputs): transformers eager in spec.dtype, every K and V rounded (`kv_round`) as it enters the cache, and
+    every linear layer's input rounded (`matmul_round`) as it enters the matmul; `along` as `Computations.along`,
+    [1, steps, vocab]."""
+
+    def __init__(self, spec: ModelSpec, lowered: Lowered | str):
         from transformers import DynamicCache
 
-        self.spec, self.kv_dtype, self.names = spec, kv_dtype, (f"eager, KV stored as {kv_dtype}",)
-        self.model = load_lm(spec, attn_implementation="eager")
+        lowered = Lowered(lowered) if isinstance(lowered, str) else lowered
+        kv_dtype, inputs = lowered.kv, lowered.matmul_inputs
+        self.spec, self.kv_dtype, self.matmul_inputs = spec, kv_dtype, inputs
+        self.names = (f"eager, {lowered}",)
+        self.model = load_lm(spec, attn_implementation="eager")  # shared in the process: hooked per call only
 
         class Rounded(DynamicCache):
             def update(self, key_states, value_states, layer_idx, *args, **kwargs):
                 return super().update(kv_round(key_states, kv_dtype), kv_round(value_states, kv_dtype), layer_idx,
                                       *args, **kwargs)
 
-        self._cache = Rounded
+        self._cache = Rounded if kv_dtype is not None else DynamicCache
 
     @torch.inference_mode()
     def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
@@ -202,12 +222,26 @@ class KVComputation:
             return torch.empty(1, 0, self.spec.vocab_size, dtype=torch.float64)
         cache, ids = dynamic_cache(self.model.config, self._cache), [int(t) for t in prompt]
         rows, fed = [], 0
-        for token in [None, *tokens[:-1]]:
-            step = ids if token is None else [token]
-            rows.append(self.model(input_ids=torch.tensor([step], device=self.spec.device), **with_cache(cache),
-                                   use_cache=True, **positions(fed, len(step), self.spec.device)).logits[0, -1])
-            fed += len(step)
+        with self._inputs_rounded():
+            for token in [None, *tokens[:-1]]:
+                step = ids if token is None else [token]
+                rows.append(self.model(input_ids=torch.tensor([step], device=self.spec.device), **with_cache(cache),
+                                       use_cache=True, **positions(fed, len(step), self.spec.device)).logits[0, -1])
+                fed += len(step)
         return torch.stack(rows)[None].double().cpu()
+
+    @contextlib.contextmanager
+    def _inputs_rounded(self):
+        """Every linear layer's input through `matmul_round` while it runs (none without matmul_inputs)."""
+        inputs = self.matmul_inputs
+        hooks = [] if inputs is None else [
+            m.register_forward_pre_hook(lambda _, args: (matmul_round(args[0], inputs), *args[1:]))
+            for m in self.model.modules() if isinstance(m, torch.nn.Linear)]
+        try:
+            yield
+        finally:
+            for hook in hooks:
+                hook.remove()
 
 
 def _chunks(prompt: list[int]) -> list[list[int]]:

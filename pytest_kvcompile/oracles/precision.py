@@ -77,7 +77,7 @@ from pytest_kvcompile.config.tolerances import (
     binomial_tail,
     power,
 )
-from pytest_kvcompile.contract.engine import ModelSpec, dtype_name
+from pytest_kvcompile.contract.engine import Lowered, ModelSpec, dtype_name
 from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.oracles.computations import (  # noqa: F401 (re-exported: the rule's computations)
     CHUNK,
@@ -192,6 +192,13 @@ class Noise:
     #: the largest ratio of one computation's error on one top-TOP difference to another attention family's spread
     #: (RMS over the differences) at the same position (`reach`): the rule's position term (`LocalNoise.allowed`)
     reach: float = 0.0
+    #: the noise of matmuls quantising their inputs so (KVComputation; Declaration.matmul_inputs), with kv_dtype's
+    matmul_inputs: str | None = None
+
+    @property
+    def lowered(self) -> Lowered | None:
+        """What this noise computed below the model's dtype (an engine's declaration), or None: the model's own."""
+        return Lowered(self.kv_dtype, self.matmul_inputs) if self.kv_dtype or self.matmul_inputs else None
 
     @property
     def tolerance(self) -> float:
@@ -260,8 +267,8 @@ class Noise:
         return not self.limited or positions <= self.attended
 
     def describe(self) -> str:
-        if self.kv_dtype:
-            return (f"noise of '{self.model}' with K and V stored as {self.kv_dtype} ({self.dtype} run): scale "
+        if self.lowered:
+            return (f"noise of '{self.model}' with {self.lowered} ({self.dtype} run): scale "
                     f"{self.scale:.3g} (p99 of the error on top-{TOP} logit differences vs the oracle over "
                     f"{self.positions} positions{self._lengths}; max {self.max_error:.3g}), tie tolerance "
                     f"{self.tolerance:.3g} = {NOISE_FACTOR:g} x scale, flip rate {self.flip_rate:.1%}, score tolerance "
@@ -335,7 +342,8 @@ def calibrate(spec: ModelSpec, truth: Any, computations: Computations | KVComput
                  max(len(p) for p in prompts[:i + 1] + longer) + steps,
                  float(tail.flatten().quantile(QUANTILE)) if longer else 0.0, limited_to(spec, needed) is not None,
                  routed, round(time.perf_counter() - started, 2),
-                 reach=reach(torch.cat(rounding_pairs if routed else pair_errors, dim=1), names))
+                 reach=reach(torch.cat(rounding_pairs if routed else pair_errors, dim=1), names),
+                 matmul_inputs=getattr(computations, "matmul_inputs", None))
 
 
 def spreads(pairs: torch.Tensor) -> torch.Tensor:
@@ -457,8 +465,9 @@ class Rules:
 
 
     def with_kv(self, kv: Noise, steps: int) -> Rules:
-        """An engine storing its KV cache lower (Declaration.kv_cache_dtype): the larger of these numbers and those of
-        the stored KV's measured noise `kv` (module docstring); `kv` is the noise its reports show."""
+        """An engine computing lower as it declares (its KV cache stored lower, its matmul inputs quantised:
+        Declaration.lowered): the larger of these numbers and those of that computation's measured noise `kv` (module
+        docstring); `kv` is the noise its reports show."""
         ties = None if self.max_near_ties is None else max(self.max_near_ties, kv.max_near_ties(steps))
         if self.noise is not None and self.noise.flip_rate_bound > kv.flip_rate_bound:  # the run's rates: never below
             kv = dataclasses.replace(kv, flips=self.noise.flips, positions=self.noise.positions,  # the model's own

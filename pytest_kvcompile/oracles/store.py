@@ -53,7 +53,7 @@ try:
 except ImportError:  # (Windows: no advisory locks; concurrent processes may compute a calibration twice)
     fcntl = None
 
-from pytest_kvcompile.contract.engine import ModelSpec, Strategy, dtype_name
+from pytest_kvcompile.contract.engine import Lowered, ModelSpec, Strategy, dtype_name
 from pytest_kvcompile.errors import COULD_NOT_RUN, OracleUnavailable, OracleUnreliable, UsageError
 from pytest_kvcompile.models.checkpoints import keep_last
 from pytest_kvcompile.models.zoo import code_hash, shared_kv_layers
@@ -425,12 +425,13 @@ class StoredOracle:
         """This oracle for the calibration: its references memoized with the rest (`cached_reference`)."""
         return types.SimpleNamespace(reference=self.cached_reference)
 
-    def kv_noise(self, spec: ModelSpec, kv_dtype: str, needed: int | None = None) -> precision.Noise:
-        """The noise of a KV cache stored as `kv_dtype` on this model in `spec`'s dtype (the run's), against this
-        oracle (precision.calibrate over a KVComputation; Declaration.kv_cache_dtype), memoized; `needed`: as
-        `noise`'s."""
-        computations = lambda: precision.KVComputation(spec, kv_dtype)  # noqa: E731 (loaded on a store miss only)
-        found = self._calibration(("kv_noise", _PRECISION, dtype_name(spec.dtype), kv_dtype),
+    def kv_noise(self, spec: ModelSpec, lowered: Lowered | str, needed: int | None = None) -> precision.Noise:
+        """The noise of computing lower as an engine declares (`Lowered`: a KV cache stored as a format, matmul
+        inputs quantised; a str: the KV format alone) on this model in `spec`'s dtype (the run's), against this oracle
+        (precision.calibrate over a KVComputation), memoized; `needed`: as `noise`'s."""
+        lowered = Lowered(lowered) if isinstance(lowered, str) else lowered
+        computations = lambda: precision.KVComputation(spec, lowered)  # noqa: E731 (loaded on a store miss only)
+        found = self._calibration(("kv_noise", _PRECISION, dtype_name(spec.dtype), lowered.key),
                                   precision.limited_to(spec, needed),
                                   lambda: precision.calibrate(spec, self._memoized, computations(), needed).to_dict())
         return self._noise(found)
@@ -497,7 +498,8 @@ _STAGES = {
                      "--kv-tie-tolerance, --kv-max-near-ties and --kv-max-near-tie-rate given explicitly"),
     "noise": ("the 16-bit noise calibration",
               "--kv-tie-tolerance, --kv-max-near-ties and --kv-max-near-tie-rate given explicitly"),
-    "kv_noise": ("the noise calibration of the declared KV cache dtype", "a run without Declaration.kv_cache_dtype"),
+    "kv_noise": ("the noise calibration of what the engine declares it computes lower (its KV cache dtype, matmul "
+                 "inputs)", "a run without Declaration.kv_cache_dtype and matmul_inputs"),
     "score_noise": ("the 16-bit eviction noise calibration", "a float32 run (--kv-dtype=float32)"),
 }
 

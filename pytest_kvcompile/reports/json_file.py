@@ -34,9 +34,10 @@ inconsistent, recompile, memory, latency, crash, other); a token verdict's ``fai
 ``engine``, ``model``, ``prompt``, ``prompt_length``, ``where``: {"index", "lengths", "number", "calls", "before",
 "note"}, ``step``, ``expected``, ``got``, ``gap``, ``allowed``, ``tolerance``, ``window``, ``scored``, ``oracle``,
 ``tokens``, ``prompt_tail``, ``top3``, ``near_ties``, ``max_near_ties``, ``excluded``, ``states``, ``hint``). A row's
-``noise`` with a ``kv_dtype`` is the measured noise of a KV cache stored that way (Declaration.kv_cache_dtype), not
-the model's. ``problems`` are the run rules that failed (`Problem`: vacuous, no_eviction, run_drift, logit_drift),
-each naming its engine in a field. A row's ``scored`` (measured runs, engines declaring score()): distinct scored
+``noise`` with a ``kv_dtype`` or ``matmul_inputs`` is the measured noise of computing as the engine declares
+(a KV cache stored that way, matmul inputs quantised: Declaration.kv_cache_dtype, matmul_inputs), not the model's.
+``problems`` are the run rules that failed (`Problem`: vacuous, no_eviction, run_drift, logit_drift), each naming its
+engine in a field. A row's ``scored`` (measured runs, engines declaring score()): distinct scored
 sequences -> [positions, those beyond the typical noise] (verdicts/run_rules.py: RunRate).
 Schema 2 files read as schema 3 (3 made every row, run and status a typed record; the keys are the same).
 Schema 1 files (before typed verdicts) are read and upgraded: a failure's kind comes from its token diff (else

@@ -29,6 +29,7 @@ from pytest_kvcompile.config.options import (
 from pytest_kvcompile.config.profiles import PROFILES, Selection
 from pytest_kvcompile.contract import engine_io
 from pytest_kvcompile.contract.engine import (
+    Lowered,
     ModelNotSupported,
     ModelSpec,
     Strategy,
@@ -70,7 +71,7 @@ class Session:
     _specs: dict[str, ModelSpec] = field(default_factory=dict)
     _built: dict[tuple[str, str], EngineUnderTest | NotApplicable | str] = field(default_factory=dict)
     _oracles: dict[tuple[str, str], Any] = field(default_factory=dict)
-    _rules: dict[str | tuple[str, str], Any] = field(default_factory=dict)  # model, or (model, kv_cache_dtype)
+    _rules: dict[str | tuple[str, Lowered], Any] = field(default_factory=dict)  # model, or (model, lowered)
     #: engine NAME -> its oracle as resolved at start-up (oracles/engine.py: Choice); absent: hf
     oracles: dict[str, Any] = field(default_factory=dict)
     #: the engine checks this process collected for the run (the plugin, after -k and -m; None: not known)
@@ -178,7 +179,7 @@ class Session:
         compiled = f", {len(host.build_compiles)} compile(s)" if host.build_compiles else ""
         self.progress(f"{name} / {model}: built in {seconds:.1f} s{host.where}{compiled}")
         self.collector.add(name, model, builds=1, build_s=round(seconds, 3), versions=ref.versions())
-        settings, rules = self.settings, self._engine_rules(model, ref.declaration.kv_cache_dtype)
+        settings, rules = self.settings, self._engine_rules(model, ref.declaration.lowered())
         if rules.noise is not None:
             self.collector.add(name, model, noise=rules.noise.to_dict())
             stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
@@ -267,12 +268,12 @@ class Session:
             found = self._stored(strategy, model, f"engine '{name}'")
         if isinstance(found, str):
             raise NotApplicable(found + " (the oracle-free checks still run)")
-        kv_cache_dtype = self.engines[name].declaration.kv_cache_dtype
-        if kv_cache_dtype is not None:
-            noise = self.rules(model, kv_cache_dtype).noise
+        lowered = self.engines[name].declaration.lowered()
+        if lowered is not None:
+            noise = self.rules(model, lowered).noise
             if noise.flip_rate_bound >= precision.VACUOUS_FLIP_RATE:
                 raise Unjudgeable(
-                    f"engine '{name}' stores K and V as {kv_cache_dtype} (Declaration.kv_cache_dtype): on model "
+                    f"engine '{name}' computes with {lowered} ({lowered.fields}): on model "
                     f"'{model}' that alone changes the model's greedy choice at {noise.flip_rate:.0%} of positions "
                     f"(bound {noise.flip_rate_bound:.0%}), so no token check can tell a bug from it (the oracle-free "
                     "checks still run; with no token verified the engine fails as vacuous on this model)")
@@ -376,27 +377,27 @@ class Session:
             raise OracleUnavailable(self._oracles[key].msg)
         return self._oracles[key]
 
-    def _engine_rules(self, model: str, kv_cache_dtype: str | None) -> precision.Rules:
-        """The engine's verdict numbers: with a kv_cache_dtype whose noise cannot be measured on this model (no
+    def _engine_rules(self, model: str, lowered: Lowered | None) -> precision.Rules:
+        """The engine's verdict numbers: where what it declares it computes lower cannot be measured on this model (no
         transformers oracle), the model's own, which are stricter (its token checks then skip, named: `oracle`)."""
         try:
-            return self.rules(model, kv_cache_dtype)
+            return self.rules(model, lowered)
         except NotApplicable:
-            if kv_cache_dtype is None:
+            if lowered is None:
                 raise
             return self.rules(model)
 
-    def rules(self, model: str, kv_cache_dtype: str | None = None) -> precision.Rules:
+    def rules(self, model: str, lowered: Lowered | None = None) -> precision.Rules:
         """The verdict numbers on `model`: the options' values, and for 16-bit 'auto' ones the model's measured
-        noise (oracles/precision.py); for an engine storing its KV cache as `kv_cache_dtype` (Declaration's), the
-        larger of those and the stored KV's measured noise."""
-        if kv_cache_dtype is not None:
-            key = (model, kv_cache_dtype)
+        noise (oracles/precision.py); for an engine computing lower as it declares (`Lowered`: its KV cache stored
+        lower, its matmul inputs quantised), the larger of those and that computation's measured noise."""
+        if lowered is not None:
+            key = (model, lowered)
             if key not in self._rules:
-                truth = self._stored(Strategy(), model, f"the noise of a KV cache stored as {kv_cache_dtype}")
+                truth = self._stored(Strategy(), model, f"the noise of computing with {lowered}")
                 if isinstance(truth, str):
                     raise NotApplicable(truth)
-                kv = truth.kv_noise(self._harness_spec(model), kv_cache_dtype, self._attends(model))
+                kv = truth.kv_noise(self._harness_spec(model), lowered, self._attends(model))
                 self.progress(f"{model}: {kv.describe()}")
                 self._rules[key] = self.rules(model).with_kv(kv, self.settings.max_new_tokens)
             return self._rules[key]

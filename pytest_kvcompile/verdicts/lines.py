@@ -3,6 +3,7 @@ summary and the Markdown and HTML reports print them."""
 
 from __future__ import annotations
 
+from pytest_kvcompile.contract.parts import Lowered
 from pytest_kvcompile.verdicts.rows import Coverage, EvictionNoise, MeasuredNoise, Round, RouterNoise, Row, Speculation
 
 
@@ -27,12 +28,13 @@ def concurrency_line(found: dict[str, Round]) -> str:
 def noise_line(row: Row) -> str:
     """A row's 16-bit rule, or an engine's KV stored lower, as measured (oracles/precision.py: Noise)."""
     model, dtype, noise = row.model, row.dtype, row.noise or MeasuredNoise()
-    if noise.kv_dtype:
-        return (f"{model} ({dtype}) with K and V stored as {noise.kv_dtype} (Declaration.kv_cache_dtype): tie "
+    if noise.kv_dtype or noise.matmul_inputs:
+        lowered = Lowered(noise.kv_dtype, noise.matmul_inputs)
+        return (f"{model} ({dtype}) with {lowered} ({lowered.fields}): tie "
                 f"tolerance {noise.tolerance:.3g} ({noise.factor:g} x noise scale {noise.scale:.3g}), "
                 f"near-tie rate {noise.flip_rate:.1%} (bound {noise.flip_rate_bound:.1%}), score() tolerance "
-                f"{noise.score_tolerance:.3g}: what storing the cache that way does to this model's logits, "
-                "measured (oracles/precision.py: KVComputation); the engine is held to the larger of these and the "
+                f"{noise.score_tolerance:.3g}: what computing that way does to this model's logits, "
+                "measured (oracles/computations.py: KVComputation); the engine is held to the larger of these and the "
                 f"model's own numbers; {_cost(noise)}")
     oracle = next(iter(noise.per_computation.values()), {})
     spread = noise.factor if noise.score_spread is None else noise.score_spread

@@ -17,6 +17,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_kvcompile.contract.parts import Lowered
 from pytest_kvcompile.verdicts.failures import Failure, Kind
 from pytest_kvcompile.verdicts.record import (
     DICT,
@@ -339,6 +340,7 @@ class MeasuredNoise(Record):
     logit_error: float = rule(None, 0.0, types=NUMBER)
     per_computation: dict[str, dict[str, float]] = rule(None, factory=dict, types=DICT)
     kv_dtype: str | None = rule(None, types=TEXT)
+    matmul_inputs: str | None = rule(None, types=TEXT)  # the noise of matmul inputs quantised so (with kv_dtype's)
     beyond: int = rule(None, 0, types=INT)
     spread: float = rule(None, 0.0, types=NUMBER)
     attended: int = rule(None, 0, types=INT)
@@ -468,8 +470,10 @@ class Row(Record):
 
     @property
     def kv_stored(self) -> str:
-        """The format its measured noise stores K and V in ('' : the model's dtype)."""
-        return (self.noise.kv_dtype if self.noise else "") or ""
+        """What its measured noise computes below the model's dtype, in words ('K and V stored as float16, matmul
+        inputs as int8'; '': the model's own noise)."""
+        noise = self.noise
+        return str(Lowered(noise.kv_dtype, noise.matmul_inputs)) if noise else ""
 
     @property
     def noise_key(self) -> tuple[str, str, str]:

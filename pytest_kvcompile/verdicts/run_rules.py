@@ -84,12 +84,12 @@ class RunRate:
     bound: float
     dtype: str
     threshold: float = 0.0
-    stored: str = ""  # the format the engine declares it stores K and V in (Declaration.kv_cache_dtype), if lower
+    stored: str = ""  # what the engine declares it computes lower, in words (Row.kv_stored), if anything
 
     @property
     def computations(self) -> str:
-        """Which computations the engine is held to: the model's dtype, with K and V stored as declared."""
-        return f"{self.dtype} (K and V stored as {self.stored})" if self.stored else self.dtype
+        """Which computations the engine is held to: the model's dtype, with what it declares computing lower."""
+        return f"{self.dtype} ({self.stored})" if self.stored else self.dtype
 
     @property
     def rate(self) -> float:
@@ -134,7 +134,7 @@ class RunRate:
                      f"computation is that far at {self.measured:.2%} (bound {self.bound:.2%}): its logits drift "
                      "more than the dtype's computations do, whether or not a token flips")
         return (f"{found}: p = {self.p_value:.2g} < {FALSE_ALARM:g}, numerics noisier than the dtype's own over the "
-                f"run; try: {NOISIER.format(dtype=self.stored or self.dtype)}")
+                f"run; try: {NOISIER.format(dtype=self.computations)}")
 
 
 def run_rates(row: Row, max_near_tie_rate: float | None = None) -> list[RunRate]:
