@@ -125,6 +125,8 @@ def plan(names: list[str], venv: Path | None, out: Path, extra: list[str], pytes
     replaced = {_project(spec) for spec in extra}  # --install kvpress==0.5.1 replaces the recipe's kvpress pin
     pinned = [spec for spec in recipe.packages if _project(spec) not in replaced]
     commands.append([*pip, *pinned, *extra, *shlex.split(project_requirement())])
+    if recipe.no_deps:
+        commands.append([*pip, "--no-deps", *recipe.no_deps])
     if recipe.uninstall:
         commands.append([python, "-m", "pip", "uninstall", "--yes", *recipe.uninstall])
     commands.append([python, "-m", "pytest", "--pyargs", "pytest_kvcompile.suites",

