@@ -210,6 +210,15 @@ def _suites(engine: Engine, suites: SuiteIndex | None) -> str:
     return engine.suites + ("" if suites is None or engine.suites == suites.version else " (older)")
 
 
+def _suites_cell(engine: Engine, suites: SuiteIndex | None) -> str:
+    """The summary table's suites cell: whether the row's suites are the newest among the files (``newest`` or
+    ``older``: the version itself, ten characters a row, is in the engine's section), the version where no newest is
+    known, ``?`` where the file records none."""
+    if not engine.suites or suites is None or not suites.version:
+        return _suites(engine, suites)
+    return "newest" if engine.suites == suites.version else "older"
+
+
 def legend() -> str:
     return " · ".join(f"{MARKS[s]} {WORDS[s]}" for s in ORDER)
 
@@ -230,8 +239,9 @@ def markdown(results: Results, sources: list[str], pages: Path | None = None, ou
     """The matrix as Markdown: a summary line per engine, then each engine's checks that did not pass."""
     engines, checks, cells = build(results, pages, output, expected, suites)
     families = _families(engines)
-    current = (f" The newest suites among them: version `{suites.version}`, {len(suites.checks)} checks; an older "
-               "version is marked (older), and a check it did not have yet is counted as new."
+    current = (f" The newest suites among them: version `{suites.version}`, {len(suites.checks)} checks (the suites "
+               "column: newest, or older, each engine's version in its section); a check an older version did not "
+               "have yet is counted as new."
                if suites and suites.version else "")
     lines = ["---", "hide: [navigation, toc]  # the docs site: the summary table gets the page's whole width", "---",
              "", "# Conformance matrix", "",
@@ -243,7 +253,7 @@ def markdown(results: Results, sources: list[str], pages: Path | None = None, ou
              "|---" * (4 + len(families)) + "|"]
     for engine in engines:
         name = f"[{engine.name}](#{_anchor(engine.name)})" if engine.verdict != NO_REPORT else engine.name
-        row = [name, engine.verdict, f"{engine.date} {engine.where}".strip(), _suites(engine, suites)]
+        row = [name, engine.verdict, f"{engine.date} {engine.where}".strip(), _suites_cell(engine, suites)]
         row += [summary(engine.families.get(f, {})) for f in families]
         lines.append("| " + " | ".join(x.replace("|", "\\|") for x in row) + " |")
     lines += ["", "## Per engine", ""]
@@ -301,8 +311,8 @@ def html(results: Results, sources: list[str], pages: Path | None = None, output
         tds = "".join(f'<td class="{_status(engine.families.get(f, {}))}">{escape(summary(engine.families.get(f, {})))}'
                       "</td>" for f in families)
         body.append(f'<tr><td class="e">{name}</td><td>{escape(engine.verdict)}</td>'
-                    f"<td>{escape(engine.date)} {escape(engine.where)}</td><td>{escape(_suites(engine, suites))}</td>"
-                    f"{tds}</tr>")
+                    f"<td>{escape(engine.date)} {escape(engine.where)}</td>"
+                    f"<td>{escape(_suites_cell(engine, suites))}</td>{tds}</tr>")
         if engine.verdict == NO_REPORT:
             continue
         items = "".join(f'<li class="{cell.status}">{MARKS[cell.status]} <b>{escape(_short(c))}</b> '
