@@ -154,3 +154,26 @@ def test_only_transformers_own_side_effect_is_silenced_at_export(llama):
     kernels = ", \"G['__import_kernels_dot__internals_dot_layer_dot_layer']._ACTIVE_KERNEL_FUNCS\"]"  # 5.25
     assert re.match(adapter._TRANSFORMERS_SIDE_EFFECT, ours[:-1] + kernels, re.I)
     assert not re.match(adapter._TRANSFORMERS_SIDE_EFFECT, ours[:-1] + kernels[:-1] + ", \"L['self'].cache\"]", re.I)
+
+
+def test_a_model_with_recurrent_states_is_a_named_skip_and_other_attribute_errors_are_not(tmp_path, monkeypatch):
+    """transformers' export wrapper gives every layer K/V buffers (AttributeError on a Mamba2 layer): a named
+    ModelNotSupported saying which layers hold states, where the model has them; on a model without them the same
+    error is the engine's crash."""
+    from pytest_kvcompile.contract.engine import ModelNotSupported
+
+    name = "bamba"
+    bamba = ModelSpec(name, zoo.checkpoint(name, tmp_path), zoo.ZOO[name].build_config())
+    with pytest.raises(ModelNotSupported, match=r"has none for a recurrent state \(AttributeError: .*model 'bamba' "
+                                                r"has layers 0, 2: mamba2"):
+        adapter.HFExport(bamba)
+    from transformers.integrations import executorch
+
+    def broken(*args, **kwargs):
+        raise AttributeError("simulated")
+
+    monkeypatch.setattr(executorch, "TorchExportableModuleForDecoderOnlyLM", broken)
+    name = "llama"
+    llama = ModelSpec(name, zoo.checkpoint(name, tmp_path), zoo.ZOO[name].build_config())
+    with pytest.raises(AttributeError, match="simulated"):
+        adapter.HFExport(llama)

@@ -147,3 +147,27 @@ def test_assisted_equals_greedy_and_rejects_drafts(spec, greedy, monkeypatch):
     assert any(accepted < proposed for accepted, proposed in rounds), rounds
     # acceptance(), read from the target's forwards, is what transformers' candidate generator was told
     assert [step for row in engine.acceptance() for step in row] == [(p, a) for a, p in rounds]
+
+
+def test_assisted_rounds_on_a_hybrid_model_are_read_from_an_attention_layer(tmp_path, monkeypatch):
+    """On a model whose first layer is recurrent (bamba: Mamba2 at layer 0), acceptance() still says what the candidate
+    generator was told: the positions cached are read from the first K/V layer (a linear-attention layer's count is
+    not one: read there, acceptance() held tensors and accepted counts of -1). Tokens are not compared here: on such
+    models transformers 5.25's own rollback is wrong (docs/findings.md)."""
+    from transformers.generation.candidate_generator import AssistedCandidateGenerator
+
+    from pytest_kvcompile.models import zoo
+
+    rounds = []
+    update = AssistedCandidateGenerator.update_candidate_strategy
+
+    def record(self, input_ids, scores, num_matches):
+        rounds.append((int(num_matches), scores.shape[1] - 1))
+        return update(self, input_ids, scores, num_matches)
+
+    monkeypatch.setattr(AssistedCandidateGenerator, "update_candidate_strategy", record)
+    bamba = ModelSpec("bamba", zoo.checkpoint("bamba", tmp_path), zoo.ZOO["bamba"].build_config())
+    engine = HFAssisted(bamba)
+    engine.generate([PROMPTS[1]], 12)
+    steps = [step for row in engine.acceptance() for step in row]
+    assert steps == [(p, a) for a, p in rounds] and all(type(x) is int for step in steps for x in step), steps

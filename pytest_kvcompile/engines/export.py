@@ -26,6 +26,7 @@ import torch
 
 from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
 from pytest_kvcompile.memory.measure import held_bytes
+from pytest_kvcompile.models.layers import states_of
 
 MAX_CACHE_LEN = 512  # static cache positions (prompt + new tokens - 1 must fit: the suites reach 266)
 #: The example prompt length torch.export traces with; the seq-len dim is exported dynamic in [1, MAX_CACHE_LEN].
@@ -115,7 +116,8 @@ def export_program(spec: ModelSpec, max_cache_len: int = MAX_CACHE_LEN, dynamic:
     `max_cache_len`), its seq-len dim dynamic in [1, max_cache_len] (`dynamic`) or fixed at `example_len`.
 
     ModelNotSupported where transformers' wrapper refuses the model (its constructor's ValueError/AssertionError:
-    no cache, no generation config); an export crash is not caught (a finding, not a skip)."""
+    no cache, no generation config) or cannot hold a layer's cache (an AttributeError on a model with recurrent-state
+    layers: its static cache has K/V buffers only); an export crash is not caught (a finding, not a skip)."""
     from transformers.integrations.executorch import (
         TorchExportableModuleForDecoderOnlyLM,
     )
@@ -127,6 +129,14 @@ def export_program(spec: ModelSpec, max_cache_len: int = MAX_CACHE_LEN, dynamic:
     except (ValueError, AssertionError) as exc:
         raise ModelNotSupported(
             f"transformers' TorchExportableModuleForDecoderOnlyLM refuses {spec.name}: {exc}") from exc
+    except AttributeError as exc:
+        states = states_of(spec.config)
+        if not states:
+            raise  # not a layer kind it lacks: a crash, reported as one
+        raise ModelNotSupported(
+            f"transformers' TorchExportableModuleForDecoderOnlyLM makes every layer's keys and values buffers of its "
+            f"static cache and has none for a recurrent state ({type(exc).__name__}: {exc}); model '{spec.name}' "
+            f"has {states}") from exc
     ids = torch.arange(1, example_len + 1, device=spec.device).unsqueeze(0)
     positions = torch.arange(example_len, device=spec.device)
     dynamic_shapes = None

@@ -27,6 +27,7 @@ from pytest_kvcompile.contract.speculative import DRAFT_MODEL, Speculative
 from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
 from pytest_kvcompile.models.checkpoints import cache_keyword, pretrained, returned_cache, with_cache
 from pytest_kvcompile.models.drafts import perturb
+from pytest_kvcompile.models.layers import layer_caches
 from pytest_kvcompile.recompiles.hooks import compile_on_every_device, forced_eager
 from pytest_kvcompile.recompiles.recorder import CompileRecorder
 from pytest_kvcompile.verdicts.failures import Kind
@@ -320,6 +321,7 @@ class HFAssisted(HFEager):
         """Read each round from the target's forwards (a forward pre-hook): `acceptance()`'s steps per prompt."""
         self.steps: list[list[tuple[int, int]]] = []
         self._forwards: list[tuple[int, int]] = []  # (cached positions, tokens run) per target forward of a call
+        self._counted = _positions_layer(self.spec.config)
         self.model.register_forward_pre_hook(self._record_forward, with_kwargs=True)
 
     def _assistant(self, model, noise: float = 0.0):
@@ -345,7 +347,7 @@ class HFAssisted(HFEager):
     def _record_forward(self, module, args, kwargs) -> None:
         cache = kwargs.get(cache_keyword())
         ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-        self._forwards.append((cache.get_seq_length() if cache is not None else 0, ids.shape[1]))
+        self._forwards.append((int(cache.get_seq_length(self._counted)) if cache is not None else 0, ids.shape[1]))
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         out, self.steps = [], []
@@ -400,6 +402,17 @@ class HFPromptLookup(HFAssisted):
 
     def _cache_kwargs(self) -> dict:
         return {}
+
+
+def _positions_layer(config) -> int:
+    """The first layer caching K/V (or a latent) per position, whose length is the positions cached: a recurrent
+    layer's count is not one (transformers 5.25's linear-attention layers count their updates, not the tokens a
+    verify forward ran)."""
+    try:
+        kinds = layer_caches(config)
+    except (AttributeError, TypeError, IndexError):  # not a config whose layer kinds can be read
+        return 0
+    return next((c.layer for c in kinds if c.values > 0), 0)
 
 
 def _rounds(forwards: list[tuple[int, int]], prompt: int, final: int) -> list[tuple[int, int]]:
