@@ -17,7 +17,8 @@ per environment (`groups`: the engines sharing a recipe; those without one run i
 writing ``OUT/GROUP.DTYPE.json``, the file the conformance matrix is drawn from (``kvcompile matrix OUT``). Each
 file records the command that re-makes it alone (``--only GROUP``); an engine's dtypes come from its Declaration.
 An engine whose recipe names options of its own (``Recipe.engine_args``) runs alone, in its group's venv, into
-``OUT/ENGINE.DTYPE.json``.
+``OUT/ENGINE.DTYPE.json``. The in-tree engines also run on the other zoos (`IN_TREE_ZOOS`), as groups
+``builtin-ZOO`` of their own.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ from pytest_kvcompile.verdicts.collect import COMMAND_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 IN_TREE = "builtin"  # the group of the engines that need no package beyond this project's
+#: Zoos the in-tree engines also run on, each a group of its own (``builtin-recurrent``: ``--kv-zoo=recurrent``) and
+#: a result file of its own: the served and hybrid models cost too much to share the default zoo's run.
+IN_TREE_ZOOS = ("recurrent", "served")
 
 
 class CheckEngineError(Exception):
@@ -181,6 +185,7 @@ class Group:
     dtypes: dict[str, tuple[str, ...]]
     venv: bool
     engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the recipe's (Recipe.engine_args)
+    args: tuple[str, ...] = ()  # options of every run of the group (an in-tree zoo group's --kv-zoo)
 
     def serving(self, dtype: str) -> tuple[str, ...]:
         return tuple(e for e in self.engines if dtype in self.dtypes[e])
@@ -190,12 +195,13 @@ class Group:
         needing no options of their own together as GROUP.DTYPE, each other engine alone as ENGINE.DTYPE."""
         serving = self.serving(dtype)
         shared = tuple(e for e in serving if e not in self.engine_args)
-        return ([(f"{self.name}.{dtype}", shared, ())] if shared else []) + \
-            [(f"{e}.{dtype}", (e,), self.engine_args[e]) for e in serving if e in self.engine_args]
+        return ([(f"{self.name}.{dtype}", shared, self.args)] if shared else []) + \
+            [(f"{e}.{dtype}", (e,), self.args + self.engine_args[e]) for e in serving if e in self.engine_args]
 
 
 def groups() -> list[Group]:
-    """Every built-in engine in its group, in the registry's order (the in-tree group first)."""
+    """Every built-in engine in its group, in the registry's order: the in-tree group first, then the in-tree engines
+    on each of `IN_TREE_ZOOS`, then one group per recipe."""
     import importlib
 
     from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
@@ -207,9 +213,13 @@ def groups() -> list[Group]:
         recipe = known.get(name)
         key = IN_TREE if recipe is None else named.setdefault(id(recipe), module.rpartition(".")[2])
         found.setdefault(key, []).append(name)
-    return [Group(key, tuple(names), {n: dtypes[n] for n in names}, key != IN_TREE,
-                  {} if key == IN_TREE else dict(known[names[0]].engine_args))  # a group shares one recipe
-            for key, names in sorted(found.items(), key=lambda kv: kv[0] != IN_TREE)]
+    every = [Group(key, tuple(names), {n: dtypes[n] for n in names}, key != IN_TREE,
+                   {} if key == IN_TREE else dict(known[names[0]].engine_args))  # a group shares one recipe
+             for key, names in sorted(found.items(), key=lambda kv: kv[0] != IN_TREE)]
+    in_tree = every[0]
+    zoos = [Group(f"{IN_TREE}-{zoo}", in_tree.engines, in_tree.dtypes, False, args=(f"--kv-zoo={zoo}",))
+            for zoo in IN_TREE_ZOOS]
+    return [in_tree, *zoos, *every[1:]]
 
 
 def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str], recreate: bool = False,

@@ -92,6 +92,11 @@ def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys, mo
     from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
 
     found = groups()
+    zoos = [g for g in found if g.name.startswith("builtin-")]  # the in-tree engines again, on the other zoos
+    assert [g.name for g in zoos] == ["builtin-recurrent", "builtin-served"] and found[1:3] == zoos
+    assert all(g.engines == found[0].engines and not g.venv for g in zoos)
+    assert zoos[0].runs("float32") == [("builtin-recurrent.float32", found[0].engines, ("--kv-zoo=recurrent",))]
+    found = [g for g in found if g not in zoos]
     assert sorted(e for g in found for e in g.engines) == sorted(BUILTIN_ENGINES)
     assert found[0].name == "builtin" and not found[0].venv and all(g.venv for g in found[1:])
     assert {g.name for g in found} >= {"vllm", "litgpt", "kvpress", "llamacpp", "ct2", "quantized"}
