@@ -11,6 +11,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pytest_kvcompile.verdicts.lowered import Lowered  # noqa: F401 (re-exported: the contract's part)
+
 ALLOCATIONS = ("dynamic", "static", "budget")  # KVLayout.allocation
 STATE_DTYPES = (None, "float32", "bfloat16", "float16")  # KVLayout.state_dtype: None, the model reference's
 
@@ -259,29 +261,3 @@ def never_emitted(declared: Sequence[int | str], config: Any) -> dict[int, str]:
             found.setdefault(int(entry), str(entry))
     return found
 
-
-@dataclass(frozen=True)
-class Lowered:
-    """What an engine declares it computes below the run's dtype (`Declaration.lowered`): its KV cache's format
-    (`kv_cache_dtype`) and its matmuls' input format (`matmul_inputs`); its noise is measured computing exactly that
-    (oracles/computations.py: `KVComputation`)."""
-
-    kv: str | None = None
-    matmul_inputs: str | None = None
-
-    def __str__(self) -> str:
-        """In words: ``K and V stored as float16, matmul inputs as int8``."""
-        parts = [f"K and V stored as {self.kv}"] if self.kv else []
-        return ", ".join(parts + ([f"matmul inputs as {self.matmul_inputs}"] if self.matmul_inputs else []))
-
-    @property
-    def fields(self) -> str:
-        """The Declaration fields it comes from: ``Declaration.kv_cache_dtype``, ``Declaration.matmul_inputs``."""
-        return "Declaration." + ", ".join(name for name, value in (("kv_cache_dtype", self.kv),
-                                                                    ("matmul_inputs", self.matmul_inputs)) if value)
-
-    @property
-    def key(self) -> str:
-        """Its name in stored calibrations and reports: the KV format alone (``float16``), else with
-        ``+matmul-FORMAT``."""
-        return (self.kv or "") + (f"+matmul-{self.matmul_inputs}" if self.matmul_inputs else "")

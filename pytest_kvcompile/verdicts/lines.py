@@ -3,7 +3,7 @@ summary and the Markdown and HTML reports print them."""
 
 from __future__ import annotations
 
-from pytest_kvcompile.contract.parts import Lowered
+from pytest_kvcompile.verdicts.lowered import Lowered
 from pytest_kvcompile.verdicts.rows import Coverage, EvictionNoise, MeasuredNoise, Round, RouterNoise, Row, Speculation
 
 

@@ -1,12 +1,10 @@
-"""Per-run results, typed: what every engine did on every model (verdicts/record.py: how each field merges and is
-written).
+"""Per-run results, typed: what every engine did on every model (verdicts/record.py: how each field merges, is written).
 
-A *row* (`Row`) holds one (engine, model, device, dtype): test outcomes, token-identity verdicts and near ties,
-compile counts with recompile reasons, KV bytes, latency samples. Suites, fixtures and renderers use attributes;
-nothing outside these modules reads or writes a report field by string key. Beside the rows: the run's facts
-(`RunInfo`) and, for a report written during the run, its status (`Status`: what each process was running).
-The file: verdicts/results.py; collecting rows in a run: verdicts/collect.py; the run-level rules:
-verdicts/run_rules.py; their lines for people: verdicts/lines.py.
+A *row* (`Row`) holds one (engine, model, device, dtype): test outcomes, token-identity verdicts and near ties, compile
+counts with recompile reasons, KV bytes, latency samples. Suites, fixtures and renderers use attributes; nothing outside
+these modules reads or writes a report field by string key. Beside the rows: the run's facts (`RunInfo`) and, for a
+report written during the run, its status (`Status`: what each process was running). The file: verdicts/results.py; the
+collector: verdicts/collect.py; the run-level rules: verdicts/run_rules.py; their lines for people: verdicts/lines.py.
 """
 
 from __future__ import annotations
@@ -17,8 +15,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from pytest_kvcompile.contract.parts import Lowered
 from pytest_kvcompile.verdicts.failures import Failure, Kind
+from pytest_kvcompile.verdicts.lowered import Lowered
 from pytest_kvcompile.verdicts.record import (
     DICT,
     INT,
@@ -470,10 +468,8 @@ class Row(Record):
 
     @property
     def kv_stored(self) -> str:
-        """What its measured noise computes below the model's dtype, in words ('K and V stored as float16, matmul
-        inputs as int8'; '': the model's own noise)."""
-        noise = self.noise
-        return str(Lowered(noise.kv_dtype, noise.matmul_inputs)) if noise else ""
+        """What its measured noise computes below the model's dtype, in words ('': the model's own noise)."""
+        return str(Lowered(self.noise.kv_dtype, self.noise.matmul_inputs)) if self.noise else ""
 
     @property
     def noise_key(self) -> tuple[str, str, str]:
