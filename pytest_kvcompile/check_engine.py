@@ -18,7 +18,8 @@ writing ``OUT/GROUP.DTYPE.json``, the file the conformance matrix is drawn from 
 file records the command that re-makes it alone (``--only GROUP``); an engine's dtypes come from its Declaration.
 An engine whose recipe names options of its own (``Recipe.engine_args``) runs alone, in its group's venv, into
 ``OUT/ENGINE.DTYPE.json``. The in-tree engines also run on the other zoos (`IN_TREE_ZOOS`), as groups
-``builtin-ZOO`` of their own.
+``builtin-ZOO`` of their own; a recipe's family on the zoos its recipe names (``Recipe.zoos``), as groups GROUP-ZOO
+in the family's venv (its engines with options of their own as ``OUT/ENGINE-ZOO.DTYPE.json``).
 """
 
 from __future__ import annotations
@@ -185,7 +186,13 @@ class Group:
     dtypes: dict[str, tuple[str, ...]]
     venv: bool
     engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the recipe's (Recipe.engine_args)
-    args: tuple[str, ...] = ()  # options of every run of the group (an in-tree zoo group's --kv-zoo)
+    args: tuple[str, ...] = ()  # options of every run of the group (a zoo group's --kv-zoo)
+    zoo: str = ""  # a zoo group's zoo (its engines' own result files are named ENGINE-ZOO)
+    venv_name: str = ""  # the venv's folder under .kvcompile-venvs (default: the group's name)
+
+    @property
+    def venv_dir(self) -> Path:
+        return Path(".kvcompile-venvs") / (self.venv_name or self.name)
 
     def serving(self, dtype: str) -> tuple[str, ...]:
         return tuple(e for e in self.engines if dtype in self.dtypes[e])
@@ -196,12 +203,13 @@ class Group:
         serving = self.serving(dtype)
         shared = tuple(e for e in serving if e not in self.engine_args)
         return ([(f"{self.name}.{dtype}", shared, self.args)] if shared else []) + \
-            [(f"{e}.{dtype}", (e,), self.args + self.engine_args[e]) for e in serving if e in self.engine_args]
+            [(f"{e}{f'-{self.zoo}' if self.zoo else ''}.{dtype}", (e,), self.args + self.engine_args[e])
+             for e in serving if e in self.engine_args]
 
 
 def groups() -> list[Group]:
     """Every built-in engine in its group, in the registry's order: the in-tree group first, then the in-tree engines
-    on each of `IN_TREE_ZOOS`, then one group per recipe."""
+    on each of `IN_TREE_ZOOS`, then one group per recipe, each followed by its family on the recipe's zoos."""
     import importlib
 
     from pytest_kvcompile.contract.registry import BUILTIN_ENGINES
@@ -217,9 +225,18 @@ def groups() -> list[Group]:
                    {} if key == IN_TREE else dict(known[names[0]].engine_args))  # a group shares one recipe
              for key, names in sorted(found.items(), key=lambda kv: kv[0] != IN_TREE)]
     in_tree = every[0]
-    zoos = [Group(f"{IN_TREE}-{zoo}", in_tree.engines, in_tree.dtypes, False, args=(f"--kv-zoo={zoo}",))
+    zoos = [Group(f"{IN_TREE}-{zoo}", in_tree.engines, in_tree.dtypes, False, args=(f"--kv-zoo={zoo}",), zoo=zoo)
             for zoo in IN_TREE_ZOOS]
-    return [in_tree, *zoos, *every[1:]]
+    return [in_tree, *zoos, *(g for group in every[1:] for g in (group, *_on_zoos(group, known[group.engines[0]])))]
+
+
+def _on_zoos(group: Group, recipe: Recipe) -> list[Group]:
+    """`group` again on each zoo of its recipe, in its venv; engines whose own options pick a zoo stay out."""
+    own_zoo = {e for e, args in group.engine_args.items() if any(a.startswith("--kv-zoo=") for a in args)}
+    engines = tuple(e for e in group.engines if e not in own_zoo)
+    return [Group(f"{group.name}-{zoo}", engines, {e: group.dtypes[e] for e in engines}, True,
+                  {e: a for e, a in group.engine_args.items() if e in engines}, (f"--kv-zoo={zoo}",), zoo, group.name)
+            for zoo in recipe.zoos]
 
 
 def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str], recreate: bool = False,
@@ -244,7 +261,7 @@ def run_all(out: Path, only: list[str], dtypes: list[str], pytest_args: list[str
                                 "--out", str(out), *(["--", *pytest_args] if pytest_args else [])])
             for stem, engines, own in group.runs(dtype):
                 args = [*own, f"--kv-dtype={dtype}", *pytest_args]
-                status = run(list(engines), Path(".kvcompile-venvs") / group.name, out, [], args, afresh,
+                status = run(list(engines), group.venv_dir, out, [], args, afresh,
                              dry_run=dry_run, stem=stem, command=again, here=not group.venv, markdown=False)
                 afresh = False
                 if not dry_run:  # a dry run writes nothing: the folder's files stay as they are

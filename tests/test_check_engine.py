@@ -96,7 +96,8 @@ def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys, mo
     assert [g.name for g in zoos] == ["builtin-recurrent", "builtin-served"] and found[1:3] == zoos
     assert all(g.engines == found[0].engines and not g.venv for g in zoos)
     assert zoos[0].runs("float32") == [("builtin-recurrent.float32", found[0].engines, ("--kv-zoo=recurrent",))]
-    found = [g for g in found if g not in zoos]
+    assert all(g.zoo for g in zoos) and [g.name for g in found if g.zoo and g not in zoos] == ["llamacpp-served"]
+    found = [g for g in found if not g.zoo]
     assert sorted(e for g in found for e in g.engines) == sorted(BUILTIN_ENGINES)
     assert found[0].name == "builtin" and not found[0].venv and all(g.venv for g in found[1:])
     assert {g.name for g in found} >= {"vllm", "litgpt", "kvpress", "llamacpp", "ct2", "quantized"}
@@ -132,6 +133,27 @@ def test_an_engine_needing_options_of_its_own_runs_alone_in_its_groups_venv(caps
     assert "--kv-engine=llama-cpp-q8-kv" not in tests[0] and "--kv-zoo-head-dim" not in tests[0]
     assert "--kv-engine=llama-cpp-q8-kv --kv-report-json=docs/results/llama-cpp-q8-kv.float32.json" in tests[1]
     assert "--kv-zoo-head-dim=32 --kv-dtype=float32" in tests[1]
+
+
+def test_a_recipes_zoos_are_groups_of_their_own_in_the_familys_venv(capsys):
+    """Recipe.zoos: the llama.cpp family again on the served models (llama-cpp-gguf, whose options pick the trained
+    model, stays out), in the llamacpp venv, into result files named for the zoo."""
+    from pytest_kvcompile.check_engine import groups
+
+    found = [g.name for g in groups()]
+    assert found[found.index("llamacpp") + 1] == "llamacpp-served"
+    served = next(g for g in groups() if g.name == "llamacpp-served")
+    assert served.venv and str(served.venv_dir) == ".kvcompile-venvs/llamacpp"
+    assert "llama-cpp-gguf" not in served.engines
+    assert served.runs("float32") == [
+        ("llamacpp-served.float32", ("llama-cpp", "llama-cpp-prompt-cache", "llama-cpp-prompt-lookup"),
+         ("--kv-zoo=served",)),
+        ("llama-cpp-q8-kv-served.float32", ("llama-cpp-q8-kv",), ("--kv-zoo=served", "--kv-zoo-head-dim=32"))]
+    assert cli.main(["check-engine", "--all", "--only", "llamacpp-served", "--out", "docs/results", "--dry-run"]) == 0
+    tests = [s for s in capsys.readouterr().out.splitlines() if s.startswith("[") and "-m pytest" in s]
+    assert len(tests) == 2 and all(" .kvcompile-venvs/llamacpp/bin/python -m pytest" in s for s in tests)
+    assert "--kv-report-json=docs/results/llamacpp-served.float32.json" in tests[0]
+    assert "--only llamacpp-served --dtype float32" in tests[1]
 
 
 @pytest.mark.parametrize("args, message", [

@@ -110,7 +110,8 @@ def test_prompt_cache_bytes_count_every_array_a_state_keeps():
     assert engine.kv_cache_bytes() == 2 * adapter.state_bytes(state)
 
 
-@pytest.mark.parametrize(("name", "arch"), [("llama", "llama"), ("gemma3-hybrid", "gemma3"), ("gpt2-abspos", "gpt2")])
+@pytest.mark.parametrize(("name", "arch"), [("llama", "llama"), ("gemma3-hybrid", "gemma3"), ("gpt2-abspos", "gpt2"),
+                                            ("qwen3", "qwen3"), ("qwen3-moe", "qwen3moe"), ("phi3", "phi3")])
 def test_architectures(name, arch):
     assert adapter._architecture(zoo.ZOO[name].build_config()) == arch
 
@@ -118,6 +119,8 @@ def test_architectures(name, arch):
 @pytest.mark.parametrize(("name", "reason"), [
     ("mistral-sw", r"no sliding window for Mistral.*sliding_window=8 would be dropped"),
     ("gemma4-kvshared", r"num_kv_shared_layers=2"),
+    ("deepseek-v3", r"model_type 'deepseek_v3' is not converted.*qwen3_moe, phi3"),
+    ("gpt-oss", r"model_type 'gpt_oss' is not converted"),
 ])
 def test_models_llama_cpp_cannot_represent_are_not_supported(name, reason):
     with pytest.raises(ModelNotSupported, match=reason):
@@ -132,10 +135,34 @@ def test_options_that_would_be_lost_are_not_supported():
     config.model_type = "qwen2"
     with pytest.raises(ModelNotSupported, match="model_type 'qwen2'"):
         adapter._architecture(config)
+    config = zoo.ZOO["qwen3"].build_config()
+    config.use_sliding_window, config.sliding_window = True, 8
+    with pytest.raises(ModelNotSupported, match="qwen3 with sliding_window=8"):
+        adapter._architecture(config)
+    config = zoo.ZOO["qwen3-moe"].build_config()
+    config.norm_topk_prob = False  # llama.cpp's qwen3moe always renormalises the top-k weights
+    with pytest.raises(ModelNotSupported, match="norm_topk_prob=False"):
+        adapter._write_parameters(SimpleNamespace(**{n: lambda *a: None for n in WRITER}), "qwen3moe", config)
     config = zoo.ZOO["llama"].build_config()
     config.rope_parameters = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0}
     with pytest.raises(ModelNotSupported, match="RoPE type 'llama3'"):
         adapter._rope(config)
+
+
+WRITER = ("add_tokenizer_model", "add_vocab_size", "add_file_type", "add_block_count", "add_context_length",
+          "add_embedding_length", "add_feed_forward_length", "add_head_count", "add_head_count_kv", "add_key_length",
+          "add_value_length", "add_layer_norm_rms_eps", "add_rope_freq_base", "add_rope_dimension_count")
+
+
+def test_experts_are_stacked_in_expert_order():
+    weights = {f"model.layers.0.mlp.experts.{e}.gate_proj.weight": torch.full((2, 3), float(e)) for e in (1, 0, 2)}
+    weights["model.layers.0.mlp.gate.weight"] = torch.zeros(3, 3)
+    got = adapter._experts_stacked(weights)
+    assert sorted(got) == ["model.layers.0.mlp.experts.gate_proj.weight", "model.layers.0.mlp.gate.weight"]
+    assert got["model.layers.0.mlp.experts.gate_proj.weight"][:, 0, 0].tolist() == [0.0, 1.0, 2.0]
+    del weights["model.layers.0.mlp.experts.1.gate_proj.weight"]
+    with pytest.raises(ModelNotSupported, match=r"experts \[0, 2\] are not numbered 0..1"):
+        adapter._experts_stacked(weights)
 
 
 def test_permute_matches_ggml_rope_pairs():
@@ -208,7 +235,7 @@ def _zoo_spec(name, root):
     return ModelSpec(name, zoo.checkpoint(name, root), zoo.ZOO[name].build_config())
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma3-hybrid", "gpt2-abspos"])
+@pytest.mark.parametrize("name", ["llama", "gemma3-hybrid", "gpt2-abspos", "qwen3-moe", "phi3"])
 def test_conversion_is_float32_and_cached(zoo_dir, tmp_path, name):
     import gguf
 
@@ -225,6 +252,12 @@ def test_conversion_is_float32_and_cached(zoo_dir, tmp_path, name):
     if name == "gemma3-hybrid":
         pattern = reader.fields["gemma3.attention.sliding_window_pattern"]
         assert [bool(pattern.parts[i][0]) for i in pattern.data] == [True, False, True, False]
+    if name == "qwen3-moe":  # [experts, out, in] as llama.cpp's ffn_gate_exps {n_embd, n_ff_exp, n_expert}
+        gate = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight")
+        assert list(gate.shape) == [64, 32, 8] and "blk.0.attn_q_norm.weight" in {t.name for t in reader.tensors}
+    if name == "phi3":  # RoPE on the first half of each 16-wide head
+        rope = reader.fields["phi3.rope.dimension_count"]
+        assert int(rope.parts[rope.data[0]][0]) == 8
 
 
 @pytest.fixture(scope="module")

