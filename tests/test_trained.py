@@ -99,3 +99,25 @@ def test_the_dequantised_checkpoint_answers_as_a_trained_model(zoo_cache):
     assert texts.decoder(path)(found[1].ids[:2]) == repr("import heap")  # its BPE: "import", " heap", "q"
     assert texts.text_prompts(path, 49152, limit=100)[0].name == "code48"  # none past the model's positions
     assert texts.text_prompts(path, 1000) == []  # ids past a smaller vocabulary: none
+
+
+def test_the_twins_table_reads_each_twins_failures_and_first_steps():
+    """benchmarks/trained_twins.py's cells: failing tests of those that ran, the first divergence's step (median and
+    range) from the failure messages; a twin that passed is named as passing, one absent as not run."""
+    from conftest import import_benchmark
+
+    twins = import_benchmark("trained_twins")
+    message = ("TokenMismatch: engine 'x' diverges from the oracle on model 'm', prompt 'p' (length 7), alone: "
+               "step {} of 16\n  expected token 1, got 2")
+    failed = {"tests": {"passed": 1, "failed": 3, "skipped": 4, "xfailed": 0},
+              "failures": [{"message": message.format(s)} for s in (9, 2, 4)]}
+    assert twins.cell(failed) == "3/4 fail, step 4 (2-9)"
+    assert twins.cell({"tests": {"passed": 5, "failed": 0, "skipped": 1, "xfailed": 0}, "failures": []}) == (
+        "**passes** (5 ran)")
+    assert twins.cell(None) == "not run"
+    engine = twins.TWINS[0].engine
+    rows = {"float32": [{"engine": engine, "model": NAME, **failed}]}
+    table = twins.markdown(rows, {NAME: NAME, f"{NAME} random weights": "random-dir"})
+    assert "| late token (`WrongLateToken`) | float32 | 3/4 fail, step 4 (2-9) | not run |" in table
+    assert len(table.splitlines()) == 2 + len(twins.TWINS)
+    assert twins._key("kv_test_engines_static:Stale") == "engines_static"  # "Stale" is in StaleCache's name too
