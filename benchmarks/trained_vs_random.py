@@ -20,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 NAME = "smollm2-135m"
+RANDOM = f"{NAME} random weights"
 
 
 def random_twin(trained: Path, cache: Path) -> Path:
@@ -77,17 +78,27 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dtypes", default="bfloat16")
+def arguments(argv, doc: str, dtypes: str) -> argparse.Namespace:
+    """A script's --dtypes (default `dtypes`) and --md; offline from here on."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dtypes", default=dtypes)
     parser.add_argument("--md", type=Path)
-    args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return parser.parse_args(argv)
+
+
+def checkpoints() -> dict[str, Path]:
+    """The trained zoo model and its random-weight twin, by label (NAME, RANDOM), built once in the zoo cache."""
     from pytest_kvcompile.models import zoo
 
     cache = Path(os.environ.get("KVCOMPILE_CACHE_DIR") or ROOT / ".kvcompile-cache") / "zoo"
     trained = zoo.checkpoint(NAME, cache)
-    models = {NAME: trained, f"{NAME} random weights": random_twin(trained, cache)}
+    return {NAME: trained, RANDOM: random_twin(trained, cache)}
+
+
+def main(argv=None) -> None:
+    args = arguments(argv, __doc__, "bfloat16")
+    models = checkpoints()
     rows = [measure(name, path, dtype) for dtype in args.dtypes.split(",") for name, path in models.items()]
     text = markdown(rows)
     print(text)
