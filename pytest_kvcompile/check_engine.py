@@ -187,12 +187,12 @@ class Group:
     venv: bool
     engine_args: dict[str, tuple[str, ...]] = field(default_factory=dict)  # the recipe's (Recipe.engine_args)
     args: tuple[str, ...] = ()  # options of every run of the group (a zoo group's --kv-zoo)
-    zoo: str = ""  # a zoo group's zoo (its engines' own result files are named ENGINE-ZOO)
-    venv_name: str = ""  # the venv's folder under .kvcompile-venvs (default: the group's name)
+    zoo: str = ""  # a zoo group's zoo (named GROUP-ZOO; its engines' own result files ENGINE-ZOO)
 
     @property
     def venv_dir(self) -> Path:
-        return Path(".kvcompile-venvs") / (self.venv_name or self.name)
+        """Its venv's folder: a zoo group shares its family's (GROUP-ZOO runs in GROUP's)."""
+        return Path(".kvcompile-venvs") / self.name.removesuffix(f"-{self.zoo}" if self.zoo else "")
 
     def serving(self, dtype: str) -> tuple[str, ...]:
         return tuple(e for e in self.engines if dtype in self.dtypes[e])
@@ -235,7 +235,7 @@ def _on_zoos(group: Group, recipe: Recipe) -> list[Group]:
     own_zoo = {e for e, args in group.engine_args.items() if any(a.startswith("--kv-zoo=") for a in args)}
     engines = tuple(e for e in group.engines if e not in own_zoo)
     return [Group(f"{group.name}-{zoo}", engines, {e: group.dtypes[e] for e in engines}, True,
-                  {e: a for e, a in group.engine_args.items() if e in engines}, (f"--kv-zoo={zoo}",), zoo, group.name)
+                  {e: a for e, a in group.engine_args.items() if e in engines}, (f"--kv-zoo={zoo}",), zoo)
             for zoo in recipe.zoos]
 
 
