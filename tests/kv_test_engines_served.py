@@ -269,3 +269,37 @@ MUST_FAIL = ("LatentHeadsMixedUp", "LatentRopeKeyOffByOne", "SinksOmitted", "Sin
 MUST_PASS: tuple[str, ...] = ()
 MUST_SKIP: tuple[str, ...] = ()
 HELPERS = ("Eager",)
+
+
+# --------------------------------------------------------------------------- a KV cache stored lower (llama.cpp's f16)
+
+
+class KVFloat16(Eager):
+    """Correct under its declaration: the reference with its K/V cache stored as float16 after each forward (the
+    forward itself attends to its own keys unrounded, as a prefill kernel writing its cache as it goes does),
+    declared kv_cache_dtype='float16' (llama.cpp's default cache)."""
+
+    kv_declaration = dataclasses.replace(Eager.kv_declaration, kv_cache_dtype="float16",
+                                         description="test engine: dynamic-cache reference, K/V stored as float16")
+
+    def _prefill(self, prompts):
+        logits, state = super()._prefill(prompts)
+        return logits, self._stored(state)
+
+    def _decode(self, tokens, state):
+        logits, state = super()._decode(tokens, state)
+        return logits, self._stored(state)
+
+    @staticmethod
+    def _stored(state):
+        return state._replace(cache=[tuple(t.half().to(t.dtype) for t in kv) if isinstance(kv, tuple) else kv
+                                     for kv in state.cache])
+
+
+class TopKNotRenormalisedHalfKV(KVFloat16, TopKNotRenormalised):
+    """Bug twin of a KV cache declared float16: the top-k probabilities not renormalised (its routing near ties are
+    followed within the float16 cache's router noise; this bug moves every routing weight)."""
+
+
+class ExpertCapacityDropsTokensHalfKV(KVFloat16, ExpertCapacityDropsTokens):
+    """Bug twin of a KV cache declared float16: an expert capacity that drops a long prompt's later tokens."""

@@ -165,3 +165,83 @@ def test_a_token_from_two_chained_near_tied_swaps_is_a_near_tie_and_just_outside
     with pytest.raises(TokenMismatch, match=r"or two in a chain \(\d+ \+ \d+ tried"):
         check_tokens(reference(widest * 0.999), [token], tie_tolerance=1e-6, engine="moe", model="deepseek-v3",
                      prompt="p24")
+
+
+def test_an_engine_storing_its_kv_cache_lower_is_judged_with_routing_alternatives_in_float32(zoo_dir, tmp_path):
+    """A float32 run has no 16-bit computations, so its store follows no routing alternative; an engine declaring K
+    and V stored as float16 is judged through its view of the store (`StoredOracle.lowered`), which follows them
+    within that computation's measured router noise: llama.cpp's float16 cache tipped a router cut 3e-6 apart on
+    qwen3-moe, far below it, and float32's own noise is ~1e-6 (the twin: a dense model has no view, the store
+    itself)."""
+    from pytest_kvcompile.contract.engine import Lowered, Strategy
+    from pytest_kvcompile.oracles.hf import HFEagerOracle
+    from pytest_kvcompile.oracles.store import LoweredView, StoredOracle
+
+    spec = _spec("qwen3-moe", zoo_dir, torch.float32)
+    stored = StoredOracle(HFEagerOracle(spec), Strategy(), spec, 1e-3, tmp_path)
+    prompt = _ids(spec, 40)  # a router cut 2.4e-4 apart at one of its positions
+    assert not stored.routed and stored.reference(prompt, 8).routes is None
+    view = stored.lowered(spec, Lowered("float16"))
+    assert isinstance(view, LoweredView) and view.lazy and "K and V stored as float16" in repr(view)
+    reference = view.reference(prompt, 8)
+    assert reference.routes is not None
+    noise = view.noise
+    assert noise.lowered == "K and V stored as float16" and noise.decisions > 0
+    assert 1e-5 < noise.tolerance < 0.05 and view.routing_tolerance == noise.tolerance
+    assert "with K and V stored as float16" in noise.describe()
+    tokens = list(reference.tokens)
+    found = reference.routes(tokens, 0)
+    assert found and all(d.margin <= noise.tolerance for route, _ in found for d in route.swaps)
+    expected = routing.alternatives(stored.oracle.model, prompt, "cpu", noise.tolerance)
+    assert [route for route, _ in found] == [route for route, _ in expected]
+    dense = _spec("llama", zoo_dir, torch.float32)
+    dense_store = StoredOracle(HFEagerOracle(dense), Strategy(), dense, 1e-3, tmp_path)
+    assert dense_store.lowered(dense, Lowered("float16")) is dense_store
+
+
+def test_a_kv_cache_stored_lower_routes_as_the_truth_when_pinned(zoo_dir):
+    """The lowered computation's calibration scale is rounding alone on a mixture-of-experts model (as the 16-bit
+    computations'): pinned, every token routes as the truth routes, and its forward through a fresh rounded cache
+    (routing.calibrate's) reads the router calls the truth's forward makes."""
+    from pytest_kvcompile.oracles.computations import KVComputation
+
+    spec = _spec("qwen3-moe", zoo_dir, torch.float32)
+    lowered = KVComputation(spec, "float16")
+    assert lowered.routed
+    prompt = _ids(spec, 12)
+    free, pinned = lowered.along(prompt, [5, 9, 2]), lowered.along(prompt, [5, 9, 2], pinned=True)
+    assert free.shape == pinned.shape == (1, 3, spec.vocab_size)
+    chosen = routing.truth_routing(lowered.model, prompt + [5, 9], "cpu")
+    with routing.Routes(lowered) as seen:
+        lowered(input_ids=torch.tensor([prompt + [5, 9]]))
+    assert [(b, c) for b, c, _, _ in seen.calls] == list(chosen)
+
+
+def test_a_score_row_from_a_near_tied_routing_swap_is_explained_and_just_outside_the_tolerance_fails(zoo_dir):
+    """score() rows of an engine whose router took a near tie the other way are the truth's with that swap: within the
+    router tolerance such a row passes the score check though it is whole logits from the truth's; with the
+    tolerance just below the decision's margin, the check fails and says the routing alternatives were tried."""
+    from pytest_kvcompile.oracles.token_match import check_score
+
+    spec = _spec("qwen3-moe", zoo_dir)
+    truth = load_lm(high_precision(spec), widened=True)
+    prompt = _ids(spec, 24)
+    base, calls = routing._forward(truth, prompt, "cpu")
+    swapped = None
+    for decision in sorted(routing.decisions(calls), key=lambda d: d.margin):
+        row, _ = routing._forward(truth, prompt, "cpu", decision)
+        if float((row - base).abs().max()) > 0.5:
+            swapped, alternative = decision, row
+            break
+    assert swapped is not None, "no single routing swap moves the last row of this prompt by half a logit"
+    token = int(alternative.argmax())
+
+    def check(tolerance):
+        ref = Reference(tuple(prompt), (int(base.argmax()),), base[None], "the truth",
+                        forced=lambda got, tol: base[None],
+                        routes=lambda got, step: routing.alternatives(truth, prompt, "cpu", tolerance))
+        return check_score(ref, [token], alternative[None] + 0.01, tie_tolerance=1.0, score_tolerance=0.1)
+
+    assert check(swapped.margin * 1.001) == pytest.approx(float((alternative - base).abs().max()) + 0.0, abs=0.02)
+    with pytest.raises(TokenMismatch, match="nor are they within that of the truth with one near-tied routing"):
+        check(swapped.margin * 0.999)

@@ -213,8 +213,25 @@ class KVComputation:
 
         self._cache = Rounded if kv_dtype is not None else DynamicCache
 
+    @functools.cached_property
+    def routed(self) -> bool:
+        """Whether the model routes tokens to experts (oracles/routing.py): `along` can be `pinned`, and the routers'
+        noise of this computation is measured (`__call__`)."""
+        return bool(routing.blocks(self.model))
+
+    def __call__(self, input_ids: torch.Tensor, **_: Any) -> Any:
+        """One forward over `input_ids` computing lower as declared (a fresh rounded cache: attention reads K and V as
+        stored; linear inputs rounded): the model's output, for routing.calibrate's forwards (`_forward`)."""
+        from pytest_kvcompile.models.checkpoints import dynamic_cache
+
+        with self._inputs_rounded():
+            return self.model(input_ids=input_ids, **with_cache(dynamic_cache(self.model.config, self._cache)),
+                              use_cache=True)
+
     @torch.inference_mode()
-    def along(self, prompt: Sequence[int], tokens: Sequence[int]) -> torch.Tensor:
+    def along(self, prompt: Sequence[int], tokens: Sequence[int], pinned: bool = False) -> torch.Tensor:
+        """As `Computations.along`; `pinned` (a mixture-of-experts model): every token routed as the truth routes (in
+        a 16-bit run the float64 truth, else the model in the run's dtype computing nothing lower)."""
         from pytest_kvcompile.models.checkpoints import dynamic_cache
 
         tokens = [int(t) for t in tokens]
@@ -222,7 +239,12 @@ class KVComputation:
             return torch.empty(1, 0, self.spec.vocab_size, dtype=torch.float64)
         cache, ids = dynamic_cache(self.model.config, self._cache), [int(t) for t in prompt]
         rows, fed = [], 0
-        with self._inputs_rounded():
+        with contextlib.ExitStack() as stack:
+            if pinned and self.routed:
+                truth = Widened(self.model) if self.spec.dtype in (torch.float16, torch.bfloat16) else self.model
+                stack.enter_context(routing.Pinned(self.model, routing.truth_routing(truth, ids + tokens[:-1],
+                                                                                     self.spec.device)))
+            stack.enter_context(self._inputs_rounded())
             for token in [None, *tokens[:-1]]:
                 step = ids if token is None else [token]
                 rows.append(self.model(input_ids=torch.tensor([step], device=self.spec.device), **with_cache(cache),

@@ -32,6 +32,12 @@ then on: left in the noise, those swaps made the tie tolerance of a mixture-of-e
 logits on the served zoo in bfloat16). So the calibration's scale comes from the equivalent computations routed as the
 truth routes (`Pinned`: rounding alone), and routing swaps are the alternatives' to explain, one at a time; the
 near-tie rates and the local term keep the computations routing on their own (a correct engine swaps as often).
+
+**A KV cache stored lower.** An engine declaring one (Declaration.kv_cache_dtype, matmul_inputs:
+oracles/computations.py, `KVComputation`) tips router near ties as 16-bit rounding does, in a float32 run too
+(llama.cpp's float16 cache on qwen3-moe: a cut 3e-6 apart). That computation's router noise is measured the same way
+(its forward through a fresh rounded cache), its calibration's scale comes from it pinned, and the engine's references
+follow alternatives within the larger of its router tolerance and the run's (oracles/store.py: `LoweredView`).
 """
 
 from __future__ import annotations
@@ -106,6 +112,7 @@ class RouterNoise:
     decisions: int  # margins measured, every computation's (rounding alone: `_margin_errors`)
     flips: int  # decisions the noisiest 16-bit computation took the other way
     factor: float
+    lowered: str = ""  # what an engine declares it computes lower, in words (verdicts/lowered.py), measured instead
 
     @property
     def tolerance(self) -> float:
@@ -116,12 +123,13 @@ class RouterNoise:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> RouterNoise:
-        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls)})
+        return cls(**{f.name: data[f.name] for f in dataclasses.fields(cls) if f.name in data})
 
     def describe(self) -> str:
-        return (f"{self.dtype} router noise of '{self.model}': p99 error {self.scale:.3g} on {self.decisions} "
-                f"routing-decision margins (max {self.max_error:.3g}), tolerance {self.tolerance:.3g}; the noisiest "
-                f"{self.dtype} computation routed {self.flips} decisions the other way")
+        computed = f" with {self.lowered}" if self.lowered else ""
+        return (f"{self.dtype} router noise of '{self.model}'{computed}: p99 error {self.scale:.3g} on "
+                f"{self.decisions} routing-decision margins (max {self.max_error:.3g}), tolerance "
+                f"{self.tolerance:.3g}; the noisiest computation routed {self.flips} decisions the other way")
 
 
 def blocks(model: Any) -> dict[int, str]:
@@ -297,11 +305,12 @@ def _margin_errors(truth: list, computed: list) -> tuple[torch.Tensor, int]:
 
 
 def calibrate(name: str, dtype: str, truth: Any, computed: Sequence[Any], sequences: Sequence[Sequence[int]],
-              device: Any, factor: float, quantile: float) -> RouterNoise:
+              device: Any, factor: float, quantile: float, lowered: str = "") -> RouterNoise:
     """The router noise of `computed` (the model in the run's dtype, each way it is computed: transformers' default
-    attention, and where the model has latent attention that attention absorbed, oracles/absorbed.py) against `truth`
-    (module docstring) over `sequences` (prompt + the truth's tokens): every computation's errors together, the flips
-    of the one that routed most decisions the other way."""
+    attention, and where the model has latent attention that attention absorbed, oracles/absorbed.py; or, `lowered`,
+    computing lower as an engine declares: oracles/computations.py's KVComputation) against `truth` (module
+    docstring) over `sequences` (prompt + the truth's tokens): every computation's errors together, the flips of the
+    one that routed most decisions the other way."""
     errors, flipped = [], [0] * len(computed)
     for ids in sequences:
         _, t = _forward(truth, ids, device)
@@ -312,8 +321,9 @@ def calibrate(name: str, dtype: str, truth: Any, computed: Sequence[Any], sequen
     flips = max(flipped, default=0)
     error = torch.cat(errors)
     if not len(error):
-        return RouterNoise(name, dtype, 0.0, 0.0, 0, 0, factor)
-    return RouterNoise(name, dtype, float(error.quantile(quantile)), float(error.max()), len(error), flips, factor)
+        return RouterNoise(name, dtype, 0.0, 0.0, 0, 0, factor, lowered)
+    return RouterNoise(name, dtype, float(error.quantile(quantile)), float(error.max()), len(error), flips, factor,
+                       lowered)
 
 
 def alternatives(truth: Any, ids: Sequence[int], device: Any, tolerance: float) -> list[tuple[Route, torch.Tensor]]:

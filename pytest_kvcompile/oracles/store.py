@@ -289,21 +289,33 @@ class StoredOracle:
         evicts as it decodes) and engine oracles give their greedy references as before."""
         return bool(getattr(self.oracle, "one_forward", False))
 
-    def reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference | LazyReference:
+    def reference(self, prompt: Sequence[int], max_new_tokens: int,
+                  routing_tolerance: Callable[[], float] | None = None) -> Reference | LazyReference:
         """The oracle's reference for `prompt`. A lazy oracle: a `LazyReference`, whose verdicts read the oracle's
         logits along the engine's tokens (`judged`) and whose greedy tokens are decoded on first read (then
         self-checked). Else the greedy reference, after the self-check of this prompt (OracleUnreliable if it
-        fails)."""
+        fails). `routing_tolerance`: `_routes_of`'s."""
         prompt = tuple(int(t) for t in prompt)
         if self.lazy:
             noise = (lambda got: self.local_noise(prompt, got)) if self.computations is not None else None
-            routes = (lambda got, step: self.routes(prompt, got, step)) if self.routed else None
-            return LazyReference(prompt, max_new_tokens, self.source, lambda: self._greedy(prompt, max_new_tokens),
-                                 lambda got, tol: self.judged(prompt, got, tol), noise, routes)
-        return self._greedy(prompt, max_new_tokens)
+            return LazyReference(prompt, max_new_tokens, self.source,
+                                 lambda: self._greedy(prompt, max_new_tokens, routing_tolerance),
+                                 lambda got, tol: self.judged(prompt, got, tol), noise,
+                                 self._routes_of(prompt, routing_tolerance))
+        return self._greedy(prompt, max_new_tokens, routing_tolerance)
 
-    def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int) -> Reference:
-        ref = self.cached_reference(prompt, max_new_tokens)
+    def _routes_of(self, prompt: tuple[int, ...],
+                   tolerance: Callable[[], float] | None) -> Callable[[Any, int], list] | None:
+        """The routing alternatives a reference of `prompt` follows (`routes`; None: none): within `tolerance()` where
+        given (an engine computing lower: `LoweredView`, measured on first use), else, in a 16-bit run of a
+        mixture-of-experts model, within the run's measured router noise."""
+        if not self.lazy or (tolerance is None and not self.routed):
+            return None
+        return lambda got, step: self.routes(prompt, got, step, None if tolerance is None else tolerance())
+
+    def _greedy(self, prompt: tuple[int, ...], max_new_tokens: int,
+                routing_tolerance: Callable[[], float] | None = None) -> Reference:
+        ref = self.cached_reference(prompt, max_new_tokens, routing_tolerance)
         self.self_check(ref)
         return ref
 
@@ -319,9 +331,11 @@ class StoredOracle:
             raise OracleUnreliable(self.unreliable)
         return rows
 
-    def cached_reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference:
+    def cached_reference(self, prompt: Sequence[int], max_new_tokens: int,
+                         routing_tolerance: Callable[[], float] | None = None) -> Reference:
         """The oracle's greedy reference, memoized, not yet self-checked (the noise calibration's: its prompts are the
-        power check's, suites/test_near_tie_rate.py, which then finds them here)."""
+        power check's, suites/test_near_tie_rate.py, which then finds them here); `routing_tolerance`: as
+        `_routes_of`'s."""
         prompt = tuple(int(t) for t in prompt)
 
         def compute():
@@ -339,7 +353,7 @@ class StoredOracle:
                         (lambda got, tol: self.teacher_forced(prompt, got, tol)) if scored else None,
                         None if found["evicted"] < 0 else found["evicted"], noise,
                         (lambda got, tol: forks(prompt, got, tol)) if forks else None,
-                        (lambda got, step: self.routes(prompt, got, step)) if self.lazy and self.routed else None)
+                        self._routes_of(prompt, routing_tolerance))
         return ref
 
     @functools.cached_property
@@ -348,27 +362,33 @@ class StoredOracle:
         mixture-of-experts model."""
         return self.computations is not None and bool(routing.blocks(self.oracle.model))
 
-    def router_noise(self) -> routing.RouterNoise:
-        """The routers' measured 16-bit noise (routing.calibrate: the truth against the model in the run's dtype, its
-        latent attention also absorbed, on the first calibration prompts, along the truth's tokens), memoized."""
-        spec = self.computations.spec
+    def router_noise(self, spec: ModelSpec | None = None, lowered: Lowered | None = None) -> routing.RouterNoise:
+        """The routers' measured noise (routing.calibrate: this oracle against the model computed otherwise, on the
+        first calibration prompts, along the oracle's tokens), memoized: of the run's 16-bit computations (the model in
+        the run's dtype, its latent attention also absorbed), or, `lowered`, of computing lower as an engine declares
+        (a KVComputation in `spec`'s dtype: its KV cache stored lower, its matmul inputs quantised)."""
+        spec = spec or self.computations.spec
         _, steps, _ = precision.CALIBRATION
+        key = ("router_noise", _ROUTING, _PRECISION) + (() if lowered is None else (dtype_name(spec.dtype),
+                                                                                      lowered.key))
 
         def compute() -> dict[str, Any]:
             prompts = precision.calibration_prompts(spec.vocab_size, 1)[:routing.CALIBRATION_PROMPTS]
             sequences = [p + list(self.cached_reference(p, steps).tokens[:-1]) for p in prompts]
-            computed = [c for c in (self.computations.base, self.computations.absorbed) if c is not None]
+            computed = [c for c in (self.computations.base, self.computations.absorbed) if c is not None] \
+                if lowered is None else [precision.KVComputation(spec, lowered)]
             return routing.calibrate(spec.name, dtype_name(spec.dtype), self.oracle.model, computed, sequences,
-                                     spec.device, precision.NOISE_FACTOR, precision.QUANTILE).to_dict()
+                                     spec.device, precision.NOISE_FACTOR, precision.QUANTILE,
+                                     "" if lowered is None else str(lowered)).to_dict()
 
-        return routing.RouterNoise.from_dict(self._cached(("router_noise", _ROUTING, _PRECISION), compute,
-                                                               claim=True))
+        return routing.RouterNoise.from_dict(self._cached(key, compute, claim=True))
 
-    def routes(self, prompt: Sequence[int], tokens: Sequence[int], step: int) -> list[tuple[routing.Route, Any]]:
+    def routes(self, prompt: Sequence[int], tokens: Sequence[int], step: int,
+               tolerance: float | None = None) -> list[tuple[routing.Route, Any]]:
         """The truth at `step` along prompt + `tokens` with near-tied routing decisions taken the other way
-        (routing.alternatives, within `router_noise`'s tolerance), memoized."""
+        (routing.alternatives, within `tolerance`, by default `router_noise`'s), memoized."""
         prompt, before = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens[:step])
-        tolerance = self.router_noise().tolerance
+        tolerance = self.router_noise().tolerance if tolerance is None else tolerance
 
         def compute() -> dict[str, Any]:
             found = routing.alternatives(self.oracle.model, prompt + before, self.spec.device, tolerance)
@@ -377,6 +397,14 @@ class StoredOracle:
 
         found = self._cached(("routes", _ROUTING, prompt, before, tolerance), compute)
         return [(routing.Route.from_list(r), row) for r, row in zip(found["routes"], found["rows"], strict=True)]
+
+    def lowered(self, spec: ModelSpec, lowered: Lowered) -> StoredOracle | LoweredView:
+        """This store as an engine computing lower as it declares (`lowered`, in `spec`: the run's dtype) is judged by
+        it: where its references follow routing alternatives (an exact transformers oracle of a mixture-of-experts
+        model), a `LoweredView`; else the store itself."""
+        if not self.lazy or not routing.blocks(self.oracle.model):
+            return self
+        return LoweredView(self, spec, lowered)
 
     def teacher_forced(self, prompt: Sequence[int], tokens: Sequence[int], tie_tolerance: float) -> torch.Tensor:
         prompt, tokens = tuple(int(t) for t in prompt), tuple(int(t) for t in tokens)
@@ -485,6 +513,42 @@ class StoredOracle:
         self._checked.add(key)
 
 
+class LoweredView:
+    """A store as an engine computing lower (Declaration.lowered: a KV cache stored lower, matmul inputs quantised)
+    is judged by it on a mixture-of-experts model (`StoredOracle.lowered`): its references follow near-tied routing
+    alternatives within the larger of that computation's measured router noise (`StoredOracle.router_noise`) and, in
+    a 16-bit run, the run's own: a KV cache stored in float16 tips a router's near tie in a float32 run as 16-bit
+    rounding does, and its measured tie tolerance (the routers pinned: rounding alone) leaves the swap to them.
+    Everything else is the store's."""
+
+    def __init__(self, store: StoredOracle, spec: ModelSpec, lowered: Lowered):
+        self.store, self.spec_lowered, self.lowered_as = store, spec, lowered
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "store":
+            raise AttributeError(name)
+        return getattr(self.store, name)
+
+    def __repr__(self) -> str:
+        return f"{self.store!r} with {self.lowered_as}"
+
+    @functools.cached_property
+    def noise(self) -> routing.RouterNoise:
+        """The lowered computation's measured router noise (the reports show it)."""
+        return self.store.router_noise(self.spec_lowered, self.lowered_as)
+
+    @functools.cached_property
+    def routing_tolerance(self) -> float:
+        own = self.store.router_noise().tolerance if self.store.routed else 0.0
+        return max(own, self.noise.tolerance)
+
+    def reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference | LazyReference:
+        return self.store.reference(prompt, max_new_tokens, lambda: self.routing_tolerance)
+
+    def cached_reference(self, prompt: Sequence[int], max_new_tokens: int) -> Reference:
+        return self.store.cached_reference(prompt, max_new_tokens, lambda: self.routing_tolerance)
+
+
 #: what each of the store's computations is, for a message naming where the oracle could not run (`_ran`), and what
 #: to try there besides another transformers version
 _STAGES = {
@@ -501,6 +565,10 @@ _STAGES = {
     "kv_noise": ("the noise calibration of what the engine declares it computes lower (its KV cache dtype, matmul "
                  "inputs)", "a run without Declaration.kv_cache_dtype and matmul_inputs"),
     "score_noise": ("the 16-bit eviction noise calibration", "a float32 run (--kv-dtype=float32)"),
+    "router_noise": ("the router noise calibration of a mixture-of-experts model (oracles/routing.py)",
+                     "a float32 run (--kv-dtype=float32) of an engine declaring no kv_cache_dtype or matmul_inputs"),
+    "routes": ("the truth with near-tied routing decisions taken the other way (oracles/routing.py)",
+               "a float32 run (--kv-dtype=float32) of an engine declaring no kv_cache_dtype or matmul_inputs"),
 }
 
 

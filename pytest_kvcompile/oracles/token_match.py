@@ -168,7 +168,8 @@ def allowed_gap(reference: Reference, got: Sequence[int], step: int, best: int, 
 def routed(reference: Reference, got: Sequence[int], step: int, token: int, tie_tolerance: float) -> str | None:
     """The near-tied routing decisions (oracles/routing.py: one, or a chain of two) whose other side makes `token` a
     near tie at `step` of `got` (by the same rule: the tolerance or the local noise, on the alternative's own row),
-    described; None: no routing alternative (a dense model, a float32 run) or none explains it."""
+    described; None: no routing alternative (a dense model, a float32 run of an engine computing nothing lower) or
+    none explains it."""
     routes = getattr(reference, "routes", None)
     if routes is None:
         return None
@@ -342,7 +343,7 @@ def _mismatch(ref: Reference, got, verdict: Verdict, failure: Failure, at: str) 
         context, *_sequences(ref, got, bad.step),
     ]
     routes = getattr(ref, "routes", None)
-    if routes is not None:  # a 16-bit mixture-of-experts run: the truth's routing alternatives were asked too
+    if routes is not None:  # a mixture-of-experts model judged in 16-bit or with a KV cache stored lower: asked too
         tried = routes(got, bad.step)
         chains = sum(len(route.swaps) > 1 for route, _ in tried)
         lines.append(f"  nor is {bad.got} the truth's token with one near-tied routing decision taken the other way, "
@@ -449,6 +450,8 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
             for step in (per_step > score_tolerance).nonzero().flatten().tolist():
                 allowed[step] = max(score_tolerance, local.score_allowed(
                     step, oracle[step], sorted(excluded), **({} if spread is None else {"spread": spread})))
+        routed = _routed_rows(reference, got, scored, per_step > allowed, allowed, excluded)
+        per_step[routed] = 0.0  # rows that the truth with near-tied routing taken the other way explains
         if bool((per_step > allowed).any()):
             step = int((per_step / allowed).argmax())
             where = (f"score tolerance {score_tolerance:g}" if float(allowed[step]) == score_tolerance else
@@ -456,7 +459,9 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
                      f"their measured spread (score tolerance {score_tolerance:g})")
             problems.append(f"  its logits differ from the oracle's by up to {float(per_step[step]):.4g} > {where} "
                             f"(at step {step}: oracle top-3 {_top(oracle[step])}, "
-                            f"score() top-3 {_top(scored[step])})")
+                            f"score() top-3 {_top(scored[step])})" + (
+                                ", nor are they within that of the truth with one near-tied routing decision (or two "
+                                "in a chain) taken the other way" if getattr(reference, "routes", None) else ""))
     for step, token in enumerate(got):
         row = _without(scored[step].float(), sorted(excluded)) if excluded else scored[step]
         best = int(row.argmax())
@@ -473,6 +478,19 @@ def check_score(reference: Reference, got: Sequence[int], scored: torch.Tensor, 
             f"engine '{engine}': score() is not the oracle's logits on model '{model}', {prompt}, teacher-forced on "
             "the tokens generate() produced", *problems, "  hint: " + failure.hint]), failure)
     return worst
+
+
+def _routed_rows(reference: Reference, got: Sequence[int], scored: torch.Tensor, beyond: torch.Tensor,
+                 allowed: torch.Tensor, excluded: Collection[int]) -> list[int]:
+    """The steps among `beyond` whose score() row is within `allowed` of the truth with one near-tied routing decision
+    (or a chain of two) taken the other way (`routed`'s alternatives): a correct engine whose router took a near tie
+    the other way scores every later row that way."""
+    routes = getattr(reference, "routes", None)
+    if routes is None:
+        return []
+    return [step for step in beyond.nonzero().flatten().tolist()
+            if any(float(_distance(scored[step], row, excluded).max()) <= float(allowed[step])
+                   for _, row in routes(got, step))]
 
 
 def _top(row: torch.Tensor) -> str:

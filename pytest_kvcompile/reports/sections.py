@@ -65,7 +65,7 @@ def sections(rows: list[Row], max_near_tie_rate: float | None = None,
     near ties and failures."""
     noise = {r.noise_key: r for r in rows if r.noise}
     evictions = {(r.model, r.dtype, r.eviction_policy): r for r in rows if r.eviction_noise}
-    routers = {(r.model, r.dtype): r for r in rows if r.router_noise}
+    routers = {(r.model, r.dtype, r.router_noise.lowered): r for r in rows if r.router_noise}
     rates = [(r, found) for r in rows for found in run_rates(r, max_near_tie_rate) if found.positions]
     builds = sorted((r for r in rows if r.builds), key=lambda r: -r.build_s)[:SLOWEST_BUILDS]
     return Sections(

@@ -71,10 +71,12 @@ def eviction_noise_line(row: Row) -> str:
 def router_noise_line(row: Row) -> str:
     """A row's measured routing near-tie rule (oracles/routing.py: RouterNoise)."""
     model, dtype, noise = row.model, row.dtype, row.router_noise or RouterNoise()
+    computed = f"computation with {noise.lowered}'s errors" if noise.lowered else f"{dtype} computations' errors"
+    truth = "the truth" if noise.lowered else "float64"
     return (f"{model} ({dtype}) routers: routing near-tie tolerance {noise.tolerance:.3g} ({noise.factor:g} x p99 "
-            f"{noise.scale:.3g} of the {dtype} computations' errors on {noise.decisions} router-score margins vs "
-            f"float64; the noisiest routed {noise.flips} the other way): a token explained by one such "
-            "decision taken the other way, or by a chain of two at its position, is a near tie")
+            f"{noise.scale:.3g} of the {computed} on {noise.decisions} router-score margins vs {truth}; the "
+            f"noisiest routed {noise.flips} the other way): a token explained by one such decision taken the other "
+            "way, or by a chain of two at its position, is a near tie")
 
 
 def first_lines(text: str, n: int = 4, width: int = 300) -> str:

@@ -372,6 +372,7 @@ class RouterNoise(Record):
     flips: int = rule(None, 0, types=INT)
     factor: float = rule(None, 0.0, types=NUMBER)
     tolerance: float = rule(None, 0.0, types=NUMBER)
+    lowered: str = rule(None, "", types=TEXT)  # an engine computing lower as it declares: that computation's
 
 
 @dataclass
@@ -489,8 +490,7 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "tokens": ("reports.table:cells",), "near_ties": ("reports.sections:sections",),
     "verified_tokens": ("verdicts.run_rules:run_problems",), "near_tie_tokens": ("reports.table:cells",),
     "token_checks": ("verdicts.run_rules:run_problems",), "evicting": ("verdicts.run_rules:run_problems",),
-    "evictions": ("verdicts.run_rules:run_problems",),
-    "builds": ("reports.sections:sections",),
+    "evictions": ("verdicts.run_rules:run_problems",), "builds": ("reports.sections:sections",),
     "build_s": ("reports.sections:sections", "reports:time_lines"),
     "generate_s": ("reports:ResultsPlugin.pytest_terminal_summary",),
     "declared_skips": ("reports.sections:sections",),
@@ -504,8 +504,7 @@ SHOWN: dict[str, tuple[str, ...]] = {
     "noise": ("verdicts.lines:noise_line", "verdicts.run_rules:run_rates"),
     "eviction_noise": ("verdicts.lines:eviction_noise_line",),
     "router_noise": ("verdicts.lines:router_noise_line",),
-    "fuzz_coverage": ("reports.sections:sections",),
-    "speculation": ("reports.sections:sections",),
+    "fuzz_coverage": ("reports.sections:sections",), "speculation": ("reports.sections:sections",),
     "oracle": ("reports.table:verdicts",), "sequences": ("verdicts.run_rules:run_rates",),
     "scored": ("verdicts.run_rules:run_rates",), "concurrency": ("reports.sections:sections",),
 }
