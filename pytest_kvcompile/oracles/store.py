@@ -398,7 +398,7 @@ class StoredOracle:
         found = self._cached(("routes", _ROUTING, prompt, before, tolerance), compute)
         return [(routing.Route.from_list(r), row) for r, row in zip(found["routes"], found["rows"], strict=True)]
 
-    def lowered(self, spec: ModelSpec, lowered: Lowered) -> StoredOracle | LoweredView:
+    def for_lowered(self, spec: ModelSpec, lowered: Lowered) -> StoredOracle | LoweredView:
         """This store as an engine computing lower as it declares (`lowered`, in `spec`: the run's dtype) is judged by
         it: where its references follow routing alternatives (an exact transformers oracle of a mixture-of-experts
         model), a `LoweredView`; else the store itself."""
@@ -515,7 +515,7 @@ class StoredOracle:
 
 class LoweredView:
     """A store as an engine computing lower (Declaration.lowered: a KV cache stored lower, matmul inputs quantised)
-    is judged by it on a mixture-of-experts model (`StoredOracle.lowered`): its references follow near-tied routing
+    is judged by it on a mixture-of-experts model (`StoredOracle.for_lowered`): its references follow near-tied routing
     alternatives within the larger of that computation's measured router noise (`StoredOracle.router_noise`) and, in
     a 16-bit run, the run's own: a KV cache stored in float16 tips a router's near tie in a float32 run as 16-bit
     rounding does, and its measured tie tolerance (the routers pinned: rounding alone) leaves the swap to them.

@@ -185,15 +185,14 @@ class Session:
             stored = self._stored(self.engines[name].declaration.strategy, model, f"engine '{name}'")
             if not isinstance(stored, str) and stored.score_noise is not None:
                 self.collector.add(name, model, eviction_noise=stored.score_noise.to_dict())
-            lowered = ref.declaration.lowered()
-            judging = stored if isinstance(stored, str) or lowered is None else stored.lowered(
-                self._harness_spec(model), lowered)
-            if isinstance(judging, LoweredView) and not stored.unavailable:
+            if not isinstance(stored, str) and stored.lazy and not stored.unavailable:
+                lowered = ref.declaration.lowered()
+                judging = stored if lowered is None else stored.for_lowered(self._harness_spec(model), lowered)
                 with contextlib.suppress(OracleUnavailable):  # named where a token check asks the oracle
-                    self.collector.add(name, model, router_noise=judging.noise.to_dict())
-            elif not isinstance(stored, str) and stored.lazy and stored.routed and not stored.unavailable:
-                with contextlib.suppress(OracleUnavailable):
-                    self.collector.add(name, model, router_noise=stored.router_noise().to_dict())
+                    if isinstance(judging, LoweredView):  # the router noise of what it computes lower
+                        self.collector.add(name, model, router_noise=judging.noise.to_dict())
+                    elif stored.routed:
+                        self.collector.add(name, model, router_noise=stored.router_noise().to_dict())
         built = EngineUnderTest(
             ref, spec, host.engine, settings.max_new_tokens, rules.tie_tolerance, self.models[model].window,
             build_compiles=host.build_compiles, build_captures=host.build_captures, call_timeout=settings.call_timeout,
@@ -283,7 +282,7 @@ class Session:
                     f"'{model}' that alone changes the model's greedy choice at {noise.flip_rate:.0%} of positions "
                     f"(bound {noise.flip_rate_bound:.0%}), so no token check can tell a bug from it (the oracle-free "
                     "checks still run; with no token verified the engine fails as vacuous on this model)")
-            return found.lowered(self._harness_spec(model), lowered)  # routing near ties its computation tips
+            return found.for_lowered(self._harness_spec(model), lowered)  # routing near ties its computation tips
         return found
 
     def _store_root(self, model: str) -> Path:
