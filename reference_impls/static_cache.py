@@ -38,7 +38,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelSpec
+from pytest_kvcompile.contract.engine import Bounds, Declaration, KVLayout, ModelSpec
 from pytest_kvcompile.models.layers import layer_caches
 from pytest_kvcompile.recompiles.hooks import mark_unbacked, torch_check
 from reference_impls.compile import compile_fresh
@@ -128,6 +128,7 @@ class StaticCache:
         kv_cache_bytes=True,
         compiled=True,
         kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN, rows=MAX_BATCH_SIZE),
+        bounds=Bounds(max_positions=MAX_CACHE_LEN),  # a call holding more is refused (ValueError)
         description="reference: gpt-fast-style Llama, static KV cache written by position, torch.compile "
                     "(decode static shapes, batch padded to max_batch_size)",
     )

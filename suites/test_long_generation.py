@@ -4,7 +4,8 @@ reach: a decode buffer that wraps, a static cache or a CUDA-graph bucket by leng
 windowed model crossing its window dozens of times during decode, position tables that end.
 
 - one prompt of SHORT tokens continued to the model's last position (at most LONG_POSITIONS: the zoo's 512 positions
-  give 505 new tokens, 62 window crossings on its windowed models);
+  give 505 new tokens, 62 window crossings on its windowed models), or to the engine's own last one where it declares
+  ``Bounds(max_positions=N)`` (a static cache of N positions, filled to its end);
 - a batch of prompts of 1 and LONG tokens continued to the last position of the longer row (engines declaring
   batching).
 
@@ -13,7 +14,6 @@ float32, several times that in 16-bit on a CPU (docs/prefix-caching.md)."""
 
 import pytest
 
-from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.models.prompts import LONG, SHORT, Prompt, of_length
 from pytest_kvcompile.verdicts.failures import Where
 
@@ -21,7 +21,7 @@ LONG_POSITIONS = 1024  # a checkpoint allowing more positions is generated up to
 
 
 def _new_tokens(kv_engine, longest: int) -> int:
-    limit = min(max_positions(kv_engine.spec.config) or LONG_POSITIONS, LONG_POSITIONS)
+    limit = min(kv_engine.max_positions or LONG_POSITIONS, LONG_POSITIONS)  # a declared bound: to the engine's end
     if limit - longest <= kv_engine.max_new_tokens:
         pytest.skip(f"model '{kv_engine.spec.name}' has {limit} positions: a prompt of {longest} tokens leaves no "
                     f"longer generation than the other checks' {kv_engine.max_new_tokens} tokens")

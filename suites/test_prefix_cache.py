@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_kvcompile.models.checkpoints import max_positions
 from pytest_kvcompile.models.prompts import Prompt, of_length
 from pytest_kvcompile.verdicts.failures import Kind, Where, fail
 
@@ -41,7 +40,7 @@ def _block(kv_engine) -> int | None:
 
 def _fits(kv_engine, lengths) -> tuple[int, ...]:
     """`lengths` whose prompts (plus TAIL and the new tokens) fit the model's positions."""
-    limit = max_positions(kv_engine.spec.config) or 10**9
+    limit = kv_engine.max_positions or 10**9
     return tuple(n for n in lengths if n >= 1 and n + TAIL + kv_engine.max_new_tokens <= limit)
 
 
@@ -112,7 +111,7 @@ def test_later_block_after_different_prefix(kv_engine, kv_oracle_or_none, kv_che
     hold other K/V after y than after x, and at the start, so a block keyed by its own tokens (not chained over the
     prefix) gives a later prompt an earlier one's."""
     vocab, block = kv_engine.spec.vocab_size, _block(kv_engine)
-    limit = max_positions(kv_engine.spec.config) or 10**9
+    limit = kv_engine.max_positions or 10**9
     calls = []
     for n in SPANS if block is None else (block, 2 * block):
         if 2 * n + TAIL + kv_engine.max_new_tokens > limit:
@@ -133,7 +132,7 @@ def test_eviction(kv_engine, kv_oracle_or_none, kv_check_tokens):
     engine caches (prompt and generated positions here); every answer is judged either way."""
     declared = kv_engine.ref.declaration.prefix_cache
     capacity = declared.capacity_tokens if declared else FLOOD
-    limit = max_positions(kv_engine.spec.config) or 10**9
+    limit = kv_engine.max_positions or 10**9
     block = _block(kv_engine) or 16
     length = min(FLOOD_LENGTH, (limit - kv_engine.max_new_tokens) // 2) // block * block
     per_call = length + kv_engine.max_new_tokens

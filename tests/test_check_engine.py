@@ -93,8 +93,11 @@ def test_all_groups_every_builtin_engine_once_and_records_the_command(capsys, mo
 
     found = groups()
     zoos = [g for g in found if g.name.startswith("builtin-")]  # the in-tree engines again, on the other zoos
-    assert [g.name for g in zoos] == ["builtin-recurrent", "builtin-served"] and found[1:3] == zoos
-    assert all(g.engines == found[0].engines and not g.venv for g in zoos)
+    assert [g.name for g in zoos] == ["builtin-recurrent", "builtin-served", "builtin-trained"] and found[1:4] == zoos
+    assert all(g.engines == found[0].engines and not g.venv for g in zoos[:2])
+    # the trained checkpoint's 30 layers: the three engines its issue names, each with its declared dtypes
+    assert zoos[2].engines == ("hf-eager", "hf-static-compile", "ref-compiled-dynamic") and not zoos[2].venv
+    assert zoos[2].runs("bfloat16") == [("builtin-trained.bfloat16", zoos[2].engines, ("--kv-zoo=trained",))]
     assert zoos[0].runs("float32") == [("builtin-recurrent.float32", found[0].engines, ("--kv-zoo=recurrent",))]
     assert all(g.zoo for g in zoos) and [g.name for g in found if g.zoo and g not in zoos] == ["llamacpp-served"]
     found = [g for g in found if not g.zoo]

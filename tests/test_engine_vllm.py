@@ -60,6 +60,9 @@ def test_head_sizes_vllm_cannot_serve_are_named():
                       "run the zoo with --kv-zoo-head-dim=32")
     assert "head_dim 256" in engines.unsupported_head_size(_config(head_dim=32, global_head_dim=256), HEADS, "0")
     assert engines.unsupported_head_size(_config(head_dim=32, global_head_dim=64), HEADS, "0") is None
+    # a latent-attention model's head_dim is its rope part (8 in the served zoo): vLLM's MLA backend serves it
+    assert engines.unsupported_head_size(_config(head_dim=8, kv_lora_rank=32), HEADS, "0") is None
+    assert engines.unsupported_head_size(_config(head_dim=8, kv_lora_rank=None), HEADS, "0") is not None
 
 
 def test_gemma4_global_head_size_is_read_from_its_per_layer_config():

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
+from pytest_kvcompile.contract.engine import Bounds, Declaration, KVLayout, ModelNotSupported, ModelSpec
 from pytest_kvcompile.memory.measure import held_bytes
 from pytest_kvcompile.models.layers import states_of
 
@@ -175,6 +175,7 @@ class HFExport:
         scoring=True,
         kv_cache_bytes=True,
         kv_layout=KV_LAYOUT,
+        bounds=Bounds(max_positions=MAX_CACHE_LEN),  # a call holding more is refused
         devices=("cpu",),  # CUDA not verified (no GPU here)
         dtypes=("float32", "bfloat16"),  # float16 not verified
         description=f"transformers TorchExportableModuleForDecoderOnlyLM + torch.export "

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from transformers import GenerationConfig, LogitsProcessor
 
-from pytest_kvcompile.contract.engine import Declaration, KVLayout, ModelNotSupported, ModelSpec
+from pytest_kvcompile.contract.engine import Bounds, Declaration, KVLayout, ModelNotSupported, ModelSpec
 from pytest_kvcompile.contract.findings import KnownFinding
 from pytest_kvcompile.contract.speculative import DRAFT_MODEL, Speculative
 from pytest_kvcompile.memory.measure import cache_tensors, held_bytes
@@ -34,6 +34,8 @@ from pytest_kvcompile.verdicts.failures import Kind
 
 _PAD_ID = 0  # left padding value; padded positions are masked, so any id works
 MAX_CACHE_LEN = 512  # hf-static-compile's fixed StaticCache length (the suites' prompts reach 266 positions)
+#: what a call may hold: a trained checkpoint's longer position table takes the suites' long generations past it
+CAPACITY = Bounds(max_positions=MAX_CACHE_LEN)
 MAX_BATCH_SIZE = 4  # hf-static-compile's cache rows: batches are padded to it (dummy rows), larger ones chunked
 
 
@@ -149,6 +151,7 @@ class HFStaticCompile(_CompiledMixin, HFEager):
         kv_cache_bytes=True,
         compiled=True,
         kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN, rows=MAX_BATCH_SIZE),
+        bounds=CAPACITY,
         description="transformers generate(), one StaticCache (fixed max_cache_len, batch padded to 4 rows) reset per "
                     "call, compiled decode step",
         known_findings=(KnownFinding(
@@ -218,6 +221,7 @@ class HFStaticChunkedCompile(HFStaticCompile):
         compiled=True,
         kv_cache_bytes=True,
         kv_layout=KVLayout("static", max_cache_len=MAX_CACHE_LEN),
+        bounds=CAPACITY,
         kv_released=True,
         description="transformers generate(), cache_implementation='static', max_cache_len, prefill_chunk_size=16, "
                     "compiled",

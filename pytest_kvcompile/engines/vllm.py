@@ -82,10 +82,14 @@ def _import_vllm():
 
 def head_sizes(config) -> set[int]:
     """Attention head sizes of a transformers config: ``head_dim``, and per layer where the config has a
-    per-layer view (Gemma4's full layers: ``global_head_dim``, kept in ``per_layer_config`` on 5.23)."""
+    per-layer view (Gemma4's full layers: ``global_head_dim``, kept in ``per_layer_config`` on 5.23). None on a
+    latent-attention model (``kv_lora_rank``: DeepSeek-V3): vLLM serves it with its MLA backend, not the per-head
+    attention whose sizes this is for (the config's head_dim there is the rope part of a head)."""
     def size(layer) -> int:  # GPT-2 configs have no head_dim: hidden size over heads
         return getattr(layer, "head_dim", None) or layer.hidden_size // layer.num_attention_heads
 
+    if getattr(config, "kv_lora_rank", None):
+        return set()
     per_layer = getattr(config, "per_layer_config", None)
     if per_layer is not None:  # config.head_dim itself raises there when layers differ
         return {size(per_layer[i]) for i in range(config.num_hidden_layers)}

@@ -199,6 +199,17 @@ class EngineUnderTest:
             raise raised
         return [result[1] for result in found]
 
+    @property
+    def max_positions(self) -> int | None:
+        """Prompt + new tokens one call may hold: the model's position table, narrowed by a declared
+        ``Bounds(max_positions=N)`` (a static cache's length); None: no limit known. The suites' longest calls (long
+        generation, prefix floods) are sized to it, so an engine is checked up to its end rather than skipped."""
+        from pytest_kvcompile.models.checkpoints import max_positions
+
+        bounds = self.ref.declaration.bounds
+        limits = [n for n in (max_positions(self.spec.config), bounds and bounds.max_positions) if n]
+        return min(limits, default=None)
+
     def outside_bounds(self, lengths: Sequence[int], new_tokens: int) -> str | None:
         """Why this call is outside the shapes the engine declares it refuses (Declaration.bounds), or None. The call
         is still made: a refusal (the engine raises) is a named skip, an answer is judged like any other, so a
