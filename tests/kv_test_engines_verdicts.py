@@ -394,6 +394,31 @@ class DeclaresBoundsAnswersWrong(Greedy):
         return super().generate([p[-32:] for p in prompts], max_new_tokens)
 
 
+class HoldsItsPositions(Greedy):
+    """Correct under its declaration: a static cache of 300 positions (fewer than the zoo's 512), declared as
+    Bounds(max_positions=300); a call holding more is refused."""
+
+    capacity = 300
+    kv_declaration = Declaration(batching=True, bounds=Bounds(max_positions=capacity),
+                                 description="test engine: a cache of 300 positions, declared")
+
+    def generate(self, prompts, max_new_tokens):
+        if max(map(len, prompts)) + max_new_tokens > self.capacity:
+            raise ValueError(f"prompt + max_new_tokens exceeds the cache's {self.capacity} positions")
+        return super().generate(prompts, max_new_tokens)
+
+
+class WrongAtItsLastPositions(HoldsItsPositions):
+    """Bug twin: the same declared cache, wrong past position 280 (a static cache whose last slots are mis-indexed),
+    where only a long generation filled to the declared end reaches (the other checks stop at 266 positions)."""
+
+    def generate(self, prompts, max_new_tokens):
+        out = super().generate(prompts, max_new_tokens)
+        vocab = self.spec.vocab_size
+        return [[(t + 1) % vocab if len(p) + i >= 280 else t for i, t in enumerate(row)]
+                for p, row in zip(prompts, out)]
+
+
 class _MinMaxKV(DynamicCache):
     """A KV cache quantizing each key and value vector (one token, one head) asymmetrically to `bits` (quanto/HQQ
     style; the suite's own simulation is symmetric groups, oracles/precision.py: kv_round)."""
@@ -521,9 +546,10 @@ MUST_FAIL = ("FlipThenGarbage", "FlipsAtEveryCloseCall", "ScoreOffByOne", "Score
     "EagerOnRecompile", "SwallowsCompileErrors", "GraphBreaks", "StopsCompiling", "KeepsLast256", "PrefixCacheBug",
     "NeverEvicts", "ContinuesPositions", "PadPositions", "PreallocatesSixteenX", "MemoByPrompt", "UnknownStrategy",
     "StaleWithoutOracle", "SkipsEverything", "LeaksAfterBatchOfThree", "MasksAnIdUndeclared", "DeclaresAnIdItEmits",
-    "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong", "KVInt8Undeclared", "KVInt4DeclaredInt8", "KVInt2",
+    "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong", "WrongAtItsLastPositions", "KVInt8Undeclared",
+    "KVInt4DeclaredInt8", "KVInt2",
     "KVFloat8E5M2DeclaredE4M3", "MatmulInt8Undeclared", "MatmulInt4DeclaredInt8")
-MUST_PASS = ("Recompute", "TinyNoise", "WithoutOracle", "MasksAnId", "RefusesLongPrompts", "KVInt8", "KVFloat8",
-             "MatmulInt8")
+MUST_PASS = ("Recompute", "TinyNoise", "WithoutOracle", "MasksAnId", "RefusesLongPrompts", "HoldsItsPositions",
+             "KVInt8", "KVFloat8", "MatmulInt8")
 MUST_SKIP: tuple[str, ...] = ()
 HELPERS: tuple[str, ...] = ()

@@ -341,14 +341,22 @@ def test_declared_shape_bounds_skip_the_calls_outside_them_by_name_and_never_exc
     undeclared fails them; a bound narrows what must work, never what may be wrong: an engine answering outside it
     is checked."""
     report = kvtester.path / "r.json"
-    engines = ("RefusesLongPrompts", "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong")
-    result = run_suites(kvtester, *(E + e for e in engines), "-k", "token_identity and not batched", "-rs",
-                        f"--kv-report-json={report}")
-    tests = {row["engine"].split(":")[1]: row["tests"] for row in json.loads(report.read_text())["rows"]}
-    declared, undeclared, answers = (tests[e] for e in engines)
+    engines = ("RefusesLongPrompts", "RefusesLongPromptsUndeclared", "DeclaresBoundsAnswersWrong", "HoldsItsPositions",
+               "WrongAtItsLastPositions")
+    result = run_suites(kvtester, *(E + e for e in engines), "-k", "token_identity and not batched or long_generation",
+                        "-rs", f"--kv-report-json={report}")
+    rows = {row["engine"].split(":")[1]: row for row in json.loads(report.read_text())["rows"]}
+    tests = {name: row["tests"] for name, row in rows.items()}
+    declared, undeclared, answers, holds, wrong_late = (tests[e] for e in engines)
     assert declared.get("passed") and declared.get("skipped") and not declared.get("failed"), declared
     assert undeclared.get("failed") == declared["skipped"], tests
     assert answers.get("failed"), tests
+    # a declared max_positions (a static cache of 300 on a 512-position model) sizes the long generations to the
+    # engine's end: checked there, not skipped, so a cache wrong only in its last slots fails
+    assert holds.get("passed") and not holds.get("failed") and not holds.get("skipped"), holds
+    assert rows["WrongAtItsLastPositions"]["checks"]["test_long_generation"]["failed"], tests
+    assert wrong_late.get("failed") == 2, wrong_late  # the two long generations, nothing else reaches position 280
+    result.stdout.fnmatch_lines(["*long generation: 293 new tokens, to position 300*"])
     result.stdout.fnmatch_lines(["*declares Bounds(max_prompt=32) on model 'llama': this check's call generate(<1 "
                                  "prompt(s) of lengths [[]48[]]>, 16) is outside them (a prompt of 48 tokens > "
                                  "max_prompt=32)*"])
